@@ -1,0 +1,442 @@
+"""BlockLayout: the one sparse format every op consumes.
+
+The attention matrix ``[Lq, Lk]`` is tiled into ``block_q x block_k`` blocks. For each query-block
+row the layout lists the key blocks to visit (ascending), and marks each one *full* (no element
+mask) or *partial* (an :class:`~sparse_attn.masks.ElementMask` from ``masks`` is applied inside
+the block). Token ``(i, j)`` is attended iff its block is listed and (the block is full or the
+block's mask allows ``(i, j)``), and always ``i < q_len``, ``j < kv_len``.
+
+Storage (B and H broadcast: a dim of size 1 serves every batch element / head):
+
+    kv_counts   int32 [Bl, Hl, Qb]          how many key blocks row qb visits
+    kv_indices  int32 [Bl, Hl, Qb, max_k]   which, ascending; slots past the count hold -1
+    kv_mask_ids int32 [Bl, Hl, Qb, max_k]   -1 = full block, m >= 0 = partial with masks[m]
+
+Memory is O(Bl*Hl*Qb*max_k); only ``to_block_mask`` / ``to_token_mask`` are dense.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .masks import ElementMask, count_allowed, mask_table, allowed, term_intervals
+
+MIN_BLOCK, MAX_BLOCK = 16, 256
+_CLASSIFY_CHUNK = 1 << 21  # candidate-rows per chunk when classifying blocks (bounds host memory)
+
+
+class LayoutError(ValueError):
+    """A BlockLayout that is inconsistent with itself or with the tensors it is used on."""
+
+
+def check_block_size(name: str, value: int) -> None:
+    if not isinstance(value, int) or value % 16 or not MIN_BLOCK <= value <= MAX_BLOCK:
+        raise LayoutError(f"{name} must be a multiple of 16 in [{MIN_BLOCK}, {MAX_BLOCK}], got {value!r}")
+
+
+@dataclass
+class _Coo:
+    """Layout entries as flat int64 coordinates (b, h, qb, kb) plus a mask id; internal currency."""
+
+    b: torch.Tensor
+    h: torch.Tensor
+    qb: torch.Tensor
+    kb: torch.Tensor
+    mask_id: torch.Tensor
+
+
+@dataclass(eq=False)
+class BlockLayout:
+    block_q: int
+    block_k: int
+    q_len: int
+    kv_len: int
+    kv_counts: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_mask_ids: torch.Tensor
+    masks: tuple[ElementMask, ...] = ()
+    _transpose: "BlockLayout | None" = field(default=None, repr=False)
+    _table: tuple | None = field(default=None, repr=False)
+    _validated: bool = field(default=False, repr=False)  # set by the API after validate() passed
+    _device_copy: "BlockLayout | None" = field(default=None, repr=False)  # cached .to(q.device)
+    _derived: dict = field(default_factory=dict, repr=False)  # cached layouts derived from this one
+
+    # ------------------------------------------------------------------ shape facts
+    @property
+    def num_q_blocks(self) -> int:
+        return math.ceil(self.q_len / self.block_q)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return math.ceil(self.kv_len / self.block_k)
+
+    @property
+    def batch(self) -> int:
+        return self.kv_counts.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.kv_counts.shape[1]
+
+    @property
+    def max_k(self) -> int:
+        return self.kv_indices.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_counts.device
+
+    @property
+    def kv_partial(self) -> torch.Tensor:
+        """bool [Bl, Hl, Qb, max_k]: the block needs its element mask (only meaningful below the count)."""
+        return self.kv_mask_ids >= 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks computed for one (batch, head) pair summed over the layout's broadcast rows."""
+        return int(self.kv_counts.sum())
+
+    @property
+    def density(self) -> float:
+        """Fraction of the block grid that is visited, counted in whole blocks, over Bl*Hl rows."""
+        total = self.batch * self.heads * self.num_q_blocks * self.num_kv_blocks
+        return self.num_blocks / total if total else 0.0
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.density
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.kv_counts, self.kv_indices, self.kv_mask_ids]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def counts_per_head(self) -> torch.Tensor:
+        """int64 [Bl, Hl]: blocks visited by each (batch, head)."""
+        return self.kv_counts.sum(-1, dtype=torch.int64)
+
+    def mask_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(terms int32 [n_masks, n_terms, 7], term counts int32 [n_masks]) on the layout's device."""
+        if self._table is None or self._table[0].device != self.device:
+            self._table = mask_table(self.masks, self.device)
+        return self._table
+
+    def __repr__(self) -> str:
+        return (f"BlockLayout(block_q={self.block_q}, block_k={self.block_k}, q_len={self.q_len}, "
+                f"kv_len={self.kv_len}, batch={self.batch}, heads={self.heads}, max_k={self.max_k}, "
+                f"density={self.density:.4f}, masks={len(self.masks)})")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def _from_coo(cls, coo: _Coo, *, batch: int, heads: int, block_q: int, block_k: int,
+                  q_len: int, kv_len: int, masks: tuple[ElementMask, ...]) -> "BlockLayout":
+        """Pack entries (any order, no duplicates) into the padded row format."""
+        check_block_size("block_q", block_q)
+        check_block_size("block_k", block_k)
+        nq = math.ceil(q_len / block_q)
+        nk = math.ceil(kv_len / block_k)
+        device = coo.b.device
+        row = (coo.b * heads + coo.h) * nq + coo.qb
+        order = torch.argsort(row * max(nk, 1) + coo.kb)
+        row, kb, mid = row[order], coo.kb[order], coo.mask_id[order]
+        counts = torch.bincount(row, minlength=batch * heads * nq) if row.numel() else \
+            torch.zeros(batch * heads * nq, dtype=torch.int64, device=device)
+        max_k = int(counts.max()) if counts.numel() else 0
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(row.numel(), device=device) - starts[row]
+        indices = torch.full((batch * heads * nq, max_k), -1, dtype=torch.int32, device=device)
+        mask_ids = torch.full_like(indices, -1)
+        indices[row, slot] = kb.to(torch.int32)
+        mask_ids[row, slot] = mid.to(torch.int32)
+        return cls(block_q, block_k, q_len, kv_len,
+                   counts.to(torch.int32).view(batch, heads, nq),
+                   indices.view(batch, heads, nq, max_k),
+                   mask_ids.view(batch, heads, nq, max_k), tuple(masks))
+
+    def _to_coo(self, batch: int | None = None, heads: int | None = None) -> _Coo:
+        """Entries as coordinates, broadcast to (batch, heads) when given."""
+        counts, idx, mids = self.kv_counts, self.kv_indices, self.kv_mask_ids
+        if batch is not None or heads is not None:
+            shape = (batch or self.batch, heads or self.heads)
+            counts = counts.expand(*shape, -1)
+            idx = idx.expand(*shape, -1, -1)
+            mids = mids.expand(*shape, -1, -1)
+        slots = torch.arange(idx.shape[-1], device=idx.device)
+        valid = slots < counts[..., None].long()
+        b, h, qb, s = valid.nonzero(as_tuple=True)
+        return _Coo(b, h, qb, idx[b, h, qb, s].long(), mids[b, h, qb, s].long())
+
+    @classmethod
+    def from_block_mask(cls, block_mask: torch.Tensor, *, block_q: int, block_k: int,
+                        q_len: int | None = None, kv_len: int | None = None,
+                        partial: torch.Tensor | None = None, mask: ElementMask | None = None) -> "BlockLayout":
+        """From a dense bool ``[Bl, Hl, Qb, Kb]`` (or ``[Qb, Kb]``) block mask.
+
+        ``partial`` (same shape, bool) marks blocks to which ``mask`` applies; without it every
+        listed block is full. ``q_len``/``kv_len`` default to whole blocks.
+        """
+        if block_mask.dtype != torch.bool:
+            raise LayoutError(f"block_mask must be bool, got {block_mask.dtype}")
+        if block_mask.dim() == 2:
+            block_mask = block_mask[None, None]
+        if block_mask.dim() != 4:
+            raise LayoutError(f"block_mask must be [Qb, Kb] or [B, H, Qb, Kb], got shape {tuple(block_mask.shape)}")
+        nq, nk = block_mask.shape[-2:]
+        q_len = nq * block_q if q_len is None else q_len
+        kv_len = nk * block_k if kv_len is None else kv_len
+        if math.ceil(q_len / block_q) != nq or math.ceil(kv_len / block_k) != nk:
+            raise LayoutError(
+                f"block_mask has {nq}x{nk} blocks but q_len={q_len}, kv_len={kv_len} with blocks "
+                f"{block_q}x{block_k} need {math.ceil(q_len / block_q)}x{math.ceil(kv_len / block_k)}")
+        b, h, qb, kb = block_mask.nonzero(as_tuple=True)
+        mid = torch.full_like(b, -1)
+        masks: tuple[ElementMask, ...] = ()
+        if partial is not None:
+            if mask is None:
+                raise LayoutError("partial blocks were marked but no element mask was given")
+            mid = torch.where(partial.expand_as(block_mask)[b, h, qb, kb], 0, -1)
+            masks = (mask,)
+        coo = _Coo(b, h, qb, kb, mid)
+        return cls._from_coo(coo, batch=block_mask.shape[0], heads=block_mask.shape[1], block_q=block_q,
+                             block_k=block_k, q_len=q_len, kv_len=kv_len, masks=masks)._classified()
+
+    @classmethod
+    def from_mask(cls, mask: ElementMask, *, q_len: int, kv_len: int | None = None,
+                  block_q: int = 128, block_k: int = 128, device=None) -> "BlockLayout":
+        """The token-exact layout of an element mask, shared by every batch element and head.
+
+        Visits exactly the blocks the mask touches; blocks entirely allowed are full.
+        Cost O(Qb * candidates * block_q) time in chunks, O(Qb * max_k) memory.
+        """
+        kv_len = q_len if kv_len is None else kv_len
+        check_block_size("block_q", block_q)
+        check_block_size("block_k", block_k)
+        nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_k)
+        offset = kv_len - q_len
+        qb = torch.arange(nq, device=device)
+        p_first = qb * block_q + offset
+        p_last = torch.clamp((qb + 1) * block_q, max=q_len) - 1 + offset
+        qs, ks = [], []
+        for term in mask.terms:  # candidate key-block range per query block, per term
+            lo_first, _ = term_intervals(term, torch.clamp(p_first, min=term.q_lo))
+            _, hi_last = term_intervals(term, torch.clamp(p_last, max=term.q_hi))
+            lo = torch.clamp(lo_first, min=0)
+            hi = torch.clamp(hi_last, max=kv_len - 1)
+            live = (lo <= hi) & (p_last >= term.q_lo) & (p_first <= term.q_hi)
+            kb_lo, kb_hi = lo // block_k, hi // block_k
+            width = torch.where(live, kb_hi - kb_lo + 1, 0)
+            rows = torch.repeat_interleave(qb, width)
+            first = torch.repeat_interleave(kb_lo, width)
+            pos = torch.arange(rows.numel(), device=device) - torch.repeat_interleave(torch.cumsum(width, 0) - width, width)
+            qs.append(rows)
+            ks.append(first + pos)
+        if qs:
+            key = torch.unique(torch.cat(qs) * max(nk, 1) + torch.cat(ks))
+            q_c, k_c = key // max(nk, 1), key % max(nk, 1)
+        else:
+            q_c = k_c = torch.zeros(0, dtype=torch.long, device=device)
+        zeros = torch.zeros_like(q_c)
+        coo = _Coo(zeros, zeros, q_c, k_c, zeros)  # every candidate starts partial with mask 0
+        return cls._from_coo(coo, batch=1, heads=1, block_q=block_q, block_k=block_k,
+                             q_len=q_len, kv_len=kv_len, masks=(mask,))._classified()
+
+    def _classified(self) -> "BlockLayout":
+        """Drop partial blocks the mask leaves empty; mark partial blocks it fully allows as full."""
+        if not self.masks:
+            return self
+        coo = self._to_coo()
+        part = (coo.mask_id >= 0).nonzero(as_tuple=True)[0]
+        if part.numel() == 0:
+            return self
+        keep = torch.ones_like(coo.b, dtype=torch.bool)
+        new_mid = coo.mask_id.clone()
+        offset = self.kv_len - self.q_len
+        rows = torch.arange(self.block_q, device=self.device)
+        step = max(1, _CLASSIFY_CHUNK // self.block_q)
+        for start in range(0, part.numel(), step):
+            sel = part[start:start + step]
+            i = coo.qb[sel, None] * self.block_q + rows[None]  # [n, block_q]
+            j0 = (coo.kb[sel] * self.block_k)[:, None]
+            j1 = torch.clamp(j0 + self.block_k, max=self.kv_len) - 1
+            n_rows = torch.clamp(self.q_len - coo.qb[sel] * self.block_q, max=self.block_q)
+            n_cols = (j1 - j0 + 1)[:, 0]
+            got = torch.zeros(sel.numel(), dtype=torch.int64, device=self.device)
+            for m in torch.unique(coo.mask_id[sel]).tolist():
+                here = coo.mask_id[sel] == m
+                c = count_allowed(self.masks[m], i[here] + offset, j0[here], j1[here])
+                c = torch.where(i[here] < self.q_len, c, 0)
+                got[here] = c.sum(-1)
+            keep[sel] = got > 0
+            new_mid[sel] = torch.where(got == n_rows * n_cols, -1, coo.mask_id[sel])
+        coo = _Coo(coo.b[keep], coo.h[keep], coo.qb[keep], coo.kb[keep], new_mid[keep])
+        return self._rebuild(coo, self.batch, self.heads, self.masks)
+
+    def _rebuild(self, coo: _Coo, batch: int, heads: int, masks: tuple) -> "BlockLayout":
+        used = torch.unique(coo.mask_id[coo.mask_id >= 0]).tolist()
+        remap = torch.full((len(masks) + 1,), -1, dtype=torch.long, device=coo.b.device)
+        for new, old in enumerate(used):
+            remap[old] = new
+        mid = torch.where(coo.mask_id >= 0, remap[coo.mask_id.clamp(min=0)], -1)
+        return BlockLayout._from_coo(_Coo(coo.b, coo.h, coo.qb, coo.kb, mid), batch=batch, heads=heads,
+                                     block_q=self.block_q, block_k=self.block_k, q_len=self.q_len,
+                                     kv_len=self.kv_len, masks=tuple(masks[m] for m in used))
+
+    # ------------------------------------------------------------------ algebra
+    def _check_compatible(self, other: "BlockLayout", op: str) -> tuple[int, int]:
+        mine = (self.block_q, self.block_k, self.q_len, self.kv_len)
+        theirs = (other.block_q, other.block_k, other.q_len, other.kv_len)
+        if mine != theirs:
+            raise LayoutError(f"cannot {op} layouts with (block_q, block_k, q_len, kv_len) {mine} and {theirs}")
+        dims = []
+        for name, a, b in (("batch", self.batch, other.batch), ("heads", self.heads, other.heads)):
+            if a != b and 1 not in (a, b):
+                raise LayoutError(f"cannot {op} layouts with {name} {a} and {b}: they must match or be 1")
+            dims.append(max(a, b))
+        return dims[0], dims[1]
+
+    def _combine(self, other: "BlockLayout", union: bool) -> "BlockLayout":
+        batch, heads = self._check_compatible(other, "union" if union else "intersect")
+        a, b = self._to_coo(batch, heads), other._to_coo(batch, heads)
+        nq, nk = self.num_q_blocks, max(self.num_kv_blocks, 1)
+        key_a = ((a.b * heads + a.h) * nq + a.qb) * nk + a.kb
+        key_b = ((b.b * heads + b.h) * nq + b.qb) * nk + b.kb
+        n_a = len(self.masks)
+        keys = torch.cat([key_a, key_b])
+        mids = torch.cat([a.mask_id, torch.where(b.mask_id >= 0, b.mask_id + n_a, -1)])
+        uniq, inv, cnt = torch.unique(keys, return_inverse=True, return_counts=True)
+        # per unique key: mask id from side a and side b (-2 = absent)
+        side_a = torch.full_like(uniq, -2)
+        side_b = torch.full_like(uniq, -2)
+        side_a[inv[:key_a.numel()]] = mids[:key_a.numel()]
+        side_b[inv[key_a.numel():]] = mids[key_a.numel():]
+        masks = list(self.masks) + list(other.masks)
+        both = (side_a > -2) & (side_b > -2)
+        if union:
+            keep = torch.ones_like(uniq, dtype=torch.bool)
+            result = torch.where(side_a > -2, side_a, side_b)
+            full = both & ((side_a == -1) | (side_b == -1))
+        else:
+            keep = both
+            result = torch.where(side_a == -1, side_b, side_a)
+            full = both & (side_a == -1) & (side_b == -1)
+        result = torch.where(full, -1, result)
+        mixed = both & (side_a >= 0) & (side_b >= 0)
+        if mixed.any():  # partial on both sides: a new mask, OR (union) or AND (intersection)
+            pairs = torch.stack([side_a[mixed], side_b[mixed]], 1)
+            up, pinv = torch.unique(pairs, dim=0, return_inverse=True)
+            new_ids = []
+            for ma, mb in up.tolist():
+                masks.append(masks[ma] | masks[mb] if union else masks[ma] & masks[mb])
+                new_ids.append(len(masks) - 1)
+            result[mixed] = torch.tensor(new_ids, device=uniq.device)[pinv]
+        uniq, result = uniq[keep], result[keep]
+        kb = uniq % nk
+        row = uniq // nk
+        coo = _Coo(row // (heads * nq), (row // nq) % heads, row % nq, kb, result)
+        out = self._rebuild(coo, batch, heads, tuple(masks))
+        return out if union else out._classified()
+
+    def __or__(self, other: "BlockLayout") -> "BlockLayout":
+        return self._combine(other, union=True)
+
+    def __and__(self, other: "BlockLayout") -> "BlockLayout":
+        return self._combine(other, union=False)
+
+    # ------------------------------------------------------------------ views
+    def transpose(self) -> "BlockLayout":
+        """Per key-block row: which query blocks visit it (for backward). Cached; q/k roles swap.
+
+        The result's ``kv_*`` tensors are indexed ``[Bl, Hl, Kb, max_q]`` and hold query-block
+        indices; ``block_q``/``block_k`` and ``q_len``/``kv_len`` are swapped accordingly, and
+        masks keep meaning in the original (query, key) frame.
+        """
+        if self._transpose is None:
+            coo = self._to_coo()
+            t = BlockLayout._from_coo(_Coo(coo.b, coo.h, coo.kb, coo.qb, coo.mask_id), batch=self.batch,
+                                      heads=self.heads, block_q=self.block_k, block_k=self.block_q,
+                                      q_len=self.kv_len, kv_len=self.q_len, masks=self.masks)
+            t._transpose = self
+            self._transpose = t
+        return self._transpose
+
+    def to(self, device) -> "BlockLayout":
+        if torch.device(device) == self.device:
+            return self
+        return BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len, self.kv_counts.to(device),
+                           self.kv_indices.to(device), self.kv_mask_ids.to(device), self.masks)
+
+    def expand(self, batch: int, heads: int) -> "BlockLayout":
+        """The same layout with broadcast dims materialised to (batch, heads)."""
+        return BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len,
+                           self.kv_counts.expand(batch, heads, -1).contiguous(),
+                           self.kv_indices.expand(batch, heads, -1, -1).contiguous(),
+                           self.kv_mask_ids.expand(batch, heads, -1, -1).contiguous(), self.masks)
+
+    def to_block_mask(self) -> torch.Tensor:
+        """Dense bool [Bl, Hl, Qb, Kb]. O(Qb*Kb) memory: for inspection and small sizes."""
+        return self._block_map() >= -1
+
+    def _block_map(self) -> torch.Tensor:
+        """Dense int [Bl, Hl, Qb, Kb]: -2 absent, -1 full, m partial with masks[m]."""
+        out = torch.full((self.batch, self.heads, self.num_q_blocks, self.num_kv_blocks), -2,
+                         dtype=torch.int32, device=self.device)
+        coo = self._to_coo()
+        out[coo.b, coo.h, coo.qb, coo.kb] = coo.mask_id.to(torch.int32)
+        return out
+
+    def to_token_mask(self) -> torch.Tensor:
+        """Dense bool [Bl, Hl, q_len, kv_len]: the exact attention pattern. For small L and tests."""
+        bmap = self._block_map()
+        tok = bmap.repeat_interleave(self.block_q, 2).repeat_interleave(self.block_k, 3)
+        tok = tok[..., :self.q_len, :self.kv_len]
+        out = tok == -1
+        p = torch.arange(self.q_len, device=self.device) + (self.kv_len - self.q_len)
+        j = torch.arange(self.kv_len, device=self.device)
+        for m, em in enumerate(self.masks):
+            out |= (tok == m) & allowed(em, p, j)
+        return out
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> "BlockLayout":
+        """Raise LayoutError naming the first inconsistency; return self when consistent."""
+        check_block_size("block_q", self.block_q)
+        check_block_size("block_k", self.block_k)
+        if self.q_len < 0 or self.kv_len < 0:
+            raise LayoutError(f"q_len and kv_len must be >= 0, got {self.q_len}, {self.kv_len}")
+        nq, nk = self.num_q_blocks, self.num_kv_blocks
+        for name, t, dim in (("kv_counts", self.kv_counts, 3), ("kv_indices", self.kv_indices, 4),
+                             ("kv_mask_ids", self.kv_mask_ids, 4)):
+            if t.dtype != torch.int32 or t.dim() != dim:
+                raise LayoutError(f"{name} must be int32 with {dim} dims, got {t.dtype} {tuple(t.shape)}")
+        if self.kv_counts.shape[2] != nq:
+            raise LayoutError(f"kv_counts has {self.kv_counts.shape[2]} query-block rows; q_len={self.q_len} "
+                              f"with block_q={self.block_q} needs {nq}")
+        if self.kv_indices.shape[:3] != self.kv_counts.shape or self.kv_mask_ids.shape != self.kv_indices.shape:
+            raise LayoutError(f"kv_indices {tuple(self.kv_indices.shape)} / kv_mask_ids "
+                              f"{tuple(self.kv_mask_ids.shape)} do not match kv_counts {tuple(self.kv_counts.shape)}")
+        bad = (self.kv_counts < 0) | (self.kv_counts > min(self.max_k, nk))
+        if bad.any():
+            b, h, q = [int(x) for x in bad.nonzero()[0]]
+            raise LayoutError(f"kv_counts[{b},{h},{q}] = {int(self.kv_counts[b, h, q])} is outside "
+                              f"[0, {min(self.max_k, nk)}] (max_k={self.max_k}, {nk} key blocks)")
+        valid = torch.arange(self.max_k, device=self.device) < self.kv_counts[..., None]
+        out_of_range = valid & ((self.kv_indices < 0) | (self.kv_indices >= nk))
+        if out_of_range.any():
+            b, h, q, s = [int(x) for x in out_of_range.nonzero()[0]]
+            raise LayoutError(f"kv_indices[{b},{h},{q},{s}] = {int(self.kv_indices[b, h, q, s])} is out of range: "
+                              f"valid key-block indices are 0..{nk - 1} (kv_len={self.kv_len}, block_k={self.block_k})")
+        not_sorted = valid[..., 1:] & (self.kv_indices[..., 1:] <= self.kv_indices[..., :-1])
+        if not_sorted.any():
+            b, h, q, s = [int(x) for x in not_sorted.nonzero()[0]]
+            a, c = int(self.kv_indices[b, h, q, s]), int(self.kv_indices[b, h, q, s + 1])
+            kind = "duplicate" if a == c else "unsorted"
+            raise LayoutError(f"kv_indices[{b},{h},{q}] has {kind} entries at slots {s},{s + 1}: {a}, {c}; "
+                              "each row must be strictly ascending")
+        bad_mid = valid & ((self.kv_mask_ids < -1) | (self.kv_mask_ids >= len(self.masks)))
+        if bad_mid.any():
+            b, h, q, s = [int(x) for x in bad_mid.nonzero()[0]]
+            raise LayoutError(f"kv_mask_ids[{b},{h},{q},{s}] = {int(self.kv_mask_ids[b, h, q, s])}: must be -1 "
+                              f"(full) or a mask index in [0, {len(self.masks) - 1}]")
+        return self

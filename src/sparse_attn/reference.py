@@ -1,0 +1,93 @@
+"""Pure-PyTorch reference attention: the semantics every kernel must match.
+
+Runs on any device, accumulates in fp32 (fp64 for fp64 inputs, which makes it the test oracle),
+processes one query block at a time so memory stays O(B * H * block_q * Lk), and handles GQA by
+viewing query heads as ``[Hkv, group]`` instead of repeating K/V. A query row with no allowed key
+gets output 0 and LSE -inf, never NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import BlockLayout
+from .masks import allowed
+
+
+def token_mask_rows(layout: BlockLayout, r0: int, r1: int) -> torch.Tensor:
+    """bool [Bl, Hl, r1 - r0, kv_len]: the layout's pattern for query rows [r0, r1), which must lie in one query block."""
+    qb = r0 // layout.block_q
+    nk = layout.num_kv_blocks
+    counts = layout.kv_counts[:, :, qb].long()
+    idx = layout.kv_indices[:, :, qb].long()
+    mids = layout.kv_mask_ids[:, :, qb].long()
+    valid = torch.arange(layout.max_k, device=layout.device) < counts[..., None]
+    bmap = torch.full((layout.batch, layout.heads, nk + 1), -2, dtype=torch.long, device=layout.device)
+    bmap.scatter_(2, torch.where(valid, idx, nk), torch.where(valid, mids, -2))  # slot nk swallows padding
+    tok = bmap[..., :nk].repeat_interleave(layout.block_k, -1)[..., :layout.kv_len]  # [Bl, Hl, Lk]
+    out = (tok == -1)[:, :, None, :].expand(-1, -1, r1 - r0, -1).clone()
+    p = torch.arange(r0, r1, device=layout.device) + (layout.kv_len - layout.q_len)
+    j = torch.arange(layout.kv_len, device=layout.device)
+    for m, em in enumerate(layout.masks):
+        sel = tok == m
+        if sel.any():
+            out |= sel[:, :, None, :] & allowed(em, p, j)
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
+              causal: bool = False, scale: float | None = None, return_lse: bool = False):
+    """Reference block-sparse attention.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]``; v: ``[B, Hkv, Lk, Dv]``; ``Hq % Hkv == 0``.
+        layout: a :class:`BlockLayout` for ``(Lq, Lk)`` with batch in {1, B} and heads in {1, Hq};
+            None means every key.
+        causal: additionally mask keys after the query, bottom-right aligned
+            (query i sees keys j <= i + Lk - Lq).
+        scale: softmax scale, default ``1/sqrt(D)``.
+        return_lse: also return the natural-log sum-exp of the scaled, masked scores, fp32 ``[B, Hq, Lq]``.
+
+    Returns: out ``[B, Hq, Lq, Dv]`` in q's dtype (and lse).
+    """
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    group = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kf, vf = k.to(acc), v.to(acc)
+    chunk = layout.block_q if layout is not None else 128
+    outs, lses = [], []
+    for r0 in range(0, Lq, chunk):
+        r1 = min(r0 + chunk, Lq)
+        qc = q[:, :, r0:r1].to(acc).view(B, Hkv, group, r1 - r0, D)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf) * scale
+        ok = torch.ones(1, 1, r1 - r0, Lk, dtype=torch.bool, device=q.device)
+        if layout is not None:
+            ok = token_mask_rows(layout, r0, r1)
+        if causal:
+            p = torch.arange(r0, r1, device=q.device) + (Lk - Lq)
+            ok = ok & (torch.arange(Lk, device=q.device)[None, :] <= p[:, None])
+        ok = _heads_as_groups(ok, Hkv, group)
+        s = s.masked_fill(~ok, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: avoid inf - inf
+        e = torch.exp(s - m)
+        denom = e.sum(-1, keepdim=True)
+        o = torch.einsum("bhgqk,bhkd->bhgqd", e, vf) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        outs.append(o.reshape(B, Hq, r1 - r0, Dv))
+        lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))
+    out = torch.cat(outs, 2).to(q.dtype) if outs else q.new_zeros(B, Hq, 0, Dv)
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, 2).float() if lses else q.new_zeros(B, Hq, 0, dtype=torch.float32)
+    return out, lse
+
+
+def _heads_as_groups(ok: torch.Tensor, hkv: int, group: int) -> torch.Tensor:
+    """[Bl, Hl, R, Lk] with Hl in {1, Hq} -> broadcastable [Bl, Hkv|1, group|1, R, Lk]."""
+    bl, hl = ok.shape[:2]
+    if hl == 1:
+        return ok[:, :, None]
+    return ok.view(bl, hkv, group, *ok.shape[2:])

@@ -1,0 +1,70 @@
+"""Input checks for the public API. Bad input never reaches a kernel: every error names what was
+received and what is expected."""
+from __future__ import annotations
+
+import torch
+
+from .layout import BlockLayout, LayoutError
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same heads and seq_len")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q has head_dim {q.shape[3]}, k has {k.shape[3]}: they must match")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"k has {hkv} heads, q has {hq}: Hq must be a multiple of Hkv (GQA/MQA)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[3] == 0:
+            raise ValueError(f"{name} has head_dim 0")
+
+
+def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> BlockLayout:
+    """Check the layout fits q/k and is internally consistent; return it on q's device.
+
+    The (host-syncing) consistency check runs once per layout object and is remembered.
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a sparse_attn.BlockLayout (or None), got {type(layout).__name__}")
+    B, Hq, Lq = q.shape[:3]
+    Lk = k.shape[2]
+    if layout.q_len != Lq or layout.kv_len != Lk:
+        raise LayoutError(f"layout was built for q_len={layout.q_len}, kv_len={layout.kv_len} but q has "
+                          f"seq_len {Lq} and k has {Lk}: build the layout with these lengths")
+    if layout.batch not in (1, B):
+        raise LayoutError(f"layout has batch {layout.batch}; q has batch {B}: use 1 (broadcast) or {B}")
+    if layout.heads not in (1, Hq):
+        raise LayoutError(f"layout has {layout.heads} heads; q has {Hq}: use 1 (broadcast) or {Hq} (one per query head)")
+    if not getattr(layout, "_validated", False):
+        layout.validate()
+        layout._validated = True
+    if layout.device != q.device:
+        cached = getattr(layout, "_device_copy", None)
+        if cached is None or cached.device != q.device:
+            cached = layout.to(q.device)
+            cached._validated = True
+            layout._device_copy = cached
+        layout = cached
+    return layout
+
+
+def check_scale(scale) -> None:
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}")
