@@ -5,7 +5,46 @@ import torch
 
 from . import reference
 from .layout import BlockLayout
+from .masks import ElementMask, MaskTerm, causal_term
 from .validation import check_layout, check_qkv, check_scale
+
+DEFAULT_BLOCK = 128
+
+
+def _use_kernels(q: torch.Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; everything else the PyTorch reference."""
+    return q.is_cuda
+
+
+def _causal_layout(lq: int, lk: int, block_q: int, block_k: int, device) -> BlockLayout:
+    return BlockLayout.from_mask(ElementMask((causal_term(),)), q_len=lq, kv_len=lk,
+                                 block_q=block_q, block_k=block_k, device=device)
+
+
+def _kernel_layout(layout: BlockLayout | None, causal: bool, q: torch.Tensor, k: torch.Tensor) -> BlockLayout:
+    """The layout the kernels run: dense/causal when none is given; causal folded in by intersection
+    (cached on the layout), so the kernels only ever apply a layout's own element masks."""
+    lq, lk = q.shape[2], k.shape[2]
+    if layout is None:
+        key = ("dense-causal" if causal else "dense", lq, lk, q.device)
+        if key not in _BUILT:
+            mask = ElementMask((causal_term(),)) if causal else ElementMask((MaskTerm(),))
+            built = BlockLayout.from_mask(mask, q_len=lq, kv_len=lk, block_q=DEFAULT_BLOCK,
+                                          block_k=DEFAULT_BLOCK, device=q.device)
+            built._validated = True
+            _BUILT[key] = built
+        return _BUILT[key]
+    if not causal:
+        return layout
+    key = ("causal", q.device)
+    if key not in layout._derived:
+        both = layout & _causal_layout(lq, lk, layout.block_q, layout.block_k, layout.device)
+        both._validated = True
+        layout._derived[key] = both
+    return layout._derived[key]
+
+
+_BUILT: dict = {}
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
@@ -32,4 +71,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     check_scale(scale)
     if layout is not None:
         layout = check_layout(layout, q, k)
-    return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
+    if not _use_kernels(q):
+        return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
+    from .ops.block_sparse import attention_op
+    return attention_op(q, k, v, _kernel_layout(layout, causal, q, k), scale=scale, return_lse=return_lse)

@@ -37,7 +37,8 @@ def token_mask_rows(layout: BlockLayout, r0: int, r1: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
-              causal: bool = False, scale: float | None = None, return_lse: bool = False):
+              causal: bool = False, scale: float | None = None, return_lse: bool = False,
+              _lowp: bool = False):
     """Reference block-sparse attention.
 
     Args:
@@ -50,19 +51,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         return_lse: also return the natural-log sum-exp of the scaled, masked scores, fp32 ``[B, Hq, Lq]``.
 
     Returns: out ``[B, Hq, Lq, Dv]`` in q's dtype (and lse).
+
+    ``_lowp`` (tests only) does both products in the input dtype and rounds probabilities to it, as a
+    fused kernel does: the "same-dtype reference" of DESIGN.md rule 3, whose error against the
+    fp64 oracle sets the kernels' tolerance.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    kf, vf = k.to(acc), v.to(acc)
+    mm = q.dtype if _lowp else acc  # dtype the two products run in
+    kf, vf = k.to(mm), v.to(mm)
     chunk = layout.block_q if layout is not None else 128
     outs, lses = [], []
     for r0 in range(0, Lq, chunk):
         r1 = min(r0 + chunk, Lq)
-        qc = q[:, :, r0:r1].to(acc).view(B, Hkv, group, r1 - r0, D)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf) * scale
+        qc = q[:, :, r0:r1].to(mm).view(B, Hkv, group, r1 - r0, D)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf).to(acc) * scale
         ok = torch.ones(1, 1, r1 - r0, Lk, dtype=torch.bool, device=q.device)
         if layout is not None:
             ok = token_mask_rows(layout, r0, r1)
@@ -75,7 +81,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: avoid inf - inf
         e = torch.exp(s - m)
         denom = e.sum(-1, keepdim=True)
-        o = torch.einsum("bhgqk,bhkd->bhgqd", e, vf) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        o = torch.einsum("bhgqk,bhkd->bhgqd", e.to(mm), vf).to(acc)
+        o = o / torch.where(denom > 0, denom, torch.ones_like(denom))
         outs.append(o.reshape(B, Hq, r1 - r0, Dv))
         lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))
     out = torch.cat(outs, 2).to(q.dtype) if outs else q.new_zeros(B, Hq, 0, Dv)

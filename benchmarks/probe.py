@@ -1,0 +1,80 @@
+"""Quick kernel probe on the GPU: effective TFLOP/s of ours vs SDPA (and Flex when present) on a few
+layouts, one process, medians after warm-up. The full suite lives in `sparse-attn bench --suite kernels`."""
+import argparse
+import json
+import math
+import sys
+
+import torch
+import triton
+
+import sparse_attn
+from sparse_attn.layout import BlockLayout
+from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, window_term
+
+
+def layouts(L, which):
+    mk = lambda m: BlockLayout.from_mask(m, q_len=L, block_q=128, block_k=128, device="cuda")  # noqa: E731
+    if which == "dense":
+        return mk(ElementMask((MaskTerm(),))), False
+    if which == "causal":
+        return mk(ElementMask((causal_term(),))), True
+    if which == "window4096":
+        return mk(ElementMask((window_term(4095, 0),))), True
+    if which == "blockdiag4096":
+        return mk(ElementMask((document_term(4096),))), False
+    if which.startswith("random"):
+        d = float(which[6:])
+        g = torch.Generator().manual_seed(0)
+        n = math.ceil(L / 128)
+        bm = torch.rand(1, 32, n, n, generator=g) < d
+        bm |= torch.eye(n, dtype=torch.bool)
+        return BlockLayout.from_block_mask(bm, block_q=128, block_k=128).to("cuda"), False
+    raise ValueError(which)
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["dense:16384", "causal:16384", "window4096:32768", "random0.1:32768"])
+    ap.add_argument("--hkv", type=int, default=32)
+    ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    rows = []
+    for case in a.cases:
+        which, L = case.split(":")
+        L = int(L)
+        layout, causal_like = layouts(L, which)
+        B, H, D = 1, 32, 128
+        q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
+        flops = 4 * B * H * D * layout.num_blocks * (H if layout.heads == 1 else 1) / (1 if layout.heads == 1 else 1) * 128 * 128
+        flops = 4 * B * D * 128 * 128 * (layout.num_blocks * (H // layout.heads))
+        ms = bench(lambda: sparse_attn.attention(q, k, v, layout))
+        row = dict(case=which, L=L, hkv=a.hkv, density=layout.density, ms=ms, tflops=flops / ms * 1e-9)
+        if which in ("dense", "causal"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            kk, vv = (k, v) if a.hkv == H else (k.repeat_interleave(H // a.hkv, 1), v.repeat_interleave(H // a.hkv, 1))
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                row["cudnn_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=causal_like))
+            row["cudnn_tflops"] = flops / row["cudnn_ms"] * 1e-9
+        if a.bwd:
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            o = sparse_attn.attention(qg, kg, vg, layout)
+            do = torch.randn_like(o)
+            row["bwd_ms"] = bench(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
+            row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] * 1e-9
+        print(json.dumps({k2: (round(v2, 3) if isinstance(v2, float) else v2) for k2, v2 in row.items()}), flush=True)
+        rows.append(row)
+    if a.out:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": rows},
+                  open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

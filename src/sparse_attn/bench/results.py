@@ -1,0 +1,149 @@
+"""Benchmark rows, their JSON/CSV files and the summary table.
+
+JSON: ``{"header": {gpu, torch, triton, date, device, suite, ...}, "rows": [row, ...]}``;
+CSV: one line per row with the columns of :data:`ROW_FIELDS`. ``ms``/``tflops`` are null (empty
+in CSV) on a failed row, whose ``error`` says why ("OOM", or the exception).
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import platform
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+HEADER_FIELDS = ("gpu", "torch", "triton", "date", "device", "suite")
+
+
+@dataclass
+class Row:
+    provider: str
+    pattern: str
+    seq_len: int
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    mode: str
+    causal: bool
+    density: float | None
+    ms: float | None = None
+    tflops: float | None = None
+    peak_mem_bytes: int | None = None
+    error: str | None = None
+
+    def key(self) -> tuple:
+        """Everything but the provider and the measurements: rows with one key are comparable."""
+        return (self.pattern, self.seq_len, self.batch, self.heads, self.kv_heads, self.head_dim,
+                self.dtype, self.mode, self.causal)
+
+
+ROW_FIELDS = tuple(f.name for f in fields(Row))
+
+
+def make_header(device, suite: str, **extra) -> dict:
+    device = torch.device(device)
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    header = {"gpu": gpu, "torch": torch.__version__, "triton": triton_version,
+              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "device": str(device), "suite": suite, "host": platform.node(),
+              "cpu": platform.processor() or platform.machine()}
+    header.update(extra)
+    return header
+
+
+def write_json(path, header: dict, rows: list[Row]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"header": header, "rows": [asdict(r) for r in rows]}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def write_csv(path, rows: list[Row]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=ROW_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in asdict(r).items()})
+    return path
+
+
+def load_json(path) -> tuple[dict, list[Row]]:
+    data = json.loads(Path(path).read_text())
+    return data["header"], [Row(**r) for r in data["rows"]]
+
+
+# ----------------------------------------------------------------------------- summary
+BASELINE_PREFERENCE = ("sdpa-cudnn", "sdpa-flash", "sdpa-math", "reference")
+
+
+def pick_baseline(rows: list[Row], preferred: str | None = None) -> str | None:
+    names = {r.provider for r in rows}
+    if preferred:
+        return preferred if preferred in names else None
+    return next((p for p in BASELINE_PREFERENCE if p in names), None)
+
+
+def speedups(rows: list[Row], baseline: str) -> dict[int, float | None]:
+    """id(row) -> baseline ms / row ms on the same key (None where either is missing)."""
+    base = {r.key(): r.ms for r in rows if r.provider == baseline}
+    out = {}
+    for r in rows:
+        b = base.get(r.key())
+        out[id(r)] = b / r.ms if b and r.ms else None
+    return out
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summary_table(rows: list[Row], baseline: str | None = None, title: str | None = None):
+    """A rich Table: pattern, L, (Hkv, mode when they vary), provider, ms, TFLOP/s, speedup."""
+    from rich.table import Table
+    baseline = pick_baseline(rows, baseline)
+    sp = speedups(rows, baseline) if baseline else {}
+    vary = {name: len({getattr(r, name) for r in rows}) > 1
+            for name in ("kv_heads", "mode", "dtype", "heads", "head_dim", "batch")}
+    t = Table(title=title, show_lines=False)
+    t.add_column("pattern")
+    t.add_column("L", justify="right")
+    for name, label in (("batch", "B"), ("heads", "H"), ("kv_heads", "Hkv"), ("head_dim", "D"),
+                        ("dtype", "dtype"), ("mode", "mode")):
+        if vary[name]:
+            t.add_column(label, justify="right")
+    t.add_column("density", justify="right")
+    t.add_column("provider")
+    t.add_column("ms", justify="right")
+    t.add_column("TFLOP/s", justify="right")
+    t.add_column(f"vs {baseline}" if baseline else "speedup", justify="right")
+    prev = None
+    for r in rows:
+        group = r.key()
+        if prev is not None and group != prev:
+            t.add_section()
+        prev = group
+        cells = [r.pattern, str(r.seq_len)]
+        for name in ("batch", "heads", "kv_heads", "head_dim", "dtype", "mode"):
+            if vary[name]:
+                cells.append(str(getattr(r, name)))
+        ms = r.error[:40] if r.ms is None and r.error else _fmt(r.ms, ".3f")
+        s = sp.get(id(r))
+        cells += [_fmt(r.density, ".3f"), r.provider, ms, _fmt(r.tflops, ".3f" if (r.tflops or 0) < 1 else ".1f"),
+                  "-" if s is None else f"{s:.2f}x"]
+        t.add_row(*cells)
+    return t

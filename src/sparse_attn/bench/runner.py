@@ -1,0 +1,187 @@
+"""Run a suite: expand cases into rows, build layouts and inputs once, time each provider.
+
+Inputs are ``torch.randn`` (never zeros, which some kernels would skip through); each failure is
+recorded on its row instead of stopping the run: ``error="OOM"`` for out-of-memory, else the
+exception's type and first line. Dense providers (SDPA) ignore the layout, so their timing for one
+(L, B, H, Hkv, D, dtype, mode, causal) is measured once and reused for every pattern; the row
+still gets the pattern's own effective TFLOP/s (see :mod:`sparse_attn.bench.flops`).
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .flops import attention_flops, block_density, tflops
+from .registry import get_provider
+from .results import Row
+from .suites import DTYPES, Case, Suite
+from .timing import peak_memory, time_fn
+
+
+@dataclass(frozen=True)
+class Point:
+    """One row to measure."""
+
+    case: Case
+    seq_len: int
+    kv_heads: int
+    mode: str
+    provider: str
+
+    def key(self) -> tuple:
+        c = self.case
+        return (c.pattern.name, self.seq_len, c.batch, c.heads, self.kv_heads, c.head_dim, c.dtype,
+                self.mode, c.pattern.causal, self.provider)
+
+    def label(self) -> str:
+        return f"{self.case.pattern.name} L={self.seq_len} Hkv={self.kv_heads} {self.mode} {self.provider}"
+
+
+def expand(suite: Suite) -> list[Point]:
+    """All rows of a suite in run order (case, L, Hkv, mode, provider), duplicates dropped."""
+    points: dict[tuple, Point] = {}
+    for c in suite.cases:
+        for L in c.seq_lens:
+            for hkv in c.kv_heads:
+                for mode in c.modes:
+                    for prov in c.providers:
+                        p = Point(c, L, hkv, mode, prov)
+                        points.setdefault(p.key(), p)
+    return list(points.values())
+
+
+def check_providers(names, device) -> tuple[list[str], dict[str, str]]:
+    """(usable names, {skipped name: reason}) on ``device``; unknown names raise KeyError."""
+    usable, skipped = [], {}
+    for name in dict.fromkeys(names):
+        ok, why = get_provider(name).available(torch.device(device))
+        (usable.append(name) if ok else skipped.__setitem__(name, why))
+    return usable, skipped
+
+
+def is_oom(e: BaseException) -> bool:
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), MemoryError) if t is not None)
+    text = str(e).lower()
+    return isinstance(e, oom_types) or "out of memory" in text or "can't allocate memory" in text
+
+
+def describe_error(e: BaseException) -> str:
+    if is_oom(e):
+        return "OOM"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class _Inputs:
+    """Keeps one (q, k, v) set alive at a time: re-made when shape, dtype or grad-ness changes."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.key, self.qkv = device, None, None
+
+    def get(self, p: Point):
+        c = p.case
+        needs_grad = p.mode != "fwd"
+        key = (p.seq_len, c.batch, c.heads, p.kv_heads, c.head_dim, c.dtype, needs_grad)
+        if key != self.key:
+            self.qkv = self.key = None
+            _free(self.device)
+            g = torch.Generator(device=self.device).manual_seed(0)
+            dtype = DTYPES[c.dtype]
+
+            def make(h):
+                t = torch.randn(c.batch, h, p.seq_len, c.head_dim, generator=g, device=self.device, dtype=dtype)
+                return t.requires_grad_(needs_grad)
+            self.qkv = (make(c.heads), make(p.kv_heads), make(p.kv_heads))
+            self.key = key
+        return self.qkv
+
+
+class _Layouts:
+    """Layouts of the current pattern, by (L, H); a build error is remembered and re-raised."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.pattern, self.cache = device, None, {}
+
+    def get(self, p: Point):
+        c = p.case
+        if c.pattern != self.pattern:
+            self.pattern, self.cache = c.pattern, {}
+        key = (p.seq_len, c.heads, c.block_q, c.block_k)
+        if key not in self.cache:
+            try:
+                self.cache[key] = c.pattern.build(p.seq_len, heads=c.heads, block_q=c.block_q,
+                                                  block_k=c.block_k, device=self.device)
+            except Exception as e:  # noqa: BLE001 - recorded on every row of the pattern
+                self.cache[key] = e
+        got = self.cache[key]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
+def measure(p: Point, layout, qkv, device: torch.device, *, reps=None, warmup=None) -> tuple[float, int | None]:
+    """(median ms, peak extra bytes) of provider ``p.provider`` on one row."""
+    q, k, v = qkv
+    run = get_provider(p.provider).make_run(q, k, v, layout, p.case.pattern.causal, p.mode)
+    ms = time_fn(run.fn, device, reps=reps, warmup=warmup, grad_to_none=run.grad_to_none)
+    peak = peak_memory(run.fn, device, run.grad_to_none)
+    return ms, peak
+
+
+def run_suite(suite: Suite, device, *, reps: int | None = None, warmup: int | None = None,
+              progress: bool = True, on_row: Callable[[Row], None] | None = None) -> list[Row]:
+    """Measure every row of ``suite`` on ``device`` (providers must be available there)."""
+    from tqdm.auto import tqdm
+    device = torch.device(device)
+    points = expand(suite)
+    inputs, layouts = _Inputs(device), _Layouts(device)
+    dense_memo: dict[tuple, tuple] = {}
+    rows: list[Row] = []
+    bar = tqdm(points, desc=f"bench {suite.name}", unit="row", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+    for p in bar:
+        bar.set_postfix_str(p.label(), refresh=False)
+        rows.append(_run_point(p, device, inputs, layouts, dense_memo, reps, warmup))
+        if on_row is not None:
+            on_row(rows[-1])
+    bar.close()
+    return rows
+
+
+def _run_point(p: Point, device, inputs: _Inputs, layouts: _Layouts, dense_memo: dict, reps, warmup) -> Row:
+    c = p.case
+    row = Row(p.provider, c.pattern.name, p.seq_len, c.batch, c.heads, p.kv_heads, c.head_dim, c.dtype,
+              p.mode, c.pattern.causal, None)
+    try:
+        layout = layouts.get(p)
+        row.density = block_density(layout, batch=c.batch, heads=c.heads, causal=c.pattern.causal)
+        flops = attention_flops(layout, batch=c.batch, heads=c.heads, head_dim=c.head_dim, mode=p.mode,
+                                causal=c.pattern.causal)
+    except Exception as e:  # noqa: BLE001
+        row.error = "layout: " + describe_error(e)
+        return row
+    dense = get_provider(p.provider).computes == "dense"
+    memo_key = p.key()[1:]
+    if dense and memo_key in dense_memo:
+        row.ms, row.peak_mem_bytes, row.error = dense_memo[memo_key]
+    else:
+        try:
+            row.ms, row.peak_mem_bytes = measure(p, layout, inputs.get(p), device, reps=reps, warmup=warmup)
+        except Exception as e:  # noqa: BLE001 - one row's failure must not stop the suite
+            row.error = describe_error(e)
+            del e
+            _free(device)
+        if dense:
+            dense_memo[memo_key] = (row.ms, row.peak_mem_bytes, row.error)
+    row.tflops = tflops(flops, row.ms)
+    return row

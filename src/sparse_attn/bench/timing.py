@@ -1,0 +1,112 @@
+"""Timers: median of repetitions after warm-up; peak memory of one call.
+
+CUDA: one ``torch.cuda.Event`` pair per repetition, the L2 cache flushed (a 256 MB write) and the
+``.grad`` of the inputs reset before each, neither inside the timed span (as
+``triton.testing.do_bench``). CPU: ``time.perf_counter`` around each repetition.
+
+``reps=None`` picks the count from a first estimate: enough to fill ~``target_ms`` (at least 3,
+at most 100 on CUDA / 20 on CPU); warm-up fills ~25 ms (1..10 calls). The first call, which
+compiles/autotunes, is never timed.
+
+Peak memory (CUDA only; ``None`` on CPU, where torch allocations are invisible to tracemalloc):
+``torch.cuda.max_memory_allocated()`` during one call minus ``torch.cuda.memory_allocated()``
+just before it, i.e. the extra memory the call needs beyond its inputs (and, in ``bwd`` mode,
+beyond the saved forward graph that is alive throughout).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+_L2_FLUSH_BYTES = 256 << 20
+_flush_buf: dict[str, torch.Tensor] = {}
+
+
+def _reset(grad_to_none: Sequence[torch.Tensor]) -> None:
+    for t in grad_to_none:
+        t.grad = None
+
+
+def _counts(est_ms: float, reps: int | None, warmup: int | None, target_ms: float, max_reps: int):
+    est_ms = max(est_ms, 1e-3)
+    if reps is None:
+        reps = int(min(max(target_ms / est_ms, 3), max_reps))
+    if warmup is None:
+        warmup = int(min(max(25.0 / est_ms, 1), 10))
+    return reps, warmup
+
+
+def time_cuda(fn: Callable[[], object], *, reps: int | None = None, warmup: int | None = None,
+              grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA device."""
+    dev = torch.cuda.current_device()
+    flush = _flush_buf.get(str(dev))
+    if flush is None:
+        flush = _flush_buf[str(dev)] = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    _reset(grad_to_none)
+    fn()  # compile / autotune / first-touch
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(2):
+        _reset(grad_to_none)
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    reps, warmup = _counts(start.elapsed_time(end) / 2, reps, warmup, target_ms, 100)
+    for _ in range(warmup):
+        _reset(grad_to_none)
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        _reset(grad_to_none)
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_cpu(fn: Callable[[], object], *, reps: int | None = None, warmup: int | None = None,
+             grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0) -> float:
+    """Median milliseconds of ``fn`` by ``time.perf_counter``."""
+    _reset(grad_to_none)
+    t0 = time.perf_counter()
+    fn()  # first call: lazy imports, allocator warm-up
+    first_ms = (time.perf_counter() - t0) * 1e3
+    reps, warmup = _counts(first_ms, reps, warmup, target_ms, 20)
+    for _ in range(min(warmup, 2)):
+        _reset(grad_to_none)
+        fn()
+    times = []
+    for _ in range(reps):
+        _reset(grad_to_none)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_fn(fn, device: torch.device, **kw) -> float:
+    return time_cuda(fn, **kw) if torch.device(device).type == "cuda" else time_cpu(fn, **kw)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device,
+                grad_to_none: Sequence[torch.Tensor] = ()) -> int | None:
+    """Extra bytes one call of ``fn`` allocates at its peak (CUDA); None elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    _reset(grad_to_none)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    _reset(grad_to_none)
+    return int(peak)

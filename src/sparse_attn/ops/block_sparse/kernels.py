@@ -1,0 +1,287 @@
+"""Block-sparse FlashAttention kernels (forward, backward dK/dV, backward dQ). @triton.jit only.
+
+Symbol legend
+    i_m, i_n   program's query / key tile       i_b, i_h, i_hk   batch, query head, kv head
+    o_m, o_n   token offsets of the tile        o_d              head-dim offsets
+    m_*        boolean masks                    p_*              pointers
+    b_*        on-chip blocks                   BLOCK_Q/BLOCK_K  the layout's blocks
+    BLOCK_M/BLOCK_N  the kernel's tiles (divide BLOCK_Q / BLOCK_K)
+    count, slot      a layout row's length and position in it
+Positions: query row i has position p = i + (k_len - q_len) (bottom-right alignment); masks are
+evaluated on (p, j) from the int32 term table (see sparse_attn.masks).
+"""
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+N_FIELDS: tl.constexpr = 7
+
+
+@triton.jit
+def _allowed(p, j, TERMS, mid, N_TERMS: tl.constexpr):
+    """OR over the mask's terms of its interval constraints. p, j: broadcastable int32 blocks."""
+    for t in tl.static_range(N_TERMS):
+        p_t = TERMS + (mid * N_TERMS + t) * N_FIELDS
+        q_lo = tl.load(p_t + 0)
+        q_hi = tl.load(p_t + 1)
+        k_lo = tl.load(p_t + 2)
+        k_hi = tl.load(p_t + 3)
+        left = tl.load(p_t + 4)
+        right = tl.load(p_t + 5)
+        doc = tl.load(p_t + 6)
+        ok_t = (p >= q_lo) & (p <= q_hi) & (j >= k_lo) & (j <= k_hi) & (j >= p - left) & (j <= p + right)
+        if doc > 0:
+            # floor(p / doc) with truncating integer division, valid for negative p too
+            d_p = tl.where(p >= 0, p, p - doc + 1) // doc
+            ok_t = ok_t & (d_p == j // doc)
+        if t == 0:
+            ok = ok_t
+        else:
+            ok = ok | ok_t
+    return ok
+
+
+@triton.jit
+def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN: tl.constexpr):
+    """(first q token, q_len, first k token, k_len) of sequence i_b."""
+    if IS_VARLEN:
+        q0 = tl.load(CU_Q + i_b)
+        q_len = tl.load(CU_Q + i_b + 1) - q0
+        k0 = tl.load(CU_K + i_b)
+        k_len = tl.load(CU_K + i_b + 1) - k0
+    else:
+        q0 = 0
+        q_len = Lq
+        k0 = 0
+        k_len = Lk
+    return q0, q_len, k0, k_len
+
+
+@triton.jit
+def fwd_kernel(
+    Q, K, V, O, LSE,
+    KV_COUNTS, KV_INDICES, KV_MASK_IDS, TERMS, CU_Q, CU_K,
+    sm_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh, stride_lm,
+    stride_cb, stride_ch,
+    stride_ib, stride_ih, stride_iq,
+    H, G, Lq, Lk,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_TERMS: tl.constexpr, EVEN_N: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    i_hk = i_h // G
+    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN)
+    if i_m * BLOCK_M >= q_len:
+        return
+    offset = k_len - q_len
+    SUB: tl.constexpr = BLOCK_K // BLOCK_N
+    qb = (i_m * BLOCK_M) // BLOCK_Q
+    count = tl.load(KV_COUNTS + i_b * stride_cb + i_h * stride_ch + qb)
+    p_row = i_b * stride_ib + i_h * stride_ih + qb * stride_iq
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, D_PAD)
+    m_m = o_m < q_len
+    m_d = o_d < HEAD_DIM
+    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, D]
+    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
+    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
+    pos_q = (o_m + offset)[:, None]
+
+    qk_scale = sm_scale * LOG2E
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for it in tl.range(0, count * SUB, num_stages=NUM_STAGES):
+        slot = it // SUB
+        kb = tl.load(KV_INDICES + p_row + slot)
+        o_n = kb * BLOCK_K + (it % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+        p_k = K + kv_base + o_n.to(tl.int64)[None, :] * stride_kn + o_d[:, None]
+        p_v = V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :]
+        if EVEN_N and HEAD_DIM == D_PAD:
+            b_k = tl.load(p_k)  # [D, BN]
+            b_v = tl.load(p_v)  # [BN, D]
+        else:
+            m_n = o_n < k_len
+            b_k = tl.load(p_k, mask=m_n[None, :] & m_d[:, None], other=0.0)
+            b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
+        b_s = tl.dot(b_q, b_k) * qk_scale  # [BM, BN], log2 units
+        if N_TERMS > 0:
+            mid = tl.load(KV_MASK_IDS + p_row + slot)
+            if mid >= 0:
+                b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
+        if not EVEN_N:
+            b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing allowed yet
+        b_p = tl.math.exp2(b_s - m_safe[:, None])
+        alpha = tl.math.exp2(b_m - m_safe)
+        b_l = b_l * alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * alpha[:, None]
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
+        b_m = m_new
+
+    has = b_l > 0
+    b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
+    p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + (q0 + o_m.to(tl.int64))[:, None] * stride_om + o_d[None, :]
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    b_lse = tl.where(has, (b_m + tl.math.log2(tl.where(has, b_l, 1.0))) * LN2, float("-inf"))
+    tl.store(LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm, b_lse, mask=m_m)
+
+
+@triton.jit
+def bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    T_COUNTS, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K,
+    sm_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_cb, stride_ch,
+    stride_ib, stride_ih, stride_iq,
+    HKV, G, Lq, Lk,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """One key tile of one kv head; loops over the G query heads sharing it (no atomics)."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HKV
+    i_hk = i_bh % HKV
+    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN)
+    if i_n * BLOCK_N >= k_len:
+        return
+    offset = k_len - q_len
+    SUB: tl.constexpr = BLOCK_Q // BLOCK_M
+    kb = (i_n * BLOCK_N) // BLOCK_K
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, D_PAD)
+    m_n = o_n < k_len
+    m_d = o_d < HEAD_DIM
+    m_nd = m_n[:, None] & m_d[None, :]
+    p_k = K + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + (k0 + o_n.to(tl.int64))[:, None] * stride_kn + o_d[None, :]
+    p_v = V + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + (k0 + o_n.to(tl.int64))[:, None] * stride_vn + o_d[None, :]
+    b_k = tl.load(p_k, mask=m_nd, other=0.0)  # [BN, D]
+    b_v = tl.load(p_v, mask=m_nd, other=0.0)  # [BN, D]
+    qk_scale = sm_scale * LOG2E
+    b_dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    b_dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    pos_k = o_n[:, None]
+    for g in range(0, G):
+        i_h = i_hk * G + g
+        count = tl.load(T_COUNTS + i_b * stride_cb + i_h * stride_ch + kb)
+        p_row = i_b * stride_ib + i_h * stride_ih + kb * stride_iq
+        q_base = i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + q0.to(tl.int64) * stride_qm
+        do_base = i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + q0.to(tl.int64) * stride_dom
+        l_base = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + q0.to(tl.int64) * stride_lm
+        for it in tl.range(0, count * SUB, num_stages=NUM_STAGES):
+            slot = it // SUB
+            qb = tl.load(T_INDICES + p_row + slot)
+            o_m = qb * BLOCK_Q + (it % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_m = o_m < q_len
+            b_q = tl.load(Q + q_base + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)
+            b_do = tl.load(DO + do_base + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)
+            # rows past the end or with no allowed key carry +inf, so their probabilities are 0
+            b_lse = tl.load(LSE + l_base + o_m * stride_lm, mask=m_m, other=float("inf"))
+            b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
+            b_delta = tl.load(DELTA + l_base + o_m * stride_lm, mask=m_m, other=0.0)
+            b_st = tl.dot(b_k, tl.trans(b_q)) * qk_scale  # [BN, BM]
+            b_pt = tl.math.exp2(b_st - b_lse[None, :])
+            if N_TERMS > 0:
+                mid = tl.load(T_MASK_IDS + p_row + slot)
+                if mid >= 0:
+                    b_pt = tl.where(_allowed((o_m + offset)[None, :], pos_k, TERMS, mid, N_TERMS), b_pt, 0.0)
+            b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
+            b_dpt = tl.dot(b_v, tl.trans(b_do))  # [BN, BM]
+            b_dst = b_pt * (b_dpt - b_delta[None, :])
+            b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk)
+    b_dk = b_dk * sm_scale
+    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh + (k0 + o_n.to(tl.int64))[:, None] * stride_dkn + o_d[None, :]
+    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh + (k0 + o_n.to(tl.int64))[:, None] * stride_dvn + o_d[None, :]
+    tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=m_nd)
+    tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_nd)
+
+
+@triton.jit
+def bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    KV_COUNTS, KV_INDICES, KV_MASK_IDS, TERMS, CU_Q, CU_K,
+    sm_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_cb, stride_ch,
+    stride_ib, stride_ih, stride_iq,
+    H, G, Lq, Lk,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    i_hk = i_h // G
+    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN)
+    if i_m * BLOCK_M >= q_len:
+        return
+    offset = k_len - q_len
+    SUB: tl.constexpr = BLOCK_K // BLOCK_N
+    qb = (i_m * BLOCK_M) // BLOCK_Q
+    count = tl.load(KV_COUNTS + i_b * stride_cb + i_h * stride_ch + qb)
+    p_row = i_b * stride_ib + i_h * stride_ih + qb * stride_iq
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, D_PAD)
+    m_m = o_m < q_len
+    m_d = o_d < HEAD_DIM
+    m_md = m_m[:, None] & m_d[None, :]
+    b_q = tl.load(Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :], mask=m_md, other=0.0)
+    b_do = tl.load(DO + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + (q0 + o_m.to(tl.int64))[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
+    l_off = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm
+    b_lse = tl.load(LSE + l_off, mask=m_m, other=float("inf"))
+    b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
+    b_delta = tl.load(DELTA + l_off, mask=m_m, other=0.0)
+    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
+    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
+    pos_q = (o_m + offset)[:, None]
+    qk_scale = sm_scale * LOG2E
+    b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for it in tl.range(0, count * SUB, num_stages=NUM_STAGES):
+        slot = it // SUB
+        kb = tl.load(KV_INDICES + p_row + slot)
+        o_n = kb * BLOCK_K + (it % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_nd = (o_n < k_len)[:, None] & m_d[None, :]
+        b_k = tl.load(K + kv_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)  # [BN, D]
+        b_v = tl.load(V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)  # [BN, D]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BM, BN]
+        b_p = tl.math.exp2(b_s - b_lse[:, None])
+        if N_TERMS > 0:
+            mid = tl.load(KV_MASK_IDS + p_row + slot)
+            if mid >= 0:
+                b_p = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_p, 0.0)
+        # keys past the end were loaded as 0, so they add nothing to dq (k = 0, v = 0)
+        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
+    b_dq = b_dq * sm_scale
+    p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh + (q0 + o_m.to(tl.int64))[:, None] * stride_dqm + o_d[None, :]
+    tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_md)

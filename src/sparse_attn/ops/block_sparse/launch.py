@@ -1,0 +1,192 @@
+"""Launchers: grids, strides, tile configs. No autograd here.
+
+Tensors arrive already validated (sparse_attn.validation). Dense inputs are ``[B, H, L, D]``;
+varlen inputs are packed ``[T, H, D]`` with ``cu_seqlens`` (int32 [B + 1]).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from . import kernels
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# SPARSE_ATTN_AUTOTUNE=0 runs one default config per kernel family (tests: compile once, not per config)
+AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
+
+
+def _divisors(block: int, options=(16, 32, 64, 128)) -> list[int]:
+    return [t for t in options if t <= block and block % t == 0]
+
+
+def _keep_fwd(cfg: triton.Config, block_q: int, block_k: int, d_pad: int) -> bool:
+    """Named prune: tiles must divide the layout's blocks; avoid configs that spill or starve."""
+    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    if block_q % bm or block_k % bn:
+        return False
+    if bm * bn < 128 * 128 and cfg.num_warps == 8 and bm < 128:
+        return False
+    if d_pad >= 256 and (bn > 64 or cfg.kwargs["NUM_STAGES"] > 2):
+        return False
+    return True
+
+
+def fwd_configs(block_q: int, block_k: int, d_pad: int) -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
+                               "NUM_STAGES": 1}, num_warps=4, num_stages=1)]
+    bms = _divisors(block_q)[-2:]
+    bns = _divisors(block_k, (32, 64, 128))[-2:] or _divisors(block_k)[-1:]
+    space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s}, num_warps=w, num_stages=s)
+             for bm in bms for bn in bns for w in (4, 8) for s in (2, 3, 4)]
+    return [c for c in space if _keep_fwd(c, block_q, block_k, d_pad)]
+
+
+def bwd_configs(block_q: int, block_k: int, d_pad: int) -> list[triton.Config]:
+    """For dK/dV BLOCK_N is the key tile and BLOCK_M the inner query tile; for dQ the reverse."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
+                               "NUM_STAGES": 1}, num_warps=4, num_stages=1)]
+    bms = _divisors(block_q, (32, 64, 128))[-2:] or _divisors(block_q)[-1:]
+    bns = _divisors(block_k, (32, 64, 128))[-2:] or _divisors(block_k)[-1:]
+    space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s}, num_warps=w, num_stages=s)
+             for bm in bms for bn in bns for w in (4, 8) for s in (1, 2, 3)]
+    return [c for c in space if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128 and
+            not (d_pad >= 256 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)]
+
+
+_TUNED: dict = {}
+
+
+def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple):
+    """The autotuned kernel for this (layout blocks, head dim) family. Autotune key is on head dim,
+    dtype and flags, never on raw sequence length (which would recompile per length)."""
+    k = (kind, block_q, block_k, d_pad)
+    if k not in _TUNED:
+        configs = (fwd_configs if kind == "fwd" else bwd_configs)(block_q, block_k, d_pad)
+        if not AUTOTUNE:
+            configs = [default_config(configs, kind, d_pad)]
+        _TUNED[k] = triton.autotune(configs, key=list(key))(kernel) if len(configs) > 1 else _Fixed(kernel, configs[0])
+    return _TUNED[k]
+
+
+def default_config(configs: list[triton.Config], kind: str, d_pad: int) -> triton.Config:
+    """A reasonable untuned pick: the largest tiles, 8 warps for 128x128 forward tiles, 2-3 stages."""
+    def score(c):
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        want_bn = 64 if kind == "fwd" and d_pad >= 128 else 128
+        want_stages = 2 if d_pad >= 256 else (3 if kind == "fwd" else 2)
+        want_warps = 8 if bm * bn >= 128 * 64 else 4
+        return (bm, -abs(bn - want_bn), c.num_warps == want_warps, -abs(c.kwargs["NUM_STAGES"] - want_stages))
+    return max(configs, key=score)
+
+
+class _Fixed:
+    """A kernel with one config (interpreter, or a space pruned to one)."""
+
+    def __init__(self, kernel, config: triton.Config):
+        self.kernel, self.config = kernel, config
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            return self.kernel[grid](*args, **kw, **self.config.kwargs, num_warps=self.config.num_warps,
+                                     num_stages=self.config.num_stages)
+        return run
+
+
+_KEY = ("HEAD_DIM", "D_PAD", "BLOCK_Q", "BLOCK_K", "N_TERMS", "IS_VARLEN")
+
+
+def _layout_strides(counts: torch.Tensor, indices: torch.Tensor) -> tuple:
+    """Broadcast dims (size 1) get stride 0, so one row set serves every batch element / head."""
+    cb = counts.stride(0) if counts.shape[0] > 1 else 0
+    ch = counts.stride(1) if counts.shape[1] > 1 else 0
+    ib = indices.stride(0) if indices.shape[0] > 1 else 0
+    ih = indices.stride(1) if indices.shape[1] > 1 else 0
+    return cb, ch, ib, ih, indices.stride(2)
+
+
+def _qkv_strides(t: torch.Tensor, varlen: bool) -> tuple:
+    """(batch, head, token) strides: dense [B, H, L, D]; varlen [T, H, D] has batch stride 0."""
+    if varlen:
+        return 0, t.stride(1), t.stride(0)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _d_pad(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def forward(q, k, v, kv_counts, kv_indices, kv_mask_ids, terms, n_terms: int, cu_q, cu_k,
+            block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int):
+    """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen)."""
+    varlen = cu_q is not None
+    if varlen:
+        T, H, D = q.shape
+        B = cu_q.numel() - 1
+        Lq, Lk = max_q, max_k
+        lse = torch.empty(H, T, device=q.device, dtype=torch.float32)
+        l_strides = (0, lse.stride(0), lse.stride(1))
+        hkv = k.shape[1]
+    else:
+        B, H, Lq, D = q.shape
+        Lk, hkv = k.shape[2], k.shape[1]
+        lse = torch.empty(B, H, Lq, device=q.device, dtype=torch.float32)
+        l_strides = lse.stride()
+    out = torch.empty_like(q)
+    d_pad = _d_pad(D)
+    even_n = (not varlen) and Lk % min(block_k, 128) == 0 and Lk % 16 == 0
+    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("EVEN_N",))
+    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    kern[grid](
+        q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, terms, cu_q, cu_k, sm_scale,
+        *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(out, varlen),
+        *l_strides, *_layout_strides(kv_counts, kv_indices),
+        H, H // hkv, Lq, Lk,
+        HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
+        EVEN_N=even_n and _even_for_all_tiles(Lk, block_k), IS_VARLEN=varlen)
+    return out, lse
+
+
+def _even_for_all_tiles(lk: int, block_k: int) -> bool:
+    """Every candidate BLOCK_N divides Lk, so the key tail never needs a bounds mask."""
+    return all(lk % bn == 0 for bn in _divisors(block_k))
+
+
+def backward(do, q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, t_counts, t_indices, t_mask_ids,
+             terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int):
+    """Returns (dq, dk, dv). dK/dV walk the layout's transpose; each program owns one key tile of
+    one kv head and loops over that head's query-head group, so no atomics are needed."""
+    varlen = cu_q is not None
+    if varlen:
+        T, H, D = q.shape
+        B = cu_q.numel() - 1
+        Lq, Lk = max_q, max_k
+        hkv = k.shape[1]
+        delta = (out.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [H, T]
+        l_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        B, H, Lq, D = q.shape
+        Lk, hkv = k.shape[2], k.shape[1]
+        delta = (out.float() * do.float()).sum(-1)  # [B, H, Lq]
+        l_strides = lse.stride()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d_pad = _d_pad(D)
+    common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
+    kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv", block_q, block_k, d_pad, _KEY)
+    grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
+    kern[grid](
+        q, k, v, do, lse, delta, dk, dv, t_counts, t_indices, t_mask_ids, terms, cu_q, cu_k, sm_scale,
+        *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
+        *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen), *_layout_strides(t_counts, t_indices),
+        hkv, H // hkv, Lq, Lk, **common)
+    kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
+    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    kern[grid](
+        q, k, v, do, lse, delta, dq, kv_counts, kv_indices, kv_mask_ids, terms, cu_q, cu_k, sm_scale,
+        *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
+        *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(kv_counts, kv_indices),
+        H, H // hkv, Lq, Lk, **common)
+    return dq, dk, dv

@@ -1,0 +1,131 @@
+"""Shared plumbing for the pattern builders: argument checks, the diagonal anchor, and packing
+block-level entries into a BlockLayout (with the token-exact causal cut when asked).
+
+Positions are in the key frame, as everywhere in the package: query row ``i`` sits at
+``p = i + kv_len - q_len`` (bottom-right alignment).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import BlockLayout, _Coo, check_block_size
+from ..masks import ElementMask, causal_term
+
+CAUSAL = ElementMask((causal_term(),))
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``, or a ValueError/TypeError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def lengths(seq_len: int, kv_len: int | None) -> tuple[int, int]:
+    """(q_len, kv_len) with ``kv_len`` defaulting to ``seq_len``; both ints >= 0."""
+    q_len = check_int("seq_len", seq_len, 0)
+    return q_len, check_int("kv_len", q_len if kv_len is None else kv_len, 0)
+
+
+def grid(q_len: int, kv_len: int, block_q: int, block_k: int) -> tuple[int, int]:
+    """Number of query blocks and key blocks (block sizes checked)."""
+    check_block_size("block_q", block_q)
+    check_block_size("block_k", block_k)
+    return math.ceil(q_len / block_q), math.ceil(kv_len / block_k)
+
+
+def row_positions(qb: torch.Tensor, q_len: int, kv_len: int, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key-frame positions (p_first, p_last) of the first and last real row of query blocks ``qb``."""
+    offset = kv_len - q_len
+    p_first = qb * block_q + offset
+    p_last = torch.clamp((qb + 1) * block_q, max=q_len) - 1 + offset
+    return p_first, p_last
+
+
+def diagonal_block(qb: torch.Tensor, q_len: int, kv_len: int, block_q: int, block_k: int) -> torch.Tensor:
+    """The *diagonal* key block of each query block: the one holding its last row's position.
+
+    ``floor(p_last / block_k)`` with ``p_last = min((qb+1)*block_q, q_len) - 1 + kv_len - q_len``;
+    negative when the whole query block lies before key 0 (possible only when q_len > kv_len).
+    For ``Lq == Lk`` and ``block_q == block_k`` this is ``qb``.
+    """
+    _, p_last = row_positions(qb, q_len, kv_len, block_q)
+    return torch.div(p_last, block_k, rounding_mode="floor")
+
+
+def layout_from_entries(b: torch.Tensor, h: torch.Tensor, qb: torch.Tensor, kb: torch.Tensor, *,
+                        batch: int, heads: int, q_len: int, kv_len: int, block_q: int, block_k: int,
+                        causal: bool) -> BlockLayout:
+    """Pack block entries (int64 [N] each, duplicates and out-of-grid key blocks allowed) into a layout.
+
+    Without ``causal`` every kept block is full. With ``causal`` the result equals the same
+    layout intersected (``&``) with the token-exact causal layout, computed per entry in O(N):
+    a block is dropped when its first key lies after its last row's position, full when its
+    last real key is at or before its first row's position, otherwise partial with the causal
+    mask (``j <= p``).
+    """
+    nq, nk = grid(q_len, kv_len, block_q, block_k)
+    ok = (kb >= 0) & (kb < nk) & (qb >= 0) & (qb < nq)
+    key = ((b[ok] * heads + h[ok]) * max(nq, 1) + qb[ok]) * max(nk, 1) + kb[ok]
+    key = torch.unique(key)
+    kb_u = key % max(nk, 1)
+    row = key // max(nk, 1)
+    qb_u = row % max(nq, 1)
+    bh = row // max(nq, 1)
+    b_u, h_u = bh // heads, bh % heads
+    mask_id = torch.full_like(key, -1)
+    masks: tuple[ElementMask, ...] = ()
+    if causal:
+        p_first, p_last = row_positions(qb_u, q_len, kv_len, block_q)
+        k_first = kb_u * block_k
+        k_last = torch.clamp((kb_u + 1) * block_k, max=kv_len) - 1
+        keep = k_first <= p_last
+        partial = k_last > p_first
+        b_u, h_u, qb_u, kb_u = b_u[keep], h_u[keep], qb_u[keep], kb_u[keep]
+        mask_id = torch.where(partial[keep], 0, -1)
+        if bool(partial[keep].any()):
+            masks = (CAUSAL,)
+    coo = _Coo(b_u, h_u, qb_u, kb_u, mask_id)
+    return BlockLayout._from_coo(coo, batch=batch, heads=heads, block_q=block_q, block_k=block_k,
+                                 q_len=q_len, kv_len=kv_len, masks=masks)
+
+
+def ranges_to_entries(qb: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expand per-row inclusive key-block ranges ``[lo, hi]`` (empty when lo > hi) into (qb, kb) entries."""
+    width = torch.clamp(hi - lo + 1, min=0)
+    rows = torch.repeat_interleave(qb, width)
+    first = torch.repeat_interleave(lo, width)
+    pos = torch.arange(rows.numel(), device=qb.device) - torch.repeat_interleave(torch.cumsum(width, 0) - width, width)
+    return rows, first + pos
+
+
+def generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``: samples are the same on every device."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(check_int("seed", seed, 0))
+    return g
+
+
+def sample_blocks(eligible: torch.Tensor, k_row: torch.Tensor, gen: torch.Generator,
+                  forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, ``k_row[r]`` key blocks drawn uniformly without replacement from ``eligible[r]``.
+
+    eligible: bool [Qb, Kb] (on the CPU, where ``gen`` lives); k_row: int64 [Qb], at most the
+    row's eligible count; forced: optional int64 [Qb] (-1 = none), an eligible block each row
+    takes first (it counts toward ``k_row``). Returns (qb, kb) int64 entries. Memory O(Qb * Kb).
+    """
+    nq, nk = eligible.shape
+    score = torch.rand(nq, nk, generator=gen)
+    score = torch.where(eligible, score, -1.0)
+    if forced is not None:
+        rows = (forced >= 0).nonzero(as_tuple=True)[0]
+        score[rows, forced[rows]] = 2.0
+    k_max = int(k_row.max()) if k_row.numel() else 0
+    picked = torch.topk(score, k_max, dim=1).indices if k_max else torch.zeros(nq, 0, dtype=torch.long)
+    keep = torch.arange(k_max)[None, :] < k_row[:, None]
+    rows = torch.arange(nq)[:, None].expand(nq, k_max)
+    return rows[keep], picked[keep]

@@ -1,0 +1,174 @@
+"""Helpers shared by the tests and the accuracy CLI: oracles, tolerance checks, inputs.
+
+Two oracles, deliberately different code:
+
+- :func:`oracle_attention` is :func:`sparse_attn.reference.attention` run in float64 (chunked,
+  layout-driven) — the oracle kernels are measured against (DESIGN rule 3).
+- :func:`naive_masked_attention` is a full-matrix float64 softmax under a dense token mask — the
+  independent check of the reference itself. O(Lq * Lk) memory: small sizes only.
+
+Masking convention (as everywhere in the package): query row ``i`` sits at key position
+``p = i + Lk - Lq`` (bottom-right alignment); a row with no allowed key gets output 0 and
+LSE ``-inf``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import metrics
+from .reference import attention as reference_attention
+
+__all__ = ["oracle_attention", "assert_close_to_oracle", "default_atol_floor", "random_qkv",
+           "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
+
+
+# ----------------------------------------------------------------------------- oracles
+def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout=None, *, causal: bool = False,
+                     scale: float | None = None, return_lse: bool = False):
+    """The reference attention in float64: q/k/v are upcast, the result stays float64.
+
+    Shapes as :func:`sparse_attn.attention`: q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``,
+    v ``[B, Hkv, Lk, Dv]`` -> out float64 ``[B, Hq, Lq, Dv]`` (and lse ``[B, Hq, Lq]``, fp32 as the
+    reference returns it). The default scale is ``1/sqrt(D)``, as for the inputs' own dtype.
+    """
+    return reference_attention(q.detach().to(torch.float64), k.detach().to(torch.float64),
+                               v.detach().to(torch.float64), layout, causal=causal, scale=scale,
+                               return_lse=return_lse)
+
+
+def naive_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_mask: torch.Tensor,
+                           scale: float | None = None, *, return_lse: bool = False):
+    """Full-matrix softmax attention in float64 under a dense token mask (independent oracle).
+
+    Args:
+        q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v ``[B, Hkv, Lk, Dv]`` with ``Hq % Hkv == 0``
+        (K/V heads are repeated: query head h reads kv head ``h // (Hq // Hkv)``).
+        token_mask: bool ``[B|1, Hq|1, Lq, Lk]`` (or ``[Lq, Lk]``), True = attend.
+        scale: default ``1/sqrt(D)``.
+
+    Returns: out float64 ``[B, Hq, Lq, Dv]`` (and lse float64 ``[B, Hq, Lq]``). Rows with no allowed
+    key: out exactly 0, lse ``-inf``. Differentiable (no NaN in the gradient of such rows).
+    """
+    B, Hq, Lq, D = q.shape
+    Hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if token_mask.dim() == 2:
+        token_mask = token_mask[None, None]
+    group = Hq // Hkv
+    q64 = q.to(torch.float64)
+    k64 = k.to(torch.float64).repeat_interleave(group, dim=1)
+    v64 = v.to(torch.float64).repeat_interleave(group, dim=1)
+    mask = token_mask.to(q.device).expand(B, Hq, Lq, k.shape[2])
+    s = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    row_any = mask.any(-1, keepdim=True)
+    s = torch.where(mask, s, float("-inf"))
+    s = torch.where(row_any, s, 0.0)  # empty rows: a harmless finite row, zeroed below
+    p = torch.where(row_any, torch.softmax(s, -1), 0.0)
+    out = torch.matmul(p, v64)
+    if not return_lse:
+        return out
+    lse = torch.where(row_any[..., 0], torch.logsumexp(s, -1), float("-inf"))
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- dense masks
+def causal_token_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:
+    """bool ``[q_len, kv_len]``: key j visible to query i iff ``j <= i + kv_len - q_len``."""
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
+    return j <= i + (kv_len - q_len)
+
+
+def element_mask_dense(mask, q_len: int, kv_len: int) -> torch.Tensor:
+    """bool ``[q_len, kv_len]`` of an :class:`~sparse_attn.masks.ElementMask`, evaluated with plain
+    Python integer loops straight from the documented definition (independent of ``masks.py``'s
+    interval code). O(q_len * kv_len * terms) Python work: small sizes only."""
+    out = [[False] * kv_len for _ in range(q_len)]
+    for i in range(q_len):
+        p = i + kv_len - q_len
+        row = out[i]
+        for t in mask.terms:
+            if not (t.q_lo <= p <= t.q_hi):
+                continue
+            for j in range(kv_len):
+                if row[j]:
+                    continue
+                if (t.k_lo <= j <= t.k_hi and p - t.left <= j <= p + t.right
+                        and (t.doc == 0 or p // t.doc == j // t.doc)):
+                    row[j] = True
+    return torch.tensor(out, dtype=torch.bool).reshape(q_len, kv_len)
+
+
+def block_map_from_token_mask(token_mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+    """int ``[..., Qb, Kb]`` from a bool ``[..., Lq, Lk]`` token mask: -2 no token allowed (block
+    absent), -1 every token of the (possibly ragged edge) block allowed (full), 0 some (partial)."""
+    *lead, lq, lk = token_mask.shape
+    nq, nk = math.ceil(lq / block_q), math.ceil(lk / block_k)
+    out = torch.full((*lead, nq, nk), -2, dtype=torch.int32)
+    for a in range(nq):
+        for c in range(nk):
+            blk = token_mask[..., a * block_q:(a + 1) * block_q, c * block_k:(c + 1) * block_k]
+            anyv, allv = blk.flatten(-2).any(-1), blk.flatten(-2).all(-1)
+            out[..., a, c] = torch.where(allv, -1, torch.where(anyv, 0, -2)).to(torch.int32)
+    return out
+
+
+# ----------------------------------------------------------------------------- tolerance (DESIGN rule 3)
+_FLOORS = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+
+def default_atol_floor(dtype: torch.dtype) -> float:
+    """The small absolute slack added to ``factor * reference_error``: it only matters where the
+    same-dtype reference is (nearly) exact, e.g. outputs that are exactly 0."""
+    return _FLOORS.get(dtype, 1e-6)
+
+
+def assert_close_to_oracle(out: torch.Tensor, ref_same_dtype: torch.Tensor, oracle: torch.Tensor, *,
+                           factor: float = 2.0, atol_floor: float | None = None, name: str = "output") -> None:
+    """DESIGN rule 3: ``out``'s error against the fp64 ``oracle`` may be at most ``factor`` times the
+    error of the same-dtype reference ``ref_same_dtype``, plus ``atol_floor``.
+
+    Checked for both the max-abs error and the RMSE (all three tensors the same shape, any dtype).
+    NaN/inf in ``out`` or ``oracle`` (or in the reference) never passes. Raises AssertionError with
+    both errors in the message.
+    """
+    if out.shape != oracle.shape or ref_same_dtype.shape != oracle.shape:
+        raise AssertionError(f"{name}: shape mismatch: out {tuple(out.shape)}, reference "
+                             f"{tuple(ref_same_dtype.shape)}, oracle {tuple(oracle.shape)}")
+    floor = default_atol_floor(out.dtype) if atol_floor is None else atol_floor
+    for what, t in (("output", out), ("same-dtype reference", ref_same_dtype), ("oracle", oracle)):
+        if not bool(torch.isfinite(t).all()):
+            n_nan = int(torch.isnan(t).sum())
+            n_inf = int(torch.isinf(t).sum())
+            raise AssertionError(f"{name}: the {what} is not finite ({n_nan} NaN, {n_inf} inf of {t.numel()})")
+    errs = {}
+    for metric in (metrics.max_abs_error, metrics.rmse):
+        got, base = metric(out, oracle), metric(ref_same_dtype, oracle)
+        allowed = factor * base + floor
+        errs[metric.__name__] = (got, base, allowed)
+    bad = {m: e for m, e in errs.items() if not e[0] <= e[2]}
+    if bad:
+        lines = [f"{m}: kernel {g:.3e} vs fp64 oracle, same-dtype reference {b:.3e}, "
+                 f"allowed {factor} x {b:.3e} + {floor:.1e} = {a:.3e}" for m, (g, b, a) in errs.items()]
+        raise AssertionError(f"{name} ({out.dtype}) too far from the fp64 oracle:\n  " + "\n  ".join(lines))
+
+
+# ----------------------------------------------------------------------------- inputs
+def random_qkv(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, dtype=torch.float32, device="cpu",
+               scale: float = 1.0, seed: int | None = None, *, Dv: int | None = None,
+               requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Standard-normal q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v ``[B, Hkv, Lk, Dv or D]``,
+    times ``scale``, drawn in fp32 on ``device`` (from a private generator when ``seed`` is given,
+    so one seed gives the same values on one device whatever the dtype) and cast to ``dtype``."""
+    device = torch.device(device)
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D if Dv is None else Dv))
+    out = []
+    for shape in shapes:
+        t = (torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * scale).to(dtype)
+        out.append(t.requires_grad_(requires_grad))
+    return tuple(out)
