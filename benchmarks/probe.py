@@ -42,10 +42,13 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense:16384", "causal:16384", "window4096:32768", "random0.1:32768"])
     ap.add_argument("--hkv", type=int, default=32)
     ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=["tma"], help="forward variants: ptr tma tma-ws")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows = []
-    for case in a.cases:
+    from sparse_attn.ops.block_sparse import launch
+    for case, variant in [(c, v) for c in a.cases for v in a.variants]:
+        launch.FWD_VARIANT = variant
         which, L = case.split(":")
         L = int(L)
         layout, causal_like = layouts(L, which)
@@ -53,17 +56,16 @@ def main():
         q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
-        flops = 4 * B * H * D * layout.num_blocks * (H if layout.heads == 1 else 1) / (1 if layout.heads == 1 else 1) * 128 * 128
         flops = 4 * B * D * 128 * 128 * (layout.num_blocks * (H // layout.heads))
         ms = bench(lambda: sparse_attn.attention(q, k, v, layout))
-        row = dict(case=which, L=L, hkv=a.hkv, density=layout.density, ms=ms, tflops=flops / ms * 1e-9)
-        if which in ("dense", "causal"):
+        row = dict(case=which, variant=variant, L=L, hkv=a.hkv, density=layout.density, ms=ms, tflops=flops / ms * 1e-9)
+        if which in ("dense", "causal") and variant == a.variants[0]:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             kk, vv = (k, v) if a.hkv == H else (k.repeat_interleave(H // a.hkv, 1), v.repeat_interleave(H // a.hkv, 1))
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 row["cudnn_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=causal_like))
             row["cudnn_tflops"] = flops / row["cudnn_ms"] * 1e-9
-        if a.bwd:
+        if a.bwd and variant == a.variants[0]:
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
             o = sparse_attn.attention(qg, kg, vg, layout)
             do = torch.randn_like(o)

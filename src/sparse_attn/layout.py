@@ -150,10 +150,14 @@ class BlockLayout:
         mask_ids = torch.full_like(indices, -1)
         indices[row, slot] = kb.to(torch.int32)
         mask_ids[row, slot] = mid.to(torch.int32)
-        return cls(block_q, block_k, q_len, kv_len,
-                   counts.to(torch.int32).view(batch, heads, nq),
-                   indices.view(batch, heads, nq, max_k),
-                   mask_ids.view(batch, heads, nq, max_k), tuple(masks))
+        layout = cls(block_q, block_k, q_len, kv_len,
+                     counts.to(torch.int32).view(batch, heads, nq),
+                     indices.view(batch, heads, nq, max_k),
+                     mask_ids.view(batch, heads, nq, max_k), tuple(masks))
+        # sorted, de-duplicated, in-range by construction: no host-syncing validate() needed later
+        # (which also keeps torch.compile(fullgraph=True) free of data-dependent branches)
+        layout._validated = True
+        return layout
 
     def _to_coo(self, batch: int | None = None, heads: int | None = None) -> _Coo:
         """Entries as coordinates, broadcast to (batch, heads) when given."""
@@ -364,15 +368,19 @@ class BlockLayout:
     def to(self, device) -> "BlockLayout":
         if torch.device(device) == self.device:
             return self
-        return BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len, self.kv_counts.to(device),
-                           self.kv_indices.to(device), self.kv_mask_ids.to(device), self.masks)
+        moved = BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len, self.kv_counts.to(device),
+                            self.kv_indices.to(device), self.kv_mask_ids.to(device), self.masks)
+        moved._validated = self._validated
+        return moved
 
     def expand(self, batch: int, heads: int) -> "BlockLayout":
         """The same layout with broadcast dims materialised to (batch, heads)."""
-        return BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len,
-                           self.kv_counts.expand(batch, heads, -1).contiguous(),
-                           self.kv_indices.expand(batch, heads, -1, -1).contiguous(),
-                           self.kv_mask_ids.expand(batch, heads, -1, -1).contiguous(), self.masks)
+        expanded = BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len,
+                               self.kv_counts.expand(batch, heads, -1).contiguous(),
+                               self.kv_indices.expand(batch, heads, -1, -1).contiguous(),
+                               self.kv_mask_ids.expand(batch, heads, -1, -1).contiguous(), self.masks)
+        expanded._validated = self._validated
+        return expanded
 
     def to_block_mask(self) -> torch.Tensor:
         """Dense bool [Bl, Hl, Qb, Kb]. O(Qb*Kb) memory: for inspection and small sizes."""

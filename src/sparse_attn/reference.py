@@ -15,8 +15,21 @@ from .layout import BlockLayout
 from .masks import allowed
 
 
-def token_mask_rows(layout: BlockLayout, r0: int, r1: int) -> torch.Tensor:
-    """bool [Bl, Hl, r1 - r0, kv_len]: the layout's pattern for query rows [r0, r1), which must lie in one query block."""
+def visited_key_range(layout: BlockLayout, qb: int) -> tuple[int, int]:
+    """[j0, j1): the keys any (batch, head) row of query block qb visits (j0 == j1 when none). Host sync."""
+    counts = layout.kv_counts[:, :, qb].long()
+    if int(counts.max()) == 0:
+        return 0, 0
+    idx = layout.kv_indices[:, :, qb].long()
+    first = torch.where(counts > 0, idx[..., 0], layout.num_kv_blocks).min()
+    last = idx.gather(-1, (counts - 1).clamp(min=0)[..., None])[..., 0].masked_fill(counts == 0, -1).max()
+    return int(first) * layout.block_k, min((int(last) + 1) * layout.block_k, layout.kv_len)
+
+
+def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int | None = None) -> torch.Tensor:
+    """bool [Bl, Hl, r1 - r0, j1 - j0]: the layout's pattern for query rows [r0, r1) (inside one query
+    block) and keys [j0, j1)."""
+    j1 = layout.kv_len if j1 is None else j1
     qb = r0 // layout.block_q
     nk = layout.num_kv_blocks
     counts = layout.kv_counts[:, :, qb].long()
@@ -25,10 +38,10 @@ def token_mask_rows(layout: BlockLayout, r0: int, r1: int) -> torch.Tensor:
     valid = torch.arange(layout.max_k, device=layout.device) < counts[..., None]
     bmap = torch.full((layout.batch, layout.heads, nk + 1), -2, dtype=torch.long, device=layout.device)
     bmap.scatter_(2, torch.where(valid, idx, nk), torch.where(valid, mids, -2))  # slot nk swallows padding
-    tok = bmap[..., :nk].repeat_interleave(layout.block_k, -1)[..., :layout.kv_len]  # [Bl, Hl, Lk]
+    tok = bmap[..., :nk].repeat_interleave(layout.block_k, -1)[..., j0:j1]  # [Bl, Hl, j1 - j0]
     out = (tok == -1)[:, :, None, :].expand(-1, -1, r1 - r0, -1).clone()
     p = torch.arange(r0, r1, device=layout.device) + (layout.kv_len - layout.q_len)
-    j = torch.arange(layout.kv_len, device=layout.device)
+    j = torch.arange(j0, j1, device=layout.device)
     for m, em in enumerate(layout.masks):
         sel = tok == m
         if sel.any():
@@ -67,21 +80,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     outs, lses = [], []
     for r0 in range(0, Lq, chunk):
         r1 = min(r0 + chunk, Lq)
+        # only the keys this chunk can see: O(rows x visited span) memory, also under autograd
+        j0, j1 = (0, Lk) if layout is None else visited_key_range(layout, r0 // layout.block_q)
+        if causal:
+            j1 = max(j0, min(j1, r1 + Lk - Lq))
+        if j1 <= j0:  # no key visible to any row of this chunk
+            outs.append(q.new_zeros(B, Hq, r1 - r0, Dv, dtype=acc) + 0 * q[:, :, r0:r1, :1].to(acc))
+            lses.append(torch.full((B, Hq, r1 - r0), float("-inf"), device=q.device, dtype=acc))
+            continue
         qc = q[:, :, r0:r1].to(mm).view(B, Hkv, group, r1 - r0, D)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf).to(acc) * scale
-        ok = torch.ones(1, 1, r1 - r0, Lk, dtype=torch.bool, device=q.device)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf[:, :, j0:j1]).to(acc) * scale
+        ok = torch.ones(1, 1, r1 - r0, j1 - j0, dtype=torch.bool, device=q.device)
         if layout is not None:
-            ok = token_mask_rows(layout, r0, r1)
+            ok = token_mask_rows(layout, r0, r1, j0, j1)
         if causal:
             p = torch.arange(r0, r1, device=q.device) + (Lk - Lq)
-            ok = ok & (torch.arange(Lk, device=q.device)[None, :] <= p[:, None])
+            ok = ok & (torch.arange(j0, j1, device=q.device)[None, :] <= p[:, None])
         ok = _heads_as_groups(ok, Hkv, group)
         s = s.masked_fill(~ok, float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: avoid inf - inf
         e = torch.exp(s - m)
         denom = e.sum(-1, keepdim=True)
-        o = torch.einsum("bhgqk,bhkd->bhgqd", e.to(mm), vf).to(acc)
+        o = torch.einsum("bhgqk,bhkd->bhgqd", e.to(mm), vf[:, :, j0:j1]).to(acc)
         o = o / torch.where(denom > 0, denom, torch.ones_like(denom))
         outs.append(o.reshape(B, Hq, r1 - r0, Dv))
         lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))

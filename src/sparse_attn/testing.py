@@ -116,7 +116,7 @@ def block_map_from_token_mask(token_mask: torch.Tensor, block_q: int, block_k: i
 
 
 # ----------------------------------------------------------------------------- tolerance (DESIGN rule 3)
-_FLOORS = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+_FLOORS = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 3e-4, torch.bfloat16: 2e-3}
 
 
 def default_atol_floor(dtype: torch.dtype) -> float:

@@ -115,6 +115,7 @@ def _fmt(x, spec: str) -> str:
 def summary_table(rows: list[Row], baseline: str | None = None, title: str | None = None):
     """A rich Table: pattern, L, (Hkv, mode when they vary), provider, ms, TFLOP/s, speedup."""
     from rich.table import Table
+    from rich.text import Text
     baseline = pick_baseline(rows, baseline)
     sp = speedups(rows, baseline) if baseline else {}
     vary = {name: len({getattr(r, name) for r in rows}) > 1
@@ -145,5 +146,5 @@ def summary_table(rows: list[Row], baseline: str | None = None, title: str | Non
         s = sp.get(id(r))
         cells += [_fmt(r.density, ".3f"), r.provider, ms, _fmt(r.tflops, ".3f" if (r.tflops or 0) < 1 else ".1f"),
                   "-" if s is None else f"{s:.2f}x"]
-        t.add_row(*cells)
+        t.add_row(*(Text(c) for c in cells))  # Text: no rich markup in error messages
     return t

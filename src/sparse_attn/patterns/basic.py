@@ -1,9 +1,28 @@
-"""Dense and causal layouts (token-exact, any lengths)."""
+"""Dense and causal layouts (token-exact, any lengths).
+
+Both are built from block entries with the closed-form causal cut of ``layout_from_entries``
+(O(Qb * Kb) entries, nothing per token), not via ``BlockLayout.from_mask``, whose per-token block
+classification costs O(blocks * block_q) and dominates at long lengths for these dense-ish patterns.
+"""
 from __future__ import annotations
 
+import torch
+
 from ..layout import BlockLayout
-from ..masks import ElementMask, MaskTerm
-from ._common import CAUSAL, lengths
+from ._common import diagonal_block, grid, lengths, layout_from_entries, ranges_to_entries
+
+
+def _rows(seq_len, kv_len, block_q, block_k, device, causal: bool) -> BlockLayout:
+    q_len, kv_len = lengths(seq_len, kv_len)
+    nq, nk = grid(q_len, kv_len, block_q, block_k)
+    qb = torch.arange(nq, device=device)
+    hi = torch.full_like(qb, nk - 1)
+    if causal:
+        hi = torch.clamp(diagonal_block(qb, q_len, kv_len, block_q, block_k), max=nk - 1)
+    q_e, k_e = ranges_to_entries(qb, torch.zeros_like(qb), hi)
+    zeros = torch.zeros_like(q_e)
+    return layout_from_entries(zeros, zeros, q_e, k_e, batch=1, heads=1, q_len=q_len, kv_len=kv_len,
+                               block_q=block_q, block_k=block_k, causal=causal)
 
 
 def dense(seq_len: int, kv_len: int | None = None, *, block_q: int = 128, block_k: int = 128,
@@ -14,19 +33,15 @@ def dense(seq_len: int, kv_len: int | None = None, *, block_q: int = 128, block_
         seq_len: query length ``Lq``; kv_len: key length ``Lk`` (default ``Lq``).
     Returns: a BlockLayout with batch = heads = 1 (broadcast).
     """
-    q_len, kv_len = lengths(seq_len, kv_len)
-    return BlockLayout.from_mask(ElementMask((MaskTerm(),)), q_len=q_len, kv_len=kv_len,
-                                 block_q=block_q, block_k=block_k, device=device)
+    return _rows(seq_len, kv_len, block_q, block_k, device, causal=False)
 
 
 def causal(seq_len: int, kv_len: int | None = None, *, block_q: int = 128, block_k: int = 128,
            device=None) -> BlockLayout:
     """Causal, bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``.
 
-    Blocks wholly below the diagonal are full, blocks crossing it are partial (causal element
-    mask), blocks wholly above it are not listed. When ``Lq > Lk`` the first ``Lq - Lk`` query
-    rows see no key (their output is 0).
+    Blocks wholly at or below the diagonal are full, blocks crossing it are partial (causal
+    element mask ``MaskTerm(right=0)``), blocks wholly above it are not listed. When ``Lq > Lk``
+    the first ``Lq - Lk`` query rows see no key (their output is 0).
     """
-    q_len, kv_len = lengths(seq_len, kv_len)
-    return BlockLayout.from_mask(CAUSAL, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k,
-                                 device=device)
+    return _rows(seq_len, kv_len, block_q, block_k, device, causal=True)

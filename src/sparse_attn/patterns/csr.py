@@ -30,7 +30,7 @@ def to_csr(layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def from_csr(crow: torch.Tensor, col: torch.Tensor, *, seq_len: int, kv_len: int | None = None,
-             block_q: int = 128, block_k: int = 128) -> BlockLayout:
+             block_q: int, block_k: int) -> BlockLayout:
     """A layout (every block full) from batched CSR ``crow [B, H, Qb + 1]``, ``col [B, H, N]``.
 
     Row ``qb`` of (b, h) visits ``col[b, h, crow[b, h, qb]:crow[b, h, qb + 1]]`` (any order, no

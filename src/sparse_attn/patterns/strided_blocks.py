@@ -40,7 +40,7 @@ def strided(seq_len: int, stride: int, kv_len: int | None = None, *, local_block
     qb, d_lo, d = _diagonals(nq, q_len, kv_len, block_q, block_k, device)
     hi = d if causal else d + local_blocks - 1
     q_loc, k_loc = ranges_to_entries(qb, torch.clamp(d_lo - local_blocks + 1, min=0), torch.clamp(hi, max=nk - 1))
-    summary = torch.arange(stride - 1, nk, stride, device=device)
+    summary = torch.arange(stride - 1, max(nk, stride - 1), stride, device=device)
     q_sum, k_sum = qb.repeat_interleave(summary.numel()), summary.repeat(nq)
     if causal:
         keep = k_sum <= d.repeat_interleave(summary.numel())

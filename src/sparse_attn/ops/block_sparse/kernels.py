@@ -13,9 +13,9 @@ evaluated on (p, j) from the int32 term table (see sparse_attn.masks).
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
-N_FIELDS: tl.constexpr = 7
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+N_FIELDS = tl.constexpr(7)
 
 
 @triton.jit
@@ -74,6 +74,7 @@ def fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, EVEN_N: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -98,34 +99,45 @@ def fwd_kernel(
     kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
     vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
     pos_q = (o_m + offset)[:, None]
+    if USE_TMA:
+        # per-head descriptors: rows past k_len (and head-dim padding) read as zeros
+        desc_k = tl.make_tensor_descriptor(K + kv_base, shape=[k_len, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, D_PAD])
+        desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, D_PAD])
 
     qk_scale = sm_scale * LOG2E
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for it in tl.range(0, count * SUB, num_stages=NUM_STAGES):
+    for it in tl.range(0, count * SUB, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
         slot = it // SUB
         kb = tl.load(KV_INDICES + p_row + slot)
-        o_n = kb * BLOCK_K + (it % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
-        p_k = K + kv_base + o_n.to(tl.int64)[None, :] * stride_kn + o_d[:, None]
-        p_v = V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :]
-        if EVEN_N and HEAD_DIM == D_PAD:
-            b_k = tl.load(p_k)  # [D, BN]
-            b_v = tl.load(p_v)  # [BN, D]
+        start_n = kb * BLOCK_K + (it % SUB) * BLOCK_N
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        if USE_TMA:
+            b_k = tl.trans(desc_k.load([start_n, 0]))  # [D, BN]
+            b_v = desc_v.load([start_n, 0])  # [BN, D]
         else:
-            m_n = o_n < k_len
-            b_k = tl.load(p_k, mask=m_n[None, :] & m_d[:, None], other=0.0)
-            b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_s = tl.dot(b_q, b_k) * qk_scale  # [BM, BN], log2 units
+            p_k = K + kv_base + o_n.to(tl.int64)[None, :] * stride_kn + o_d[:, None]
+            p_v = V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :]
+            if EVEN_N and HEAD_DIM == D_PAD:
+                b_k = tl.load(p_k)  # [D, BN]
+                b_v = tl.load(p_v)  # [BN, D]
+            else:
+                m_n = o_n < k_len
+                b_k = tl.load(p_k, mask=m_n[None, :] & m_d[:, None], other=0.0)
+                b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
+        b_s = tl.dot(b_q, b_k)  # [BM, BN], unscaled
         if N_TERMS > 0:
             mid = tl.load(KV_MASK_IDS + p_row + slot)
             if mid >= 0:
                 b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
         if not EVEN_N:
             b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)  # log2 units
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing allowed yet
-        b_p = tl.math.exp2(b_s - m_safe[:, None])
+        b_p = tl.math.exp2(b_s * qk_scale - m_safe[:, None])  # one FMA per score
         alpha = tl.math.exp2(b_m - m_safe)
         b_l = b_l * alpha + tl.sum(b_p, 1)
         b_acc = b_acc * alpha[:, None]

@@ -15,6 +15,9 @@ from . import kernels
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # SPARSE_ATTN_AUTOTUNE=0 runs one default config per kernel family (tests: compile once, not per config)
 AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
+# forward K/V loading: "ptr" (pointer loads), "tma" (on-device TMA descriptors),
+# "tma-ws" (TMA + warp-specialized loop); TMA variants need Hopper+ and 16-byte aligned rows
+FWD_VARIANT = os.environ.get("SPARSE_ATTN_FWD", "tma")
 
 
 def _divisors(block: int, options=(16, 32, 64, 128)) -> list[int]:
@@ -33,15 +36,35 @@ def _keep_fwd(cfg: triton.Config, block_q: int, block_k: int, d_pad: int) -> boo
     return True
 
 
-def fwd_configs(block_q: int, block_k: int, d_pad: int) -> list[triton.Config]:
+def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr") -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
-                               "NUM_STAGES": 1}, num_warps=4, num_stages=1)]
+                               "NUM_STAGES": 1, "USE_TMA": False, "WARP_SPEC": False}, num_warps=4, num_stages=1)]
     bms = _divisors(block_q)[-2:]
     bns = _divisors(block_k, (32, 64, 128))[-2:] or _divisors(block_k)[-1:]
-    space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s}, num_warps=w, num_stages=s)
+    flags = {"USE_TMA": variant != "ptr", "WARP_SPEC": variant == "tma-ws"}
+    space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s, **flags}, num_warps=w, num_stages=s)
              for bm in bms for bn in bns for w in (4, 8) for s in (2, 3, 4)]
     return [c for c in space if _keep_fwd(c, block_q, block_k, d_pad)]
+
+
+_ALLOCATOR_SET = False
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """On-device TMA descriptors need sm_90+, 16-byte aligned bases and row strides."""
+    if INTERPRET or not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
+               for t in tensors)
+
+
+def _ensure_allocator() -> None:
+    """Device-side descriptors live in a scratch buffer that Triton asks the host allocator for."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
 
 
 def bwd_configs(block_q: int, block_k: int, d_pad: int) -> list[triton.Config]:
@@ -60,12 +83,15 @@ def bwd_configs(block_q: int, block_k: int, d_pad: int) -> list[triton.Config]:
 _TUNED: dict = {}
 
 
-def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple):
+def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple, variant: str = "ptr"):
     """The autotuned kernel for this (layout blocks, head dim) family. Autotune key is on head dim,
     dtype and flags, never on raw sequence length (which would recompile per length)."""
-    k = (kind, block_q, block_k, d_pad)
+    k = (kind, block_q, block_k, d_pad, variant)
     if k not in _TUNED:
-        configs = (fwd_configs if kind == "fwd" else bwd_configs)(block_q, block_k, d_pad)
+        if kind == "fwd":
+            configs = fwd_configs(block_q, block_k, d_pad, variant)
+        else:
+            configs = bwd_configs(block_q, block_k, d_pad)
         if not AUTOTUNE:
             configs = [default_config(configs, kind, d_pad)]
         _TUNED[k] = triton.autotune(configs, key=list(key))(kernel) if len(configs) > 1 else _Fixed(kernel, configs[0])
@@ -138,7 +164,10 @@ def forward(q, k, v, kv_counts, kv_indices, kv_mask_ids, terms, n_terms: int, cu
     out = torch.empty_like(q)
     d_pad = _d_pad(D)
     even_n = (not varlen) and Lk % min(block_k, 128) == 0 and Lk % 16 == 0
-    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("EVEN_N",))
+    variant = FWD_VARIANT if _tma_ok(q, k, v) else "ptr"
+    if variant != "ptr":
+        _ensure_allocator()
+    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("EVEN_N",), variant)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, terms, cu_q, cu_k, sm_scale,

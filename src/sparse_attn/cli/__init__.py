@@ -1,0 +1,1 @@
+"""The ``sparse-attn`` command line: ``bench``, ``viz``, ``demo`` (see :mod:`.main`)."""

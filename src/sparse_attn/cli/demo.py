@@ -1,0 +1,64 @@
+"""``sparse-attn demo``: a benchmark suite sized for this machine, then the pattern gallery."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from ._common import console, default_device
+
+DESCRIPTION = """Run the benchmark suite sized for this machine and draw the pattern gallery.
+
+Without CUDA this runs the CPU 'small' suite (L 256-1024, fp32; the PyTorch reference path:
+correctness-sized, not a performance claim); with CUDA the 'demo-gpu' suite (bf16, L 4K-16K).
+Results go to OUT/bench/demo-DEVICE.{json,csv}, pictures to OUT/gallery/*.png."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="benchmark suite + pattern gallery, sized for this machine",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--out-dir", type=Path, default=Path("out"), help="output root (default: out)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few rows and a small gallery (seconds; used by the tests)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def demo_suite(device: str, quick: bool):
+    from ..bench import get_suite, restrict
+    if device.startswith("cuda"):
+        suite = get_suite("demo-gpu")
+        if quick:
+            suite = restrict(suite, patterns=["dense", "local"], seq_lens=[4096])
+        return suite
+    suite = get_suite("small")
+    if quick:
+        suite = restrict(suite, patterns=["dense", "causal", "local", "random"], seq_lens=[256],
+                         providers=["reference", "sdpa-math", "sparse_attn"], modes=["fwd"])
+    return suite
+
+
+def run(args) -> int:
+    from .. import viz
+    from .bench import run_suite_to_files
+    con = console()
+    device = args.device or default_device()
+    t0 = time.perf_counter()
+    suite = demo_suite(device, args.quick)
+    why = "CUDA found" if device.startswith("cuda") else "no CUDA: CPU reference path, correctness-sized"
+    con.rule(f"sparse_attn demo: device {device} ({why}), suite '{suite.name}'{' (quick)' if args.quick else ''}")
+    rows, json_path, csv_path = run_suite_to_files(
+        suite, device, out_dir=args.out_dir / "bench", name=f"demo-{device.split(':')[0]}",
+        reps=3 if args.quick else None, progress=not args.no_progress, con=con)
+    gallery_dir = args.out_dir / "gallery"
+    con.rule("pattern gallery")
+    paths = viz.write_gallery(gallery_dir, seq_len=1024 if args.quick else 4096,
+                              markdown=gallery_dir / "gallery.md")
+    con.print(f"drew {len(paths)} patterns: {', '.join(p.stem for p in paths)}")
+    con.rule("outputs")
+    if json_path is not None:
+        con.print(f"benchmark results: {json_path} (+ {csv_path.name})")
+    con.print(f"pattern gallery:   {gallery_dir}/*.png (index: {gallery_dir / 'gallery.md'})")
+    con.print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0 if json_path is not None else 1

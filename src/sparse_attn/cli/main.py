@@ -1,0 +1,40 @@
+"""``sparse-attn``: benchmark, draw and demo the block-sparse attention library.
+
+Run ``sparse-attn COMMAND --help`` for a command's options; ``python -m sparse_attn.cli.main``
+works the same. Each subcommand module exposes ``add_parser(subparsers)`` and sets ``func``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = """examples:
+  sparse-attn demo                                  run a benchmark suite and draw the pattern gallery
+  sparse-attn bench --device cpu                    the CPU-sized 'small' suite -> out/bench/
+  sparse-attn bench --suite kernels --device cuda --patterns 'random*' --seq-lens 32k
+  sparse-attn bench --list                          suites and providers (and why some cannot run)
+  sparse-attn viz streaming --seq-len 8k --window 1024 --num-sink 64 --out streaming.png
+  sparse-attn viz 'local|random' --density 0.1 --heads 4 --out mix.png
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import bench, demo, viz
+    from .. import __version__
+    parser = argparse.ArgumentParser(
+        prog="sparse-attn", description="Block-sparse FlashAttention: benchmarks, pattern pictures, demo.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"sparse_attn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (bench, viz, demo):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""``sparse-attn viz``: draw a pattern's block grid (a few heads side by side) to a PNG."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ._common import console, tokens
+
+DESCRIPTION = """Draw the block grid of a pattern: full blocks blue, partial blocks (element mask
+applied inside) orange, skipped blocks white; the title gives the layout's density (whole
+blocks). Per-head patterns (random, bigbird) draw up to --show-heads heads side by side.
+
+PATTERN is a builder of sparse_attn.patterns (dense, causal, local, streaming, block_diagonal,
+strided, dilated, random, bigbird) or several joined by '|' (union) or '&' (intersection),
+evaluated left to right, e.g. 'local|random'. Each builder takes the options below that it
+accepts; a required one left out gets a default (window = L/8, num_sink = 64, block_size = L/8,
+stride = 4, window_blocks = 3, dilation = 2, density = 0.2).
+
+With --gallery DIR, draws every pattern family instead (the docs/gallery pictures)."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("viz", help="draw a pattern's block grid to a PNG", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pattern", nargs="?", metavar="PATTERN", help="builder name or an 'a|b' / 'a&b' expression")
+    p.add_argument("--out", type=Path, help="PNG to write (default: PATTERN.png with | and & spelled out)")
+    g = p.add_argument_group("pattern options (tokens accept 8k / 128K)")
+    g.add_argument("--seq-len", type=tokens, default=4096, help="query length L (default 4096)")
+    g.add_argument("--kv-len", type=tokens, help="key length (default: L)")
+    g.add_argument("--block-q", type=int, default=128, help="query block size (multiple of 16, 16..256; default 128)")
+    g.add_argument("--block-k", type=int, default=128, help="key block size (default 128)")
+    g.add_argument("--window", type=tokens, help="local/streaming: window in tokens")
+    g.add_argument("--window-right", type=tokens, help="local: keys after the query (non-causal windows)")
+    g.add_argument("--num-sink", type=tokens, help="streaming: sink tokens at the start")
+    g.add_argument("--block-size", type=tokens, help="block_diagonal: document length in tokens")
+    g.add_argument("--stride", type=int, help="strided: every STRIDE-th key block is a summary block")
+    g.add_argument("--local-blocks", type=int, help="strided: width of the local band in blocks")
+    g.add_argument("--window-blocks", type=int, help="dilated/bigbird: window in blocks")
+    g.add_argument("--dilation", type=int, help="dilated: step between visited key blocks")
+    g.add_argument("--num-global-blocks", type=int, help="bigbird: global blocks")
+    g.add_argument("--num-random-blocks", type=int, help="bigbird: random blocks per row")
+    g.add_argument("--density", type=float, help="random: fraction of key blocks per row")
+    g.add_argument("--top-k", type=int, help="random: key blocks per row (instead of --density)")
+    g.add_argument("--heads", type=int, help="random/bigbird: heads with their own layout")
+    g.add_argument("--seed", type=int, help="random/bigbird: RNG seed")
+    g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal variant where the builder has one (default: the builder's)")
+    d = p.add_argument_group("drawing")
+    d.add_argument("--show-heads", type=int, default=4, help="at most this many heads side by side (default 4)")
+    d.add_argument("--close-up", nargs="+", type=tokens, metavar="N",
+                   help="add a token-level panel: Q0 K0 ROWS [COLS] (tokens; head 0)")
+    d.add_argument("--dpi", type=int, default=110, help="PNG resolution (default 110)")
+    d.add_argument("--gallery", type=Path, metavar="DIR", help="draw every pattern family into DIR instead")
+    d.add_argument("--markdown", type=Path, metavar="FILE", help="with --gallery: also write a markdown page")
+    p.set_defaults(func=run)
+
+
+def pattern_options(args) -> dict:
+    names = ("kv_len", "block_q", "block_k", "window", "window_right", "num_sink", "block_size", "stride",
+             "local_blocks", "window_blocks", "dilation", "num_global_blocks", "num_random_blocks", "density",
+             "top_k", "heads", "seed", "causal")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def default_out(pattern: str) -> Path:
+    return Path(pattern.replace("|", "_or_").replace("&", "_and_").replace(" ", "") + ".png")
+
+
+def run(args) -> int:
+    from rich.markup import escape
+    from .. import viz
+    con = console()
+    if args.gallery is not None:
+        paths = viz.write_gallery(args.gallery, seq_len=args.seq_len, block=args.block_q, markdown=args.markdown,
+                                  dpi=args.dpi)
+        con.print(f"wrote {len(paths)} pictures to {args.gallery}" + (f" and {args.markdown}" if args.markdown else ""))
+        return 0
+    if not args.pattern:
+        con.print("[red]give a PATTERN (or --gallery DIR); choose from "
+                  f"{', '.join(viz.pattern_names())}[/red]")
+        return 2
+    close_up = None
+    if args.close_up:
+        if len(args.close_up) not in (3, 4):
+            con.print("[red]--close-up takes Q0 K0 ROWS [COLS][/red]")
+            return 2
+        close_up = viz.CloseUp(*args.close_up)
+    try:
+        layout = viz.build_pattern(args.pattern, args.seq_len, **pattern_options(args))
+    except (ValueError, TypeError) as e:
+        con.print(f"[red]cannot build {escape(repr(args.pattern))}: {escape(str(e))}[/red]")
+        return 2
+    out = args.out or default_out(args.pattern)
+    viz.save(viz.draw_layout(layout, name=args.pattern, max_heads=args.show_heads, close_up=close_up), out,
+             dpi=args.dpi)
+    con.print(f"wrote {out}: {args.pattern}, L={layout.q_len}, blocks {layout.block_q}x{layout.block_k}, "
+              f"{'one layout for all heads' if layout.heads == 1 else f'{layout.heads} per-head layouts'}, "
+              f"density {layout.density:.4f}")
+    return 0

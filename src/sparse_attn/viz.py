@@ -1,0 +1,317 @@
+"""Drawing BlockLayouts: the block grid of a few heads side by side, and token-level close-ups.
+
+    from sparse_attn import viz, patterns
+    fig = viz.draw_layout(patterns.local(4096, window=1024), name="local")
+    viz.save(fig, "local.png")
+
+Blocks are drawn in three states: absent (white), *full* (blue: no element mask) and *partial*
+(orange: the element mask applies inside). matplotlib is imported lazily (``pip install
+sparse_attn[bench]``), with the non-interactive Agg backend.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ABSENT, FULL, PARTIAL = 0, 1, 2
+COLORS = ("#ffffff", "#2b5c9e", "#f0962e")  # absent, full, partial
+TOKEN_COLORS = ("#ffffff", "#2b5c9e")        # masked, attended
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+# ----------------------------------------------------------------------------- data
+def block_states(layout) -> torch.Tensor:
+    """int8 ``[Bl, Hl, Qb, Kb]`` on the CPU: 0 absent, 1 full, 2 partial."""
+    lay = layout.to("cpu")
+    out = torch.zeros(lay.batch, lay.heads, lay.num_q_blocks, lay.num_kv_blocks + 1, dtype=torch.int8)
+    valid = torch.arange(lay.max_k) < lay.kv_counts[..., None]
+    idx = torch.where(valid, lay.kv_indices.long(), lay.num_kv_blocks)  # padding -> spill column
+    state = torch.where(lay.kv_mask_ids >= 0, PARTIAL, FULL).to(torch.int8)
+    out.scatter_(3, idx, state)
+    return out[..., :lay.num_kv_blocks]
+
+
+def token_region(layout, q0: int, k0: int, rows: int, cols: int | None = None, *, batch: int = 0,
+                 head: int = 0) -> torch.Tensor:
+    """bool ``[rows, cols]`` (clipped to the layout): the exact pattern of queries ``q0..`` x keys ``k0..``."""
+    from .reference import token_mask_rows
+    lay = layout.to("cpu")
+    q1, k1 = min(q0 + rows, lay.q_len), min(k0 + (rows if cols is None else cols), lay.kv_len)
+    rows = []
+    r = q0
+    while r < q1:
+        r_end = min(q1, (r // lay.block_q + 1) * lay.block_q)
+        m = token_mask_rows(lay, r, r_end)
+        rows.append(m[min(batch, m.shape[0] - 1), min(head, m.shape[1] - 1), :, k0:k1])
+        r = r_end
+    return torch.cat(rows, 0) if rows else torch.zeros(0, max(k1 - k0, 0), dtype=torch.bool)
+
+
+def per_head_density(states: torch.Tensor) -> torch.Tensor:
+    """float ``[Bl, Hl]``: fraction of each head's grid that is visited."""
+    return (states > 0).float().mean(dim=(-1, -2))
+
+
+# ----------------------------------------------------------------------------- drawing
+@dataclass
+class CloseUp:
+    """A token-level panel: queries ``q0 .. q0+rows`` x keys ``k0 .. k0+cols`` of one head."""
+
+    q0: int
+    k0: int
+    rows: int = 384
+    cols: int | None = None  # default: rows (square)
+    head: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.rows if self.cols is None else self.cols
+
+
+def _heads_to_draw(n_heads: int, max_heads: int) -> list[int]:
+    if n_heads <= max_heads:
+        return list(range(n_heads))
+    return sorted({round(i * (n_heads - 1) / (max_heads - 1)) for i in range(max_heads)}) if max_heads > 1 else [0]
+
+
+def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_heads: int = 4, batch: int = 0,
+                close_up: CloseUp | None = None, panel_inches: float = 3.4):
+    """A figure: one block-grid panel per drawn head (+ an optional token close-up panel).
+
+    Density in the title is the whole layout's (blocks visited / grid, all heads); each panel
+    gives its head's own.
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+    plt = _plt()
+    states = block_states(layout)
+    b = min(batch, states.shape[0] - 1)
+    heads = heads if heads is not None else _heads_to_draw(states.shape[1], max_heads)
+    dens = per_head_density(states)
+    n_panels = len(heads) + (close_up is not None)
+    fig, axes = plt.subplots(1, n_panels, figsize=(max(panel_inches * n_panels, 6.4), panel_inches + 1.2), squeeze=False)
+    axes = axes[0]
+    cmap = ListedColormap(COLORS)
+    nq, nk = states.shape[-2:]
+    for ax, h in zip(axes, heads):
+        ax.imshow(states[b, h].numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
+                  extent=(0, nk, nq, 0))
+        _grid(ax, nq, nk)
+        label = "all heads" if states.shape[1] == 1 else f"head {h}"
+        ax.set_title(f"{label}: {dens[b, h]:.3f}", fontsize=9)
+        ax.set_xlabel(f"key block ({layout.block_k} tokens)", fontsize=8)
+        ax.set_ylabel(f"query block ({layout.block_q} tokens)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if close_up is not None and h == close_up.head:
+            ax.add_patch(Rectangle((close_up.k0 / layout.block_k, close_up.q0 / layout.block_q),
+                                   close_up.width / layout.block_k, close_up.rows / layout.block_q,
+                                   fill=False, edgecolor="#c0392b", linewidth=1.2))
+    if close_up is not None:
+        _draw_close_up(axes[-1], layout, close_up, b)
+    n_full = int((states == FULL).sum())
+    n_part = int((states == PARTIAL).sum())
+    title = (f"{name + ': ' if name else ''}L={layout.q_len}"
+             f"{'' if layout.kv_len == layout.q_len else f'x{layout.kv_len}'}, blocks {layout.block_q}x{layout.block_k}, "
+             f"density {layout.density:.3f}")
+    if close_up is not None:
+        title += " (red: token close-up)"
+    fig.suptitle(title, fontsize=11)
+    handles = [Patch(facecolor=COLORS[FULL], label=f"full block ({n_full})"),
+               Patch(facecolor=COLORS[PARTIAL], label=f"partial block ({n_part})"),
+               Patch(facecolor=COLORS[ABSENT], edgecolor="#999999", label="skipped")]
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.935), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    return fig
+
+
+def _grid(ax, nq: int, nk: int) -> None:
+    """Thin block boundaries when the grid is small enough to see them."""
+    if max(nq, nk) <= 64:
+        ax.set_xticks(range(nk + 1), minor=True)
+        ax.set_yticks(range(nq + 1), minor=True)
+        ax.grid(which="minor", color="#d9d9d9", linewidth=0.4)
+        ax.tick_params(which="minor", length=0)
+    ax.set_xlim(0, nk)
+    ax.set_ylim(nq, 0)
+
+
+def _draw_close_up(ax, layout, cu: CloseUp, batch: int) -> None:
+    from matplotlib.colors import ListedColormap
+    tok = token_region(layout, cu.q0, cu.k0, cu.rows, cu.width, batch=batch, head=cu.head)
+    rows, cols = tok.shape
+    ax.imshow(tok.numpy(), cmap=ListedColormap(TOKEN_COLORS), vmin=0, vmax=1, interpolation="nearest",
+              extent=(cu.k0, cu.k0 + cols, cu.q0 + rows, cu.q0), aspect="auto")
+    for x in range(math.ceil(cu.k0 / layout.block_k) * layout.block_k, cu.k0 + cols, layout.block_k):
+        ax.axvline(x, color="#c0392b", linewidth=0.6, alpha=0.7)
+    for y in range(math.ceil(cu.q0 / layout.block_q) * layout.block_q, cu.q0 + rows, layout.block_q):
+        ax.axhline(y, color="#c0392b", linewidth=0.6, alpha=0.7)
+    ax.set_title(f"tokens {cu.q0}..{cu.q0 + rows} x {cu.k0}..{cu.k0 + cols} (head {cu.head})", fontsize=9)
+    ax.set_xlabel("key", fontsize=8)
+    ax.set_ylabel("query", fontsize=8)
+    ax.tick_params(labelsize=7)
+
+
+def save(fig, path, dpi: int = 110) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    _plt().close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- building by name
+# Values used for a builder's *required* arguments when the caller gives none (L = seq_len).
+DEFAULTS = {"window": lambda L: max(L // 8, 16), "num_sink": lambda L: 64, "block_size": lambda L: max(L // 8, 16),
+            "stride": lambda L: 4, "window_blocks": lambda L: 3, "dilation": lambda L: 2}
+
+
+def build_pattern(expr: str, seq_len: int, **options):
+    """A layout from a pattern expression: builder names joined by ``|`` (union) or ``&`` (intersection),
+    evaluated left to right, e.g. ``"local|random"``.
+
+    Each builder in :mod:`sparse_attn.patterns` gets the ``options`` its signature accepts (None
+    values dropped); a required argument not given takes a value from :data:`DEFAULTS`.
+    ``random`` with neither ``density`` nor ``top_k`` uses ``density=0.2``.
+    """
+    import re
+    tokens = re.split(r"\s*([|&])\s*", expr.strip())
+    layout = _build_one(tokens[0], seq_len, options)
+    for op, name in zip(tokens[1::2], tokens[2::2]):
+        other = _build_one(name, seq_len, options)
+        layout = layout | other if op == "|" else layout & other
+    return layout
+
+
+def _build_one(name: str, seq_len: int, options: dict):
+    from . import patterns
+    fn = getattr(patterns, name, None) if not name.startswith("_") else None
+    if fn is None or not callable(fn) or name in NOT_BUILDERS:
+        raise ValueError(f"unknown pattern {name!r}; choose from {', '.join(pattern_names())}")
+    params = inspect.signature(fn).parameters
+    kw = {k: v for k, v in options.items() if v is not None and k in params}
+    for pname, p in params.items():
+        if pname == "seq_len" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is inspect.Parameter.empty and pname not in kw and pname in DEFAULTS:
+            kw[pname] = DEFAULTS[pname](seq_len)
+    if name == "random" and kw.get("density") is None and kw.get("top_k") is None:
+        kw["density"] = 0.2
+    if "seq_len" in params and params["seq_len"].kind == params["seq_len"].KEYWORD_ONLY:
+        return fn(seq_len=seq_len, **kw)
+    return fn(seq_len, **kw)
+
+
+NOT_BUILDERS = {"to_flex", "from_block_index", "from_block_mask", "from_csr", "to_csr", "to_block_index",
+                "from_flex", "topk"}
+
+
+def pattern_names() -> list[str]:
+    """Builders in :mod:`sparse_attn.patterns` that take ``seq_len`` (the CLI's PATTERN choices)."""
+    from . import patterns
+    names = []
+    for name in getattr(patterns, "__all__", dir(patterns)):
+        fn = getattr(patterns, name, None)
+        if name.startswith("_") or name in NOT_BUILDERS or not inspect.isfunction(fn):
+            continue
+        if "seq_len" in inspect.signature(fn).parameters:
+            names.append(name)
+    return names
+
+
+# ----------------------------------------------------------------------------- the gallery
+@dataclass
+class GalleryItem:
+    name: str          # file stem
+    expr: str          # build_pattern expression ("" -> built by `make`)
+    caption: str
+    options: dict = field(default_factory=dict)
+    close_up: tuple[int, ...] | None = None  # CloseUp(q0, k0, rows[, cols]) in tokens
+    make: object = None  # callable(seq_len, block) -> layout, for patterns that are not builders
+
+
+def _topk_example(seq_len: int, block: int):
+    """``patterns.topk`` (k=6, causal) on a toy score map: near-diagonal blocks, two sink blocks, noise."""
+    from . import patterns
+    nq = nk = math.ceil(seq_len / block)
+    g = torch.Generator().manual_seed(0)
+    qb = torch.arange(nq)[:, None].float()
+    kb = torch.arange(nk)[None, :].float()
+    scores = -((qb - kb).abs() / 3.0) + 0.8 * torch.randn(nq, nk, generator=g) + 2.0 * (kb < 2)
+    return patterns.topk(scores[None, None], k=6, seq_len=seq_len, block_q=block, block_k=block, causal=True)
+
+
+def gallery_items(seq_len: int = 4096) -> list[GalleryItem]:
+    L = seq_len
+    return [
+        GalleryItem("dense", "dense", "Every block, all full."),
+        GalleryItem("causal", "causal", "Bottom-right causal: blocks below the diagonal full, diagonal blocks partial.",
+                    close_up=(L // 2, L // 2 - 128, 384)),
+        GalleryItem("local", "local", f"Causal sliding window of {L // 4} tokens (`local(L, window={L // 4})`).",
+                    {"window": L // 4}, close_up=(L // 2, L // 4 - 64, 384)),
+        GalleryItem("streaming", "streaming", f"StreamingLLM: {64} sink tokens + a window of {L // 4} tokens.",
+                    {"window": L // 4, "num_sink": 64}, close_up=(L // 2, 0, 256, L // 2 + 256)),
+        GalleryItem("block_diagonal", "block_diagonal",
+                    "Documents of 600 tokens (not a multiple of 128, so blocks on document boundaries are partial).",
+                    {"block_size": 600}, close_up=(512, 512, 384)),
+        GalleryItem("strided", "strided", "Sparse-Transformer fixed pattern: local band + every 4th block as summary (causal).",
+                    {"stride": 4, "causal": True}),
+        GalleryItem("dilated", "dilated", "Dilated window: 6 key blocks, every 3rd, around the diagonal.",
+                    {"window_blocks": 6, "dilation": 3}),
+        GalleryItem("random", "random", "Random key blocks per head, density 0.2 (per-head layouts).",
+                    {"density": 0.2, "heads": 4, "seed": 0}),
+        GalleryItem("bigbird", "bigbird", "BigBird: 1 global block, 3-block window, 2 random blocks per row, per head.",
+                    {"num_global_blocks": 1, "window_blocks": 3, "num_random_blocks": 2, "heads": 4, "seed": 0}),
+        GalleryItem("topk", "", "`topk(scores, k=6, causal=True)` on a toy score map (pooled Q/K scores in practice).",
+                    make=_topk_example),
+        GalleryItem("local_or_random", "local|random",
+                    f"Composition `local(window={L // 8}) | random(density=0.1)`: union of two layouts.",
+                    {"window": L // 8, "density": 0.1, "heads": 4, "seed": 0}),
+    ]
+
+
+def write_gallery(out_dir, *, seq_len: int = 4096, block: int = 128, markdown=None, names=None,
+                  dpi: int = 110) -> list[Path]:
+    """Draw every gallery item to ``out_dir/<name>.png``; optionally write a markdown page."""
+    out_dir = Path(out_dir)
+    written, entries = [], []
+    for item in gallery_items(seq_len):
+        if names and item.name not in names:
+            continue
+        if item.make is not None:
+            layout = item.make(seq_len, block)
+        else:
+            layout = build_pattern(item.expr, seq_len, block_q=block, block_k=block, **item.options)
+        cu = CloseUp(*item.close_up) if item.close_up else None
+        path = save(draw_layout(layout, name=item.expr or item.name, close_up=cu), out_dir / f"{item.name}.png", dpi=dpi)
+        written.append(path)
+        entries.append((item, path, layout))
+    if markdown is not None:
+        _write_markdown(Path(markdown), entries, seq_len, block)
+    return written
+
+
+def _write_markdown(md: Path, entries, seq_len: int, block: int) -> None:
+    import os
+    lines = ["# Pattern gallery", "",
+             f"Every pattern family at L = {seq_len} with {block}x{block} blocks. Blue blocks are *full* "
+             "(no element mask), orange blocks are *partial* (the element mask is applied inside the "
+             "block), white blocks are skipped. Density counts whole blocks. Some figures add a "
+             "token-level close-up of the red square.", "",
+             "Regenerate with `sparse-attn viz --gallery docs/gallery --markdown docs/gallery.md`; draw "
+             "one pattern with e.g. `sparse-attn viz local --seq-len 8192 --window 1024 --out local.png`.", ""]
+    for item, path, layout in entries:
+        rel = os.path.relpath(path, md.parent)
+        lines += [f"## {item.expr or item.name}", "", item.caption + f" Density {layout.density:.3f}.", "",
+                  f"![{item.name}]({rel})", ""]
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text("\n".join(lines))

@@ -1,0 +1,340 @@
+"""The benchmark harness: FLOP counting, providers, timing, runner, result files."""
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from sparse_attn import BlockLayout, patterns
+from sparse_attn.bench import (MODES, ROW_FIELDS, Case, Row, attention_flops, block_density, check_providers,
+                               expand, get_provider, get_suite, load_json, make_header, provider_names,
+                               register_provider, restrict, run_suite, spec, summary_table, visited_blocks,
+                               write_csv, write_json)
+from sparse_attn.bench.registry import unregister_provider
+from sparse_attn.bench.results import HEADER_FIELDS, speedups
+from sparse_attn.bench.suites import Suite
+from sparse_attn.bench.timing import peak_memory, time_cpu
+
+
+def ones_layout(nq, nk, block=128, **kw):
+    return BlockLayout.from_block_mask(torch.ones(nq, nk, dtype=torch.bool), block_q=block, block_k=block, **kw)
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def test_dense_flops_exact():
+    B, H, D, L = 2, 4, 32, 256
+    lay = patterns.dense(L)
+    fwd = 4 * B * H * D * L * L  # 2x2 blocks of 128x128 = the whole 256x256 matrix
+    assert fwd == 4 * 2 * 4 * 32 * 65536 == 67_108_864
+    assert attention_flops(lay, batch=B, heads=H, head_dim=D, mode="fwd") == fwd
+    assert attention_flops(lay, batch=B, heads=H, head_dim=D, mode="bwd") == int(2.5 * fwd)
+    assert attention_flops(lay, batch=B, heads=H, head_dim=D, mode="fwd+bwd") == int(3.5 * fwd)
+    assert attention_flops(ones_layout(2, 2), batch=B, heads=H, head_dim=D) == fwd
+
+
+def test_causal_counts_whole_blocks():
+    B, H, D = 1, 2, 64
+    per_block = 4 * B * H * D * 128 * 128
+    lay = patterns.causal(256)  # blocks (0,0) partial, (1,0) full, (1,1) partial: 3 whole blocks
+    assert lay.num_blocks == 3
+    assert attention_flops(lay, batch=B, heads=H, head_dim=D) == 3 * per_block
+    # a dense layout run with causal=True counts the same blocks
+    assert attention_flops(patterns.dense(256), batch=B, heads=H, head_dim=D, causal=True) == 3 * per_block
+    assert block_density(patterns.dense(256), batch=B, heads=H, causal=True) == pytest.approx(0.75)
+    # L=1024: 8 query blocks -> 8*9/2 = 36 blocks, not the 32 of an exact half
+    assert visited_blocks(patterns.dense(1024), batch=1, heads=1, causal=True) == 36
+
+
+def test_causal_bottom_right_for_short_queries():
+    # q_len 128, kv_len 256: the single query block sits at positions 128..255 -> sees both key blocks
+    lay = BlockLayout.from_block_mask(torch.ones(1, 2, dtype=torch.bool), block_q=128, block_k=128,
+                                      q_len=128, kv_len=256)
+    assert visited_blocks(lay, batch=1, heads=1, causal=True) == 2
+    lay = BlockLayout.from_block_mask(torch.ones(2, 1, dtype=torch.bool), block_q=128, block_k=128,
+                                      q_len=256, kv_len=128)
+    # q_len > kv_len: query block 0 sits at positions -128..-1 and sees nothing
+    assert visited_blocks(lay, batch=1, heads=1, causal=True) == 1
+
+
+def test_broadcast_and_per_head_counts():
+    m = torch.zeros(1, 2, 2, 2, dtype=torch.bool)
+    m[0, 0, 0, 0] = True                 # head 0: 1 block
+    m[0, 1, 0, :] = m[0, 1, 1, 1] = True  # head 1: 3 blocks
+    lay = BlockLayout.from_block_mask(m, block_q=128, block_k=128)
+    assert visited_blocks(lay, batch=3, heads=2) == 3 * (1 + 3)
+    assert block_density(lay, batch=3, heads=2) == pytest.approx(4 / 8)
+    shared = ones_layout(2, 2)  # Bl = Hl = 1: counted for every (b, h)
+    assert visited_blocks(shared, batch=3, heads=5) == 3 * 5 * 4
+    with pytest.raises(ValueError, match="cannot broadcast"):
+        visited_blocks(lay, batch=1, heads=3)
+
+
+def test_ragged_length_counts_whole_blocks():
+    lay = patterns.dense(200)  # 2x2 blocks, the last ones ragged, still counted whole
+    assert attention_flops(lay, batch=1, heads=1, head_dim=16) == 4 * 16 * 4 * 128 * 128
+
+
+def test_random_density_flops_match_layout():
+    lay = patterns.random(1024, density=0.25, heads=4, seed=1)
+    f = attention_flops(lay, batch=1, heads=4, head_dim=32)
+    assert f == 4 * 32 * 128 * 128 * lay.num_blocks
+    assert block_density(lay, batch=1, heads=4) == pytest.approx(lay.density)
+
+
+# ----------------------------------------------------------------------------- registry + providers
+def test_registry_decorator_and_modes():
+    calls = []
+
+    @register_provider("test-matmul", description="toy")
+    def build(q, k, v, layout, causal):
+        calls.append(causal)
+        return lambda: (q @ k.transpose(-1, -2)).softmax(-1) @ v
+
+    try:
+        assert "test-matmul" in provider_names()
+        prov = get_provider("test-matmul")
+        assert prov.description == "toy" and prov.computes == "sparse"
+        with pytest.raises(ValueError, match="already registered"):
+            register_provider("test-matmul")(build)
+        q, k, v = (torch.randn(1, 1, 16, 8, requires_grad=True) for _ in range(3))
+        out = prov.make_run(q, k, v, None, True, "fwd").fn()
+        assert out.shape == (1, 1, 16, 8) and calls == [True]
+        run = prov.make_run(q, k, v, None, False, "bwd")
+        assert run.grad_to_none == (q, k, v)
+        run.fn()
+        assert q.grad is not None and q.grad.abs().sum() > 0
+        run.fn()  # retain_graph: backward can be timed repeatedly
+        for t in run.grad_to_none:
+            t.grad = None
+        prov.make_run(q, k, v, None, False, "fwd+bwd").fn()
+        assert k.grad is not None
+        with pytest.raises(ValueError, match="mode must be one of"):
+            prov.make_run(q, k, v, None, False, "backward")
+        with pytest.raises(ValueError, match="requires_grad"):
+            prov.make_run(q.detach(), k.detach(), v.detach(), None, False, "bwd")
+    finally:
+        unregister_provider("test-matmul")
+    with pytest.raises(KeyError, match="registered: .*reference"):
+        get_provider("test-matmul")
+
+
+def test_builtin_providers_registered():
+    names = provider_names()
+    for name in ("sparse_attn", "reference", "flex", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math"):
+        assert name in names
+    assert {get_provider(n).computes for n in names if n.startswith("sdpa-")} == {"dense"}
+    assert get_provider("sparse_attn").computes == "sparse"
+
+
+def test_availability_reasons_on_cpu():
+    cpu = torch.device("cpu")
+    for name in ("sdpa-cudnn", "sdpa-efficient"):
+        ok, why = get_provider(name).available(cpu)
+        assert ok is False and "CUDA" in why
+    for name in ("reference", "sparse_attn", "sdpa-math"):
+        ok, why = get_provider(name).available(cpu)
+        assert ok is True and "cpu" in why
+    ok, why = get_provider("flex").available(cpu)
+    assert isinstance(ok, bool) and why  # it runs eagerly on this torch, or says why not
+    usable, skipped = check_providers(["reference", "sdpa-cudnn", "reference"], "cpu")
+    assert usable == ["reference"] and set(skipped) == {"sdpa-cudnn"}
+
+
+def _outputs(names, q, k, v, layout, causal):
+    return {n: get_provider(n).make_run(q, k, v, layout, causal, "fwd").fn() for n in names}
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_providers_agree_on_causal(hkv):
+    q = torch.randn(1, 4, 256, 32)
+    k, v = torch.randn(1, hkv, 256, 32), torch.randn(1, hkv, 256, 32)
+    names = ["reference", "sparse_attn", "sdpa-math"]
+    if get_provider("flex").available("cpu")[0]:
+        names.append("flex")
+    outs = _outputs(names, q, k, v, patterns.causal(256), True)
+    for n in names[1:]:
+        torch.testing.assert_close(outs[n], outs["reference"], atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_sdpa_repeats_kv_when_backend_lacks_gqa(monkeypatch):
+    from sparse_attn.bench import providers
+    real = providers._sdpa_probe
+    monkeypatch.setattr(providers, "_sdpa_probe", lambda b, d, dt, gqa: "no GQA" if gqa else real(b, d, dt, gqa))
+    q, k, v = torch.randn(1, 4, 128, 16), torch.randn(1, 1, 128, 16), torch.randn(1, 1, 128, 16)
+    outs = _outputs(["reference", "sdpa-math"], q, k, v, patterns.dense(128), False)
+    torch.testing.assert_close(outs["sdpa-math"], outs["reference"], atol=1e-5, rtol=1e-5)
+
+
+def test_flex_sparse_pattern_matches_reference():
+    if not get_provider("flex").available("cpu")[0]:
+        pytest.skip(get_provider("flex").available("cpu")[1])
+    q, k, v = torch.randn(1, 2, 512, 16), torch.randn(1, 2, 512, 16), torch.randn(1, 2, 512, 16)
+    lay = patterns.streaming(512, window=100, num_sink=20)
+    outs = _outputs(["reference", "flex"], q, k, v, lay, True)
+    torch.testing.assert_close(outs["flex"], outs["reference"], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- timing
+def test_time_cpu_median_and_reps():
+    n = {"calls": 0}
+    x = torch.randn(64, 64, requires_grad=True)
+    x.grad = torch.ones_like(x)
+
+    def fn():
+        n["calls"] += 1
+        assert x.grad is None  # reset before every call
+        return x @ x
+
+    ms = time_cpu(fn, reps=5, warmup=1, grad_to_none=(x,))
+    assert ms > 0 and n["calls"] == 1 + 1 + 5  # first call, warm-up, timed
+    assert peak_memory(fn, torch.device("cpu")) is None
+
+
+# ----------------------------------------------------------------------------- runner
+def tiny_suite(providers=("reference", "sdpa-math"), patterns_=("dense", "causal")) -> Suite:
+    cases = tuple(Case(spec(p, causal=p == "causal"), seq_lens=(256,), providers=providers, heads=2, kv_heads=(1,),
+                       head_dim=16) for p in patterns_)
+    return Suite("tiny", "test", cases)
+
+
+def test_run_suite_rows():
+    rows = run_suite(tiny_suite(), "cpu", reps=2, progress=False)
+    assert [(r.pattern, r.provider) for r in rows] == [("dense", "reference"), ("dense", "sdpa-math"),
+                                                       ("causal", "reference"), ("causal", "sdpa-math")]
+    for r in rows:
+        assert r.error is None and r.ms > 0 and r.peak_mem_bytes is None
+        assert r.kv_heads == 1 and r.dtype == "fp32" and r.mode == "fwd"
+        flops = 4 * 1 * 2 * 16 * 128 * 128 * (4 if r.pattern == "dense" else 3)
+        assert r.tflops == pytest.approx(flops / (r.ms * 1e-3) / 1e12)
+    assert rows[0].density == 1.0 and rows[2].density == 0.75 and rows[2].causal is True
+
+
+def test_dense_provider_timing_shared_across_patterns():
+    suite = Suite("t", "", (Case(spec("dense"), (256,), ("sdpa-math",), head_dim=16),
+                            Case(spec("block_diagonal", block_size=128), (256,), ("sdpa-math",), head_dim=16)))
+    a, b = run_suite(suite, "cpu", reps=2, progress=False)
+    assert a.ms == b.ms  # SDPA computes the same dense attention: measured once
+    assert b.tflops == pytest.approx(a.tflops / 2)  # but credited with the pattern's FLOPs (2 of 4 blocks)
+
+
+def test_oom_and_errors_are_recorded_not_raised():
+    @register_provider("test-oom")
+    def oom(q, k, v, layout, causal):
+        def fn():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")
+        return fn
+
+    @register_provider("test-broken")
+    def broken(q, k, v, layout, causal):
+        raise ValueError("head_dim 16 is not supported\nsecond line")
+
+    try:
+        rows = run_suite(tiny_suite(providers=("test-oom", "test-broken", "reference"), patterns_=("dense",)),
+                         "cpu", reps=1, progress=False)
+    finally:
+        unregister_provider("test-oom")
+        unregister_provider("test-broken")
+    by = {r.provider: r for r in rows}
+    assert by["test-oom"].error == "OOM" and by["test-oom"].ms is None and by["test-oom"].tflops is None
+    assert by["test-broken"].error == "ValueError: head_dim 16 is not supported"
+    assert by["reference"].error is None and by["reference"].ms > 0
+
+
+def test_layout_failure_recorded():
+    suite = Suite("t", "", (Case(spec("nope", "no_such_builder"), (256,), ("reference",)),))
+    (row,) = run_suite(suite, "cpu", reps=1, progress=False)
+    assert row.error.startswith("layout: AttributeError") and row.ms is None
+
+
+def test_expand_drops_duplicate_rows():
+    suite = restrict(get_suite("small"), patterns=["local"], seq_lens=[256], modes=["fwd"])
+    points = expand(suite)
+    keys = [p.key() for p in points]
+    assert len(keys) == len(set(keys)) == 3  # two local cases collapse to one row per provider
+
+
+# ----------------------------------------------------------------------------- suites
+def test_small_suite_is_cpu_sized():
+    suite = get_suite("small")
+    names = {c.pattern.builder for c in suite.cases}
+    assert {"dense", "causal", "local", "streaming", "block_diagonal", "random", "bigbird"} <= names
+    for c in suite.cases:
+        assert set(c.providers) == {"reference", "sdpa-math", "sparse_attn"}
+        assert max(c.seq_lens) <= 1024 and c.batch == 1 and c.heads == 2 and c.head_dim == 32 and c.dtype == "fp32"
+        assert set(c.modes) <= set(MODES)
+
+
+def test_kernels_suite_definition():
+    suite = get_suite("kernels")
+    import sparse_attn.patterns as pat
+    for c in suite.cases:
+        assert hasattr(pat, c.pattern.builder)
+        assert c.dtype == "bf16" and c.batch == 1 and c.heads == 32 and c.kv_heads == (32, 8) and c.head_dim == 128
+        assert {"sparse_attn", "flex", "sdpa-cudnn", "sdpa-flash"} == set(c.providers)
+        if "fwd+bwd" in c.modes:
+            assert set(c.seq_lens) == {16384, 32768}
+    fwd_sparse = {c.pattern.name: c.seq_lens for c in suite.cases if c.modes == ("fwd",)}
+    assert fwd_sparse["random-0.1"] == (8192, 32768, 131072)
+    assert fwd_sparse["dense"] == (16384, 32768, 65536)
+    assert {"random-0.1", "random-0.25", "random-0.5", "local-4096", "block_diagonal-4096"} <= set(fwd_sparse)
+    dens = {c.pattern.name: dict(c.pattern.kwargs).get("density") for c in suite.cases}
+    assert dens["random-0.25"] == 0.25
+    # every row the suite asks for has a registered provider
+    assert {p for c in suite.cases for p in c.providers} <= set(provider_names())
+
+
+def test_suite_patterns_build():
+    for name in ("small", "kernels", "demo-gpu"):
+        for c in get_suite(name).cases:
+            lay = c.pattern.build(1024, heads=c.heads)
+            assert lay.q_len == 1024 and lay.heads in (1, c.heads)
+
+
+# ----------------------------------------------------------------------------- results
+def test_json_csv_schema(tmp_path):
+    rows = [Row("reference", "dense", 256, 1, 2, 2, 16, "fp32", "fwd", False, 1.0, 1.5, 0.001, None, None),
+            Row("flex", "dense", 256, 1, 2, 2, 16, "fp32", "fwd+bwd", False, 1.0, None, None, None, "OOM")]
+    header = make_header("cpu", "tiny")
+    assert set(HEADER_FIELDS) <= set(header) and header["gpu"] == "cpu" and header["suite"] == "tiny"
+    assert header["torch"] == torch.__version__
+    write_json(tmp_path / "r.json", header, rows)
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data) == {"header", "rows"}
+    assert all(list(r) == list(ROW_FIELDS) for r in data["rows"])
+    assert data["rows"][1]["error"] == "OOM" and data["rows"][1]["ms"] is None
+    h2, rows2 = load_json(tmp_path / "r.json")
+    assert h2 == header and rows2 == rows
+    write_csv(tmp_path / "r.csv", rows)
+    with open(tmp_path / "r.csv") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == ROW_FIELDS
+        lines = list(reader)
+    assert lines[0]["ms"] == "1.5" and lines[1]["ms"] == "" and lines[1]["error"] == "OOM"
+    assert set(ROW_FIELDS) >= {"provider", "pattern", "seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype",
+                               "mode", "causal", "density", "ms", "tflops", "peak_mem_bytes", "error"}
+
+
+def test_summary_table_speedups():
+    from rich.console import Console
+    rows = [Row("sdpa-math", "local", 512, 1, 2, 2, 16, "fp32", "fwd", True, 0.5, 4.0, 0.1),
+            Row("reference", "local", 512, 1, 2, 2, 16, "fp32", "fwd", True, 0.5, 2.0, 0.2),
+            Row("reference", "local", 1024, 1, 2, 2, 16, "fp32", "fwd", True, 0.3, 2.0, 0.2)]
+    sp = speedups(rows, "sdpa-math")
+    assert sp[id(rows[0])] == 1.0 and sp[id(rows[1])] == 2.0 and sp[id(rows[2])] is None
+    con = Console(record=True, width=200)
+    con.print(summary_table(rows))
+    text = con.export_text()
+    assert "vs sdpa-math" in text and "2.00x" in text and "1.00x" in text
+
+
+def test_peak_memory_cuda_only():
+    assert peak_memory(lambda: torch.ones(10), "cpu") is None
+
+
+@pytest.mark.gpu
+def test_cuda_rows_have_memory_and_time():
+    rows = run_suite(tiny_suite(providers=("sdpa-math", "reference")), "cuda", reps=3, progress=False)
+    for r in rows:
+        assert r.error is None and r.ms > 0 and r.peak_mem_bytes is not None and r.peak_mem_bytes >= 0
+        assert math.isfinite(r.tflops)

@@ -1,0 +1,345 @@
+"""The PyTorch reference attention against an independent full-matrix fp64 oracle.
+
+``naive_masked_attention`` (sparse_attn.testing) repeats K/V heads and runs one softmax over the
+whole ``[Lq, Lk]`` matrix under a dense token mask; the reference walks query blocks, reads the
+layout row by row and views query heads as GQA groups. Both in fp64 here, so they must agree to
+rounding (1e-12); lower precisions are checked with the rule-3 helper.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn import reference
+from sparse_attn.layout import BlockLayout
+from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
+from sparse_attn.testing import (assert_close_to_oracle, causal_token_mask, naive_masked_attention,
+                                 oracle_attention, random_qkv)
+
+F64 = torch.float64
+TOL = 1e-12
+
+
+def _close(a, b, tol=TOL):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert not torch.isnan(a).any(), "NaN in the reference output"
+    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    assert err <= tol, f"max abs error {err:.3e} > {tol:.1e}"
+
+
+def _check_lse(lse, lse_naive):
+    """Same -inf rows; finite rows close (the reference returns lse in fp32)."""
+    assert lse.dtype == torch.float32
+    assert not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_naive))
+    fin = torch.isfinite(lse_naive)
+    if fin.any():
+        torch.testing.assert_close(lse[fin].double(), lse_naive[fin], rtol=1e-6, atol=1e-6)
+
+
+def _run(q, k, v, layout=None, causal=False, scale=None):
+    """Reference (out, lse) and the naive oracle (out, lse) under the equivalent token mask."""
+    out, lse = reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True)
+    Lq, Lk = q.shape[2], k.shape[2]
+    tok = torch.ones(1, 1, Lq, Lk, dtype=torch.bool) if layout is None else layout.to_token_mask()
+    if causal:
+        tok = tok & causal_token_mask(Lq, Lk)
+    ref = naive_masked_attention(q, k, v, tok, scale, return_lse=True)
+    return (out, lse), ref, tok
+
+
+# ----------------------------------------------------------------------------- dense and causal
+@pytest.mark.parametrize("Lq,Lk", [(1, 1), (1, 50), (50, 1), (17, 17), (130, 130), (40, 170), (170, 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_and_causal(Lq, Lk, causal):
+    q, k, v = random_qkv(2, 3, 3, Lq, Lk, 16, F64, "cpu", seed=Lq * 1000 + Lk)
+    (out, lse), (out_n, lse_n), tok = _run(q, k, v, causal=causal)
+    _close(out, out_n)
+    _check_lse(lse, lse_n)
+    assert out.dtype == F64 and out.shape == (2, 3, Lq, 16) and lse.shape == (2, 3, Lq)
+
+
+def test_causal_rows_without_keys_are_exact_zero_and_neg_inf():
+    """Lq > Lk bottom-right: the first Lq - Lk rows see no key -> out exactly 0, lse -inf, no NaN."""
+    Lq, Lk = 70, 25
+    q, k, v = random_qkv(1, 2, 1, Lq, Lk, 8, F64, "cpu", seed=3)
+    out, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    empty = Lq - Lk
+    assert torch.equal(out[:, :, :empty], torch.zeros_like(out[:, :, :empty]))
+    assert torch.isneginf(lse[:, :, :empty]).all()
+    assert torch.isfinite(lse[:, :, empty:]).all() and torch.isfinite(out).all()
+    # row `empty` sits at key position 0: it sees exactly key 0, so its output is v[0]
+    torch.testing.assert_close(out[0, :, empty], v[0, 0, 0].expand(2, -1), rtol=0, atol=1e-15)
+    torch.testing.assert_close(lse[0, :, empty].double(), (q[0, :, empty] @ k[0, 0, 0]) / math.sqrt(8),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_causal_lq_lt_lk_bottom_right():
+    """Lq < Lk: query 0 sits at position Lk - Lq and sees Lk - Lq + 1 keys."""
+    Lq, Lk = 5, 12
+    q, k, v = random_qkv(1, 1, 1, Lq, Lk, 4, F64, "cpu", seed=4)
+    out = reference.attention(q, k, v, causal=True)
+    s = (q[0, 0] @ k[0, 0].T) / 2.0
+    for i in range(Lq):
+        n = Lk - Lq + 1 + i
+        p = torch.softmax(s[i, :n], -1)
+        torch.testing.assert_close(out[0, 0, i], p @ v[0, 0, :n], rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_low_precision_accumulates_in_fp32(dtype):
+    """A low-precision reference is as good as rounding the fp64 answer to its dtype (rule-3 check)."""
+    q, k, v = random_qkv(2, 4, 2, 100, 140, 32, dtype, "cpu", seed=5)
+    layout = BlockLayout.from_mask(ElementMask((window_term(50, 10), sink_term(4))), q_len=100, kv_len=140,
+                                   block_q=32, block_k=16)
+    out = reference.attention(q, k, v, layout)
+    assert out.dtype == dtype
+    oracle = oracle_attention(q, k, v, layout)
+    assert_close_to_oracle(out, oracle.to(dtype), oracle, factor=1.5)
+
+
+# ----------------------------------------------------------------------------- layouts
+MASKS = {
+    "window_sinks": ElementMask((window_term(30, 0), MaskTerm(k_lo=0, k_hi=3, right=0))),
+    "two_sided": ElementMask((window_term(20, 11),)),
+    "documents": ElementMask((document_term(37),)),
+    "global_rows_or_causal": ElementMask((MaskTerm(q_lo=0, q_hi=5), causal_term())),
+}
+
+
+@pytest.mark.parametrize("block_q,block_k", [(16, 16), (32, 64), (64, 16)])
+@pytest.mark.parametrize("Lq,Lk", [(100, 100), (37, 150), (150, 37), (1, 1), (1, 90)])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_layouts_with_partial_blocks(mask, Lq, Lk, block_q, block_k, causal):
+    layout = BlockLayout.from_mask(MASKS[mask], q_len=Lq, kv_len=Lk, block_q=block_q, block_k=block_k)
+    q, k, v = random_qkv(1, 2, 1, Lq, Lk, 8, F64, "cpu", seed=Lq + Lk)
+    (out, lse), (out_n, lse_n), tok = _run(q, k, v, layout, causal)
+    _close(out, out_n)
+    _check_lse(lse, lse_n)
+    assert torch.equal(torch.isneginf(lse[0, 0]), ~tok[0, 0].any(-1)), "lse is -inf exactly on rows with no key"
+
+
+def _random_layout(B, H, Lq, Lk, bq, bk, seed, mask=None):
+    g = torch.Generator().manual_seed(seed)
+    nq, nk = math.ceil(Lq / bq), math.ceil(Lk / bk)
+    bm = torch.rand(B, H, nq, nk, generator=g) < 0.5
+    part = torch.rand(B, H, nq, nk, generator=g) < 0.5
+    mask = mask or ElementMask((window_term(25, 4),))
+    return BlockLayout.from_block_mask(bm, block_q=bq, block_k=bk, q_len=Lq, kv_len=Lk, partial=part, mask=mask)
+
+
+@pytest.mark.parametrize("Bl,Hl", [(1, 8), (2, 8), (2, 1), (1, 1)], ids=["per-head", "per-batch-head",
+                                                                      "per-batch", "shared"])
+@pytest.mark.parametrize("Hkv", [8, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_per_head_and_batch_layouts_with_gqa(Bl, Hl, Hkv):
+    B, Hq, Lq, Lk = 2, 8, 70, 90
+    layout = _random_layout(Bl, Hl, Lq, Lk, 16, 32, seed=Bl * 100 + Hl * 10 + Hkv)
+    q, k, v = random_qkv(B, Hq, Hkv, Lq, Lk, 8, F64, "cpu", seed=Hkv, Dv=12)
+    (out, lse), (out_n, lse_n), tok = _run(q, k, v, layout)
+    assert out.shape == (B, Hq, Lq, 12)
+    _close(out, out_n)
+    _check_lse(lse, lse_n)
+
+
+def test_gqa_uses_kv_head_h_div_group():
+    """Hq=8, Hkv=2: query heads 0..3 read kv head 0, heads 4..7 kv head 1 (checked by hand)."""
+    q, k, v = random_qkv(1, 8, 2, 10, 12, 4, F64, "cpu", seed=9)
+    out = reference.attention(q, k, v)
+    for h in range(8):
+        kh = h // 4
+        p = torch.softmax(q[0, h] @ k[0, kh].T / 2.0, -1)
+        torch.testing.assert_close(out[0, h], p @ v[0, kh], rtol=0, atol=1e-14)
+
+
+def test_per_head_layout_is_per_query_head():
+    """A heads=Hq layout applies row h to query head h (not kv head): heads differ only by layout."""
+    B, Hq, Hkv, L = 1, 4, 2, 32
+    bm = torch.zeros(1, Hq, 2, 2, dtype=torch.bool)
+    bm[:, :, :, 0] = True
+    bm[0, 1, :, 1] = True  # only query head 1 sees the second key block
+    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16)
+    q, k, v = random_qkv(B, Hq, Hkv, L, L, 8, F64, "cpu", seed=10)
+    q = q[:, :1].expand(B, Hq, L, 8).contiguous()  # same queries in every head
+    out = reference.attention(q, k, v, layout)
+    first_half = reference.attention(q[:, :1], k[:, :1, :16], v[:, :1, :16])
+    full = reference.attention(q[:, :1], k[:, :1], v[:, :1])
+    torch.testing.assert_close(out[:, 0], first_half[:, 0], rtol=0, atol=1e-14)
+    torch.testing.assert_close(out[:, 1], full[:, 0], rtol=0, atol=1e-14)
+
+
+def test_layout_dense_equals_no_layout():
+    q, k, v = random_qkv(2, 2, 1, 50, 70, 8, F64, "cpu", seed=11)
+    dense = BlockLayout.from_block_mask(torch.ones(4, 5, dtype=torch.bool), block_q=16, block_k=16, q_len=50, kv_len=70)
+    _close(reference.attention(q, k, v, dense), reference.attention(q, k, v))
+    _close(reference.attention(q, k, v, dense, causal=True), reference.attention(q, k, v, causal=True))
+
+
+def test_empty_layout_gives_zeros():
+    q, k, v = random_qkv(1, 2, 2, 40, 40, 8, F64, "cpu", seed=12)
+    layout = BlockLayout.from_mask(ElementMask(()), q_len=40, block_q=16, block_k=16)
+    out, lse = reference.attention(q, k, v, layout, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+# ----------------------------------------------------------------------------- scale, head dims, api
+@pytest.mark.parametrize("scale", [None, 0.05, 1.0, 3.0])
+def test_scale(scale):
+    q, k, v = random_qkv(1, 2, 2, 33, 47, 16, F64, "cpu", seed=13)
+    layout = BlockLayout.from_mask(MASKS["window_sinks"], q_len=33, kv_len=47, block_q=16, block_k=16)
+    (out, lse), (out_n, lse_n), _ = _run(q, k, v, layout, scale=scale)
+    _close(out, out_n)
+    _check_lse(lse, lse_n)
+    if scale is not None:  # scale s on q == default scale on q * s * sqrt(D)
+        _close(out, reference.attention(q * (scale * 4.0), k, v, layout))
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = random_qkv(1, 1, 1, 9, 9, 25, F64, "cpu", seed=14)
+    _close(reference.attention(q, k, v), reference.attention(q, k, v, scale=0.2))
+    assert (reference.attention(q, k, v) - reference.attention(q, k, v, scale=0.3)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("D,Dv", [(8, 24), (24, 8), (16, 1)])
+def test_value_dim_differs(D, Dv):
+    q, k, v = random_qkv(2, 4, 2, 30, 41, D, F64, "cpu", seed=15, Dv=Dv)
+    layout = BlockLayout.from_mask(MASKS["two_sided"], q_len=30, kv_len=41, block_q=16, block_k=32)
+    (out, lse), (out_n, lse_n), _ = _run(q, k, v, layout, causal=True)
+    assert out.shape == (2, 4, 30, Dv)
+    _close(out, out_n)
+    _check_lse(lse, lse_n)
+
+
+def test_return_lse_off_returns_tensor_only():
+    q, k, v = random_qkv(1, 1, 1, 8, 8, 4, F64, "cpu", seed=16)
+    out = reference.attention(q, k, v)
+    assert isinstance(out, torch.Tensor)
+    out2, lse = reference.attention(q, k, v, return_lse=True)
+    assert torch.equal(out, out2)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(q[0, 0] @ k[0, 0].T / 2.0, -1)[None, None],
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_public_attention_on_cpu_is_the_reference():
+    q, k, v = random_qkv(2, 4, 2, 50, 60, 8, F64, "cpu", seed=17)
+    layout = _random_layout(1, 4, 50, 60, 16, 16, seed=17)
+    a, la = sparse_attn.attention(q, k, v, layout, causal=True, scale=0.3, return_lse=True)
+    b, lb = reference.attention(q, k, v, layout, causal=True, scale=0.3, return_lse=True)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("Lq,Lk", [(5, 0), (3, 0)])
+@pytest.mark.xfail(strict=True, reason="BUG: kv_len 0 passes validation, then reference.attention raises "
+                                       "IndexError from amax over an empty dim instead of out 0 / lse -inf")
+def test_no_keys_at_all(Lq, Lk):
+    q, k, v = random_qkv(1, 2, 1, Lq, Lk, 8, torch.float32, "cpu", seed=18)
+    out, lse = sparse_attn.attention(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_no_queries():
+    q, k, v = random_qkv(1, 2, 1, 0, 9, 8, torch.float32, "cpu", seed=19)
+    out, lse = sparse_attn.attention(q, k, v, return_lse=True)
+    assert out.shape == (1, 2, 0, 8) and lse.shape == (1, 2, 0)
+
+
+# ----------------------------------------------------------------------------- gradients
+def _grads(fn, q, k, v, do, dl):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v)
+    lse_term = torch.where(torch.isfinite(lse), lse.double(), 0.0)  # -inf rows contribute nothing
+    ((out * do).sum() + (lse_term * dl).sum()).backward()
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("case", ["dense-causal-Lq>Lk", "layout-gqa", "per-head-mqa"])
+def test_gradients_match_naive(case):
+    if case == "dense-causal-Lq>Lk":
+        B, Hq, Hkv, Lq, Lk, layout, causal = 1, 2, 2, 60, 35, None, True
+    elif case == "layout-gqa":
+        B, Hq, Hkv, Lq, Lk, causal = 2, 4, 2, 50, 70, False
+        layout = BlockLayout.from_mask(MASKS["window_sinks"], q_len=Lq, kv_len=Lk, block_q=16, block_k=32)
+    else:
+        B, Hq, Hkv, Lq, Lk, causal = 2, 4, 1, 45, 45, True
+        layout = _random_layout(2, 4, Lq, Lk, 16, 16, seed=20)
+    q, k, v = random_qkv(B, Hq, Hkv, Lq, Lk, 8, F64, "cpu", seed=21, Dv=6)
+    g = torch.Generator().manual_seed(22)
+    do = torch.randn(B, Hq, Lq, 6, generator=g, dtype=F64)
+    dl = torch.randn(B, Hq, Lq, generator=g, dtype=F64)
+    tok = torch.ones(1, 1, Lq, Lk, dtype=torch.bool) if layout is None else layout.to_token_mask()
+    if causal:
+        tok = tok & causal_token_mask(Lq, Lk)
+    got = _grads(lambda q, k, v: reference.attention(q, k, v, layout, causal=causal, return_lse=True), q, k, v, do, dl)
+    want = _grads(lambda q, k, v: naive_masked_attention(q, k, v, tok, return_lse=True), q, k, v, do, dl)
+    for name, a, b in zip("qkv", got, want):
+        assert not torch.isnan(a).any(), f"NaN in d{name}"
+        # lse comes back in fp32, so its gradient path is fp32-accurate
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
+    if case == "dense-causal-Lq>Lk":
+        assert torch.equal(got[0][:, :, :Lq - Lk], torch.zeros_like(got[0][:, :, :Lq - Lk])), \
+            "rows with no key must get zero dq"
+
+
+def test_gradients_without_lse_tight():
+    q, k, v = random_qkv(1, 2, 1, 40, 40, 8, F64, "cpu", seed=23)
+    layout = BlockLayout.from_mask(MASKS["documents"], q_len=40, block_q=16, block_k=16)
+    for t in (q, k, v):
+        t.requires_grad_()
+    reference.attention(q, k, v, layout, causal=True).square().sum().backward()
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    tok = layout.to_token_mask() & causal_token_mask(40, 40)
+    naive_masked_attention(q2, k2, v2, tok).square().sum().backward()
+    for a, b in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        _close(a, b)
+
+
+# ----------------------------------------------------------------------------- memory
+_MEMORY_PROBE = textwrap.dedent("""
+    import sys, torch
+    from sparse_attn import reference
+    from sparse_attn.layout import BlockLayout
+    from sparse_attn.masks import ElementMask, window_term, sink_term
+
+    def peak_mb():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+
+    torch.set_num_threads(2)
+    Lq, Lk, D = 16384, 2048, 8
+    q, k, v = (torch.randn(1, 1, n, D) for n in (Lq, Lk, Lk))
+    layout = BlockLayout.from_mask(ElementMask((window_term(1023, 0), sink_term(64))), q_len=Lq, kv_len=Lk,
+                                   block_q=128, block_k=128)
+    for lay, causal in ((None, True), (layout, False)):
+        open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark
+        base = peak_mb()
+        out = reference.attention(q, k, v, lay, causal=causal)
+        assert out.shape == (1, 1, Lq, D) and not out.isnan().any()
+        print(peak_mb() - base)
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux peak-RSS reset")
+def test_reference_memory_is_chunked():
+    """Lq=16384, Lk=2048: a bool token mask is 32 MiB, a fp32 score matrix 128 MiB; the chunked
+    reference (one 128-row block at a time) must peak below half the bool mask.
+
+    Runs in a subprocess with a fixed malloc mmap threshold so that freed chunks go back to the OS
+    and the peak RSS measures live memory, not allocator fragmentation.
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    res = subprocess.run([sys.executable, "-c", _MEMORY_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    peaks = [float(x) for x in res.stdout.split()]
+    assert len(peaks) == 2
+    bool_mask_mb = 16384 * 2048 / 2**20
+    for what, peak in zip(("dense causal", "window+sinks layout"), peaks):
+        assert peak < bool_mask_mb / 2, \
+            f"{what}: peak RSS grew by {peak:.1f} MiB (a dense [Lq, Lk] bool mask is {bool_mask_mb:.0f} MiB)"

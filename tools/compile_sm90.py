@@ -1,0 +1,66 @@
+"""Compile the Triton kernels for sm_90 on a machine without a GPU (frontend, LLVM, ptxas), so
+syntax/type errors and shared-memory/register use show up before any device time is spent.
+
+    python tools/compile_sm90.py            # prints one line per variant, exit 1 on any failure
+"""
+import itertools
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sparse_attn.ops.block_sparse import kernels as K
+
+POINTERS_I32 = {"KV_COUNTS", "KV_INDICES", "KV_MASK_IDS", "T_COUNTS", "T_INDICES", "T_MASK_IDS", "TERMS", "CU_Q", "CU_K"}
+
+
+def signature(fn, consts):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name == "sm_scale":
+            sig[name] = "fp32"
+        elif name.startswith("stride") or name in ("H", "G", "HKV", "Lq", "Lk"):
+            sig[name] = "i32"
+        elif name in POINTERS_I32:
+            sig[name] = "*i32"
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "*bf16"
+    return sig
+
+
+def variants():
+    base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
+    for n_terms, varlen, tma, ws in itertools.product((0, 2), (False, True), (False, True), (False, True)):
+        if ws and not tma:
+            continue
+        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen, EVEN_N=not varlen,
+                                 USE_TMA=tma, WARP_SPEC=ws)
+    for fn in (K.bwd_dkdv_kernel, K.bwd_dq_kernel):
+        for n_terms, varlen in itertools.product((0, 2), (False, True)):
+            yield fn, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
+
+
+def main():
+    target = GPUTarget("cuda", 90, 32)
+    failed = 0
+    for fn, consts in variants():
+        flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "WARP_SPEC")}
+        try:
+            c = triton.compile(ASTSource(fn, signature(fn, consts), constexprs=consts), target=target,
+                               options=dict(num_warps=8, num_stages=3))
+            ptx = c.asm.get("ptx", "")
+            print(f"ok   {fn.__name__:16s} {flags} smem={c.metadata.shared} wgmma={'wgmma' in ptx} "
+                  f"tma={'cp.async.bulk.tensor' in ptx}")
+        except Exception as e:  # noqa: BLE001 - report every failure, keep going
+            failed += 1
+            print(f"FAIL {fn.__name__:16s} {flags}: {type(e).__name__}: {str(e)[:800]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
