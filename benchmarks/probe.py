@@ -49,33 +49,41 @@ def main():
     from sparse_attn.ops.block_sparse import launch
     for case, variant in [(c, v) for c in a.cases for v in a.variants]:
         launch.FWD_VARIANT = variant
-        which, L = case.split(":")
-        L = int(L)
-        layout, causal_like = layouts(L, which)
-        B, H, D = 1, 32, 128
-        q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
-        flops = 4 * B * D * 128 * 128 * (layout.num_blocks * (H // layout.heads))
-        ms = bench(lambda: sparse_attn.attention(q, k, v, layout))
-        row = dict(case=which, variant=variant, L=L, hkv=a.hkv, density=layout.density, ms=ms, tflops=flops / ms * 1e-9)
-        if which in ("dense", "causal") and variant == a.variants[0]:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            kk, vv = (k, v) if a.hkv == H else (k.repeat_interleave(H // a.hkv, 1), v.repeat_interleave(H // a.hkv, 1))
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                row["cudnn_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=causal_like))
-            row["cudnn_tflops"] = flops / row["cudnn_ms"] * 1e-9
-        if a.bwd and variant == a.variants[0]:
-            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-            o = sparse_attn.attention(qg, kg, vg, layout)
-            do = torch.randn_like(o)
-            row["bwd_ms"] = bench(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
-            row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] * 1e-9
+        try:
+            row = run_case(a, case, variant)
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile must not hide the others
+            row = dict(case=case, variant=variant, error=f"{type(e).__name__}: {str(e)[-300:]}")
         print(json.dumps({k2: (round(v2, 3) if isinstance(v2, float) else v2) for k2, v2 in row.items()}), flush=True)
         rows.append(row)
-    if a.out:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": rows},
-                  open(a.out, "w"), indent=1)
+        if a.out:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                       "rows": rows}, open(a.out, "w"), indent=1)
+
+
+def run_case(a, case, variant):
+    which, L = case.split(":")
+    L = int(L)
+    layout, causal_like = layouts(L, which)
+    B, H, D = 1, 32, 128
+    q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
+    flops = 4 * B * D * 128 * 128 * (layout.num_blocks * (H // layout.heads))
+    ms = bench(lambda: sparse_attn.attention(q, k, v, layout))
+    row = dict(case=which, variant=variant, L=L, hkv=a.hkv, density=layout.density, ms=ms, tflops=flops / ms * 1e-9)
+    if which in ("dense", "causal") and variant == a.variants[0]:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        kk, vv = (k, v) if a.hkv == H else (k.repeat_interleave(H // a.hkv, 1), v.repeat_interleave(H // a.hkv, 1))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            row["cudnn_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=causal_like))
+        row["cudnn_tflops"] = flops / row["cudnn_ms"] * 1e-9
+    if a.bwd and variant == a.variants[0]:
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        o = sparse_attn.attention(qg, kg, vg, layout)
+        do = torch.randn_like(o)
+        row["bwd_ms"] = bench(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
+        row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] * 1e-9
+    return row
 
 
 if __name__ == "__main__":

@@ -43,7 +43,10 @@ def layout_mask_mod(layout: BlockLayout):
     """
     block_map = layout._block_map().long()
     terms, _ = layout.mask_table()
-    fields = {name: terms[..., i].long() for i, name in enumerate(_FIELDS)}  # each [n_masks, n_terms]
+    # one 1-D [n_masks] table per (term slot, field): the mask_mod stays pointwise (no reductions),
+    # which flex's compiled kernels need; padding term slots are empty (q_lo > q_hi)
+    columns = [{name: terms[:, t, i].long().contiguous() for i, name in enumerate(_FIELDS)}
+               for t in range(terms.shape[1])]
     nq, nk = max(layout.num_q_blocks, 1), max(layout.num_kv_blocks, 1)
     offset = layout.kv_len - layout.q_len
     bq, bk, q_len, kv_len = layout.block_q, layout.block_k, layout.q_len, layout.kv_len
@@ -59,11 +62,14 @@ def layout_mask_mod(layout: BlockLayout):
         mid = block_map[bi, hi, qb, kb]
         m = torch.clamp(mid, min=0)
         p, j = q_idx.long() + offset, kv_idx.long()
-        f = {name: t[m] for name, t in fields.items()}  # each [n_terms]
-        doc = torch.where(f["doc"] > 0, f["doc"], 1)
-        same_doc = (f["doc"] == 0) | (torch.div(p, doc, rounding_mode="floor") == torch.div(j, doc, rounding_mode="floor"))
-        ok = ((p >= f["q_lo"]) & (p <= f["q_hi"]) & (j >= f["k_lo"]) & (j <= f["k_hi"])
-              & (j >= p - f["left"]) & (j <= p + f["right"]) & same_doc).any(-1)
+        ok = torch.zeros_like(mid, dtype=torch.bool)
+        for col in columns:
+            f = {name: t[m] for name, t in col.items()}
+            doc = torch.where(f["doc"] > 0, f["doc"], 1)
+            same_doc = (f["doc"] == 0) | (torch.div(p, doc, rounding_mode="floor")
+                                          == torch.div(j, doc, rounding_mode="floor"))
+            ok = ok | ((p >= f["q_lo"]) & (p <= f["q_hi"]) & (j >= f["k_lo"]) & (j <= f["k_hi"])
+                       & (j >= p - f["left"]) & (j <= p + f["right"]) & same_doc)
         inside = (q_idx < q_len) & (kv_idx < kv_len)
         return inside & ((mid == -1) | ((mid >= 0) & ok))
 
@@ -87,9 +93,16 @@ def to_flex(layout: BlockLayout):
                                        mask_mod=layout_mask_mod(layout), seq_lengths=(layout.q_len, layout.kv_len))
 
 
-def _entries(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> tuple[torch.Tensor, ...]:
+def _rows3(num: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flex row tensors with leading (B, H) dims added when absent: [B, H, Qb], [B, H, Qb, K]."""
     while num.dim() < 3:
         num, idx = num[None], idx[None]
+    return num, idx
+
+
+def _entries(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> tuple[torch.Tensor, ...]:
+    """(b, h, qb, kb) of the listed blocks: slots below the row count, rows < nq, key blocks < nk."""
+    num, idx = _rows3(num, idx)
     num, idx = num[..., :nq].long(), idx[..., :nq, :].long()
     valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
     b, h, q, s = valid.nonzero(as_tuple=True)
@@ -108,6 +121,8 @@ def from_flex(block_mask, *, element_mask: ElementMask | None = None) -> BlockLa
     ``BLOCK_SIZE`` must be multiples of 16 in [16, 256]. Returns a layout with the mask's (B, H).
     """
     _flex()
+    if element_mask is not None and not isinstance(element_mask, ElementMask):
+        raise TypeError(f"element_mask must be a sparse_attn.ElementMask or None, got {type(element_mask).__name__}")
     bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
     q_len, kv_len = (int(x) for x in block_mask.seq_lengths)
     try:
@@ -126,9 +141,7 @@ def from_flex(block_mask, *, element_mask: ElementMask | None = None) -> BlockLa
         raise LayoutError(f"the BlockMask has {n_part} partial blocks, where flex applies its mask_mod; a BlockLayout "
                           "needs that mask as data: pass element_mask=sparse_attn.ElementMask(...) equal to the "
                           "mask_mod (e.g. ElementMask((sparse_attn.masks.causal_term(),)) for a causal mask_mod)")
-    shape = block_mask.kv_num_blocks.shape
-    batch = shape[0] if len(shape) >= 3 else 1
-    heads = shape[1] if len(shape) >= 3 else (shape[0] if len(shape) == 2 else 1)
+    batch, heads = _rows3(block_mask.kv_num_blocks, block_mask.kv_indices)[0].shape[:2]
     b, h, q, kb = (torch.cat([f, p]) for f, p in zip(full, part))
     mid = torch.cat([torch.full_like(full[0], -1), torch.zeros_like(part[0])])
     # a block listed both as full and partial is full: keep the first (full) occurrence of each key

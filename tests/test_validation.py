@@ -1,0 +1,260 @@
+"""Every input error of sparse_attn.attention fires before any compute, naming what was received and
+what is expected (DESIGN rule 8)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn.layout import BlockLayout, LayoutError
+from sparse_attn.masks import ElementMask, causal_term, window_term
+
+
+def qkv(B=2, Hq=4, Hkv=2, Lq=40, Lk=48, D=16, Dv=None, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, Lq, D, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, Lk, D, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, Lk, D if Dv is None else Dv, generator=g).to(device=device, dtype=dtype)
+    return q, k, v
+
+
+def layout_for(Lq=40, Lk=48, B=1, H=1, block=16):
+    nq, nk = math.ceil(Lq / block), math.ceil(Lk / block)
+    bm = torch.ones(B, H, nq, nk, dtype=torch.bool)
+    return BlockLayout.from_block_mask(bm, block_q=block, block_k=block, q_len=Lq, kv_len=Lk)
+
+
+def test_valid_inputs_pass():
+    q, k, v = qkv()
+    out = sparse_attn.attention(q, k, v, layout_for(B=2, H=4), scale=0.5)
+    assert out.shape == (2, 4, 40, 16)
+
+
+# ----------------------------------------------------------------------------- tensors
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_wrong_number_of_dims(which):
+    t = dict(zip("qkv", qkv()))
+    t[which] = t[which][0]
+    shape = tuple(t[which].shape)
+    with pytest.raises(ValueError, match=rf"{which} must be 4-D \[batch, heads, seq_len, head_dim\], "
+                                         rf"got shape {re_shape(shape)}"):
+        sparse_attn.attention(t["q"], t["k"], t["v"])
+
+
+def re_shape(shape):
+    return r"\(" + r", ".join(str(s) for s in shape) + r"\)"
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_not_a_tensor(which):
+    t = dict(zip("qkv", qkv()))
+    t[which] = t[which].tolist()
+    with pytest.raises(TypeError, match=rf"{which} must be a torch\.Tensor, got list"):
+        sparse_attn.attention(t["q"], t["k"], t["v"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.uint8, torch.complex64])
+def test_non_float_dtype(dtype):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=rf"k has dtype {dtype}; expected one of float16, bfloat16, float32, float64"):
+        sparse_attn.attention(q, k.to(dtype), v)
+
+
+def test_dtype_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"q, k, v must share a dtype, got torch\.float32, torch\.float16, torch\.float32"):
+        sparse_attn.attention(q, k.half(), v)
+    with pytest.raises(TypeError, match=r"got torch\.bfloat16, torch\.bfloat16, torch\.float64"):
+        sparse_attn.attention(q.bfloat16(), k.bfloat16(), v.double())
+
+
+def test_device_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q, k, v must be on one device, got cpu, meta, cpu"):
+        sparse_attn.attention(q, k.to("meta"), v)
+
+
+def test_batch_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"batch sizes differ: q 2, k 1, v 1"):
+        sparse_attn.attention(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match=r"batch sizes differ: q 2, k 2, v 1"):
+        sparse_attn.attention(q, k, v[:1])
+
+
+def test_k_v_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"k \(2, 2, 48, 16\) and v \(2, 2, 47, 16\) must have the same heads and seq_len"):
+        sparse_attn.attention(q, k, v[:, :, :47])
+    with pytest.raises(ValueError, match=r"k \(2, 2, 48, 16\) and v \(2, 1, 48, 16\) must have the same heads"):
+        sparse_attn.attention(q, k, v[:, :1])
+
+
+def test_head_dim_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q has head_dim 16, k has 8: they must match"):
+        sparse_attn.attention(q, k[..., :8], v)
+
+
+def test_value_head_dim_may_differ():
+    q, k, v = qkv(Dv=5)
+    assert sparse_attn.attention(q, k, v).shape == (2, 4, 40, 5)
+
+
+@pytest.mark.parametrize("which", ["q", "v"])
+def test_zero_head_dim(which):
+    q, k, v = qkv(D=16)
+    if which == "q":
+        q, k = q[..., :0], k[..., :0]
+    else:
+        v = v[..., :0]
+    with pytest.raises(ValueError, match=rf"{which} has head_dim 0"):
+        sparse_attn.attention(q, k, v)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(32, 7), (4, 3), (2, 4)])
+def test_heads_not_a_multiple(Hq, Hkv):
+    q, k, v = qkv(Hq=Hq, Hkv=Hkv)
+    with pytest.raises(ValueError, match=rf"k has {Hkv} heads, q has {Hq}: Hq must be a multiple of Hkv"):
+        sparse_attn.attention(q, k, v)
+
+
+def test_zero_kv_heads():
+    q, k, v = qkv(Hq=4, Hkv=2)
+    with pytest.raises(ValueError, match=r"k has 0 heads, q has 4"):
+        sparse_attn.attention(q, k[:, :0], v[:, :0])
+
+
+# ----------------------------------------------------------------------------- layout vs tensors
+def test_layout_not_a_layout():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"layout must be a sparse_attn\.BlockLayout \(or None\), got Tensor"):
+        sparse_attn.attention(q, k, v, torch.ones(3, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("Lq,Lk", [(41, 48), (40, 47), (48, 40)])
+def test_layout_length_mismatch(Lq, Lk):
+    q, k, v = qkv(Lq=40, Lk=48)
+    with pytest.raises(LayoutError, match=rf"layout was built for q_len={Lq}, kv_len={Lk} but q has seq_len 40 "
+                                          rf"and k has 48"):
+        sparse_attn.attention(q, k, v, layout_for(Lq, Lk))
+
+
+def test_layout_batch_not_broadcastable():
+    q, k, v = qkv(B=2)
+    with pytest.raises(LayoutError, match=r"layout has batch 3; q has batch 2: use 1 \(broadcast\) or 2"):
+        sparse_attn.attention(q, k, v, layout_for(B=3))
+
+
+@pytest.mark.parametrize("H", [2, 3, 8])
+def test_layout_heads_not_broadcastable(H):
+    """Heads must be 1 or Hq; Hkv (=2 here) is not accepted either."""
+    q, k, v = qkv(Hq=4, Hkv=2)
+    with pytest.raises(LayoutError, match=rf"layout has {H} heads; q has 4: use 1 \(broadcast\) or 4"):
+        sparse_attn.attention(q, k, v, layout_for(H=H))
+
+
+def _with(layout, **tensors):
+    fields = dict(block_q=layout.block_q, block_k=layout.block_k, q_len=layout.q_len, kv_len=layout.kv_len,
+                  kv_counts=layout.kv_counts, kv_indices=layout.kv_indices, kv_mask_ids=layout.kv_mask_ids,
+                  masks=layout.masks)
+    fields.update(tensors)
+    return BlockLayout(**fields)
+
+
+def _window_layout():
+    return BlockLayout.from_mask(ElementMask((window_term(20, 0),)), q_len=40, kv_len=48, block_q=16, block_k=16)
+
+
+def test_window_layout_shape_assumed_below():
+    L = _window_layout()
+    assert L.kv_counts[0, 0].tolist() == [2, 3, 2] and L.num_kv_blocks == 3
+    assert L.kv_indices[0, 0, 1].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("value", [3, -1, 100])
+def test_corrupted_layout_out_of_range_index(value):
+    q, k, v = qkv()
+    L = _window_layout()
+    idx = L.kv_indices.clone()
+    idx[0, 0, 1, 2] = value
+    with pytest.raises(LayoutError, match=rf"kv_indices\[0,0,1,2\] = {value} is out of range: valid key-block "
+                                          rf"indices are 0\.\.2 \(kv_len=48, block_k=16\)"):
+        sparse_attn.attention(q, k, v, _with(L, kv_indices=idx))
+
+
+def test_corrupted_layout_unsorted_and_duplicate():
+    q, k, v = qkv()
+    L = _window_layout()
+    idx = L.kv_indices.clone()
+    idx[0, 0, 1, 1], idx[0, 0, 1, 2] = 2, 1
+    with pytest.raises(LayoutError, match=r"kv_indices\[0,0,1\] has unsorted entries at slots 1,2: 2, 1; "
+                                          r"each row must be strictly ascending"):
+        sparse_attn.attention(q, k, v, _with(L, kv_indices=idx))
+    idx = L.kv_indices.clone()
+    idx[0, 0, 1, 0] = 1
+    with pytest.raises(LayoutError, match=r"kv_indices\[0,0,1\] has duplicate entries at slots 0,1: 1, 1"):
+        sparse_attn.attention(q, k, v, _with(L, kv_indices=idx))
+
+
+def test_corrupted_layout_counts_and_mask_ids():
+    q, k, v = qkv()
+    L = _window_layout()
+    counts = L.kv_counts.clone()
+    counts[0, 0, 0] = 4
+    with pytest.raises(LayoutError, match=r"kv_counts\[0,0,0\] = 4 is outside \[0, 3\]"):
+        sparse_attn.attention(q, k, v, _with(L, kv_counts=counts))
+    mids = L.kv_mask_ids.clone()
+    mids[0, 0, 1, 2] = 5
+    with pytest.raises(LayoutError, match=r"kv_mask_ids\[0,0,1,2\] = 5: must be -1 \(full\) or a mask index in \[0, 0\]"):
+        sparse_attn.attention(q, k, v, _with(L, kv_mask_ids=mids))
+
+
+def test_layout_validated_once_and_failure_not_remembered():
+    """A bad layout keeps failing (a failed check is not cached as passed); a good one is marked."""
+    q, k, v = qkv()
+    L = _window_layout()
+    idx = L.kv_indices.clone()
+    idx[0, 0, 1, 2] = 9
+    bad = _with(L, kv_indices=idx)
+    for _ in range(2):
+        with pytest.raises(LayoutError):
+            sparse_attn.attention(q, k, v, bad)
+    good = _window_layout()
+    sparse_attn.attention(q, k, v, good)
+    assert good._validated
+
+
+# ----------------------------------------------------------------------------- scale
+@pytest.mark.parametrize("scale", [0, 0.0, -1.0, float("nan"), float("-inf"), "0.5", [0.5], None.__class__])
+def test_bad_scale(scale):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"scale must be a positive number or None \(1/sqrt\(head_dim\)\), got "):
+        sparse_attn.attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), True], ids=["inf", "bool"])
+@pytest.mark.xfail(strict=True, reason="BUG: check_scale accepts scale=inf (outputs NaN) and scale=True "
+                                       "(bool is an int): both should raise ValueError")
+def test_bad_scale_not_caught(scale):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"scale must be a positive"):
+        sparse_attn.attention(q, k, v, scale=scale)
+
+
+def test_scale_message_names_value():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"got -2\.5$"):
+        sparse_attn.attention(q, k, v, scale=-2.5)
+
+
+def test_checks_run_before_layout_use():
+    """Tensor errors win over layout errors (the layout is only checked against valid tensors)."""
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"must share a dtype"):
+        sparse_attn.attention(q, k.double(), v, layout_for(99, 99))
+    causal = BlockLayout.from_mask(ElementMask((causal_term(),)), q_len=40, kv_len=48, block_q=16, block_k=16)
+    with pytest.raises(ValueError, match=r"scale must be"):
+        sparse_attn.attention(q, k, v, causal, scale=0)
