@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparse_attn.layout import BlockLayout, LayoutError
-from sparse_attn.masks import INF, ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
+from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
 from sparse_attn.testing import block_map_from_token_mask, element_mask_dense
 
 
@@ -169,9 +169,9 @@ def test_from_mask_device_argument_and_masks_tuple():
 def test_from_mask_long_sequence_builds_without_quadratic_memory():
     """q_len = 262144, causal window 4096, blocks 128: closed-form rows, small storage, seconds."""
     L, W, blk = 262144, 4096, 128
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds of this process: robust to other load on the machine
     layout = BlockLayout.from_mask(ElementMask((window_term(W - 1, 0),)), q_len=L, block_q=blk, block_k=blk)
-    elapsed = time.perf_counter() - t0
+    cpu_s = time.process_time() - t0
     nq = L // blk
     assert layout.max_k == W // blk + 1  # 33 key blocks at most: a dense row set would be 2048
     assert layout.nbytes == nq * 4 + 2 * nq * layout.max_k * 4  # ~0.5 MB; a token mask would be 64 GB
@@ -182,7 +182,7 @@ def test_from_mask_long_sequence_builds_without_quadratic_memory():
     assert torch.equal(partial.sum(-1), torch.where(qb >= W // blk, 2, 1))
     assert torch.equal(layout.kv_indices[0, 0, qb, layout.kv_counts[0, 0].long() - 1].long(), qb)
     layout.validate()
-    assert elapsed < 10.0, f"from_mask took {elapsed:.1f}s"
+    assert cpu_s < 20.0, f"from_mask took {cpu_s:.1f} CPU seconds (about 3.5 on 2 cores when written)"
 
 
 # ----------------------------------------------------------------------------- from_block_mask
@@ -329,10 +329,24 @@ def test_union_intersection_incompatible():
         a | _random_block_layout(2, 3, 1)
     with pytest.raises(LayoutError, match=r"cannot intersect layouts with heads 2 and 4"):
         _random_block_layout(1, 1, 2) & _random_block_layout(2, 1, 4)
-    with pytest.raises(LayoutError, match=r"\(block_q, block_k, q_len, kv_len\) \(16, 32, 90, 75\) and \(16, 32, 91, 75\)"):
+    with pytest.raises(LayoutError,
+                       match=r"\(block_q, block_k, q_len, kv_len\) \(16, 32, 90, 75\) and \(16, 32, 91, 75\)"):
         a | _random_block_layout(2, 1, 1, lq=91)
     with pytest.raises(LayoutError, match=r"\(16, 32, 90, 75\) and \(32, 32, 90, 75\)"):
         a & _random_block_layout(2, 1, 1, bq=32)
+
+
+def test_intersection_of_unions_fits_term_limit():
+    def all_partial(*terms):
+        bm = torch.ones(2, 2, dtype=torch.bool)
+        return BlockLayout.from_block_mask(bm, block_q=16, block_k=16, partial=bm, mask=ElementMask(terms))
+
+    a = all_partial(window_term(3, 0), MaskTerm(k_lo=0, k_hi=5))
+    b = all_partial(window_term(0, 3), MaskTerm(k_lo=10, k_hi=20))
+    c = all_partial(window_term(5, 5), MaskTerm(k_lo=3, k_hi=30))
+    got = (a | b) & (a | c)
+    ta, tb, tc = (x.to_token_mask() for x in (a, b, c))
+    assert torch.equal(got.to_token_mask(), ta | (tb & tc))
 
 
 def test_intersection_drops_blocks_emptied_by_masks():
@@ -451,7 +465,8 @@ CORRUPTIONS = {
     "index negative": (dict(kv_indices=_set((0, 0, 3, 1), -3)), r"kv_indices\[0,0,3,1\] = -3 is out of range.*0\.\.6"),
     "unsorted": (dict(kv_indices=_swap_first_two_of_row_4),
                  r"kv_indices\[0,0,4\] has unsorted entries at slots 0,1: 2, 1; each row must be strictly ascending"),
-    "duplicate": (dict(kv_indices=_set((0, 0, 4, 1), 1)), r"kv_indices\[0,0,4\] has duplicate entries at slots 0,1: 1, 1"),
+    "duplicate": (dict(kv_indices=_set((0, 0, 4, 1), 1)),
+                  r"kv_indices\[0,0,4\] has duplicate entries at slots 0,1: 1, 1"),
     "mask id too big": (dict(kv_mask_ids=_set((0, 0, 4, 0), 1)),
                         r"kv_mask_ids\[0,0,4,0\] = 1: must be -1 \(full\) or a mask index in \[0, 0\]"),
     "mask id -2": (dict(kv_mask_ids=_set((0, 0, 5, 1), -2)), r"kv_mask_ids\[0,0,5,1\] = -2"),
@@ -459,13 +474,17 @@ CORRUPTIONS = {
     "indices int64": (dict(kv_indices=lambda t: t.long()), r"kv_indices must be int32 with 4 dims, got torch\.int64"),
     "counts int64": (dict(kv_counts=lambda t: t.long()), r"kv_counts must be int32 with 3 dims, got torch\.int64"),
     "mask ids float": (dict(kv_mask_ids=lambda t: t.float()), r"kv_mask_ids must be int32"),
-    "counts 2-D": (dict(kv_counts=lambda t: t[0].clone()), r"kv_counts must be int32 with 3 dims, got torch\.int32 \(1, 7\)"),
+    "counts 2-D": (dict(kv_counts=lambda t: t[0].clone()),
+                   r"kv_counts must be int32 with 3 dims, got torch\.int32 \(1, 7\)"),
     "too few rows": (dict(kv_counts=lambda t: t[:, :, :5].clone()),
                      r"kv_counts has 5 query-block rows; q_len=100 with block_q=16 needs 7"),
-    "indices rows": (dict(kv_indices=lambda t: t[:, :, :5].clone()), r"kv_indices \(1, 1, 5, 4\) / kv_mask_ids \(1, 1, 7, 4\) do not match kv_counts \(1, 1, 7\)"),
+    "indices rows": (dict(kv_indices=lambda t: t[:, :, :5].clone()),
+                     r"kv_indices \(1, 1, 5, 4\) / kv_mask_ids \(1, 1, 7, 4\) do not match kv_counts \(1, 1, 7\)"),
     "mask ids slots": (dict(kv_mask_ids=lambda t: t[..., :2].clone()), r"kv_mask_ids \(1, 1, 7, 2\) do not match"),
     "q_len grown": (dict(q_len=lambda n: 200), r"needs 13"),
-    "kv_len shrunk": (dict(kv_len=lambda n: 50), r"kv_indices\[0,0,4,3\] = 4 is out of range: valid key-block indices are 0\.\.3 \(kv_len=50, block_k=16\)"),
+    "kv_len shrunk": (dict(kv_len=lambda n: 50),
+                      r"kv_indices\[0,0,4,3\] = 4 is out of range: valid key-block indices are 0\.\.3 "
+                      r"\(kv_len=50, block_k=16\)"),
     "negative q_len": (dict(q_len=lambda n: -1), r"q_len and kv_len must be >= 0, got -1, 100"),
     "bad block": (dict(block_k=lambda n: 24), r"block_k must be a multiple of 16 in \[16, 256\], got 24"),
 }

@@ -56,6 +56,12 @@ class MaskTerm:
             left=min(self.left, other.left), right=min(self.right, other.right),
             doc=self.doc or other.doc)
 
+    def contains(self, other: "MaskTerm") -> bool:
+        """Every (p, j) that ``other`` allows, this term allows too (field by field)."""
+        return (self.q_lo <= other.q_lo and self.q_hi >= other.q_hi and self.k_lo <= other.k_lo
+                and self.k_hi >= other.k_hi and self.left >= other.left and self.right >= other.right
+                and (self.doc == 0 or self.doc == other.doc))
+
     def is_trivially_empty(self) -> bool:
         return self.q_lo > self.q_hi or self.k_lo > self.k_hi or self.left + self.right < 0
 
@@ -75,11 +81,18 @@ class ElementMask:
 
     def __and__(self, other: "ElementMask") -> "ElementMask":
         terms = [a.intersect(b) for a, b in itertools.product(self.terms, other.terms)]
-        return ElementMask(_dedup(tuple(t for t in terms if not t.is_trivially_empty())))
+        terms = _dedup(tuple(t for t in terms if not t.is_trivially_empty()))
+        if len(terms) > MAX_TERMS:
+            raise ValueError(f"intersecting masks of {len(self.terms)} and {len(other.terms)} terms gives "
+                             f"{len(terms)} terms, over the limit of {MAX_TERMS}; simplify the masks")
+        return ElementMask(terms)
 
 
 def _dedup(terms: tuple[MaskTerm, ...]) -> tuple[MaskTerm, ...]:
-    return tuple(dict.fromkeys(terms))
+    """Drop repeated terms and terms another term contains (keeps products of unions small)."""
+    uniq = list(dict.fromkeys(terms))
+    return tuple(t for i, t in enumerate(uniq)
+                 if not any(o.contains(t) and (o != t) and (not t.contains(o) or j < i) for j, o in enumerate(uniq)))
 
 
 # ----------------------------------------------------------------------------- named terms

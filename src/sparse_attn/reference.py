@@ -85,7 +85,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         if causal:
             j1 = max(j0, min(j1, r1 + Lk - Lq))
         if j1 <= j0:  # no key visible to any row of this chunk
-            outs.append(q.new_zeros(B, Hq, r1 - r0, Dv, dtype=acc) + 0 * q[:, :, r0:r1, :1].to(acc))
+            # an empty-slice sum is an exact 0 that keeps q, k and v in the autograd graph (zero grads)
+            anchor = (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum()).to(acc)
+            outs.append(q.new_zeros(B, Hq, r1 - r0, Dv, dtype=acc) + anchor)
             lses.append(torch.full((B, Hq, r1 - r0), float("-inf"), device=q.device, dtype=acc))
             continue
         qc = q[:, :, r0:r1].to(mm).view(B, Hkv, group, r1 - r0, D)

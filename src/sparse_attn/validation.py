@@ -2,6 +2,8 @@
 received and what is expected."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .layout import BlockLayout, LayoutError
@@ -66,5 +68,6 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
 
 
 def check_scale(scale) -> None:
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}")
+    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0
+    if scale is not None and not ok:
+        raise ValueError(f"scale must be a finite positive number or None (1/sqrt(head_dim)), got {scale!r}")

@@ -1,7 +1,7 @@
 """Built-in benchmark providers (registered on import).
 
-    sparse_attn      sparse_attn.attention: the public API (the Triton kernel once it lands; the
-                     PyTorch reference path where no kernel applies, e.g. on the CPU)
+    sparse_attn      sparse_attn.attention, the public API: the Triton kernels on CUDA, the PyTorch
+                     reference path elsewhere (so on the CPU it times the reference plus input checks)
     reference        sparse_attn.reference.attention, the fp32 PyTorch twin, without input checks
     flex             torch FlexAttention with ``patterns.to_flex(layout)``; torch.compile'd on CUDA,
                      eager (unfused, materialises the scores) on the CPU
@@ -26,7 +26,7 @@ from .registry import always, needs_cuda, register_provider
 
 
 # ----------------------------------------------------------------------------- ours
-@register_provider("sparse_attn", description="sparse_attn.attention (public API: kernel where available, else the reference path)")
+@register_provider("sparse_attn", description="sparse_attn.attention (Triton kernels on CUDA, reference path elsewhere)")
 def sparse_attn_provider(q, k, v, layout, causal):
     import sparse_attn
     return lambda: sparse_attn.attention(q, k, v, layout, causal=causal)
