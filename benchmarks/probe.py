@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense:16384", "causal:16384", "window4096:32768", "random0.1:32768"])
     ap.add_argument("--hkv", type=int, default=32)
     ap.add_argument("--bwd", action="store_true")
-    ap.add_argument("--variants", nargs="+", default=["tma"], help="forward variants: ptr tma tma-ws")
+    ap.add_argument("--variants", nargs="+", default=["tma"], help="forward variants: ptr tma")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows = []

@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter. Must be set before any kernel module
+    # is imported: triton.jit reads it at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

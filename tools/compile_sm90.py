@@ -12,7 +12,8 @@ from triton.compiler import ASTSource
 
 from sparse_attn.ops.block_sparse import kernels as K
 
-POINTERS_I32 = {"KV_COUNTS", "KV_INDICES", "KV_MASK_IDS", "T_COUNTS", "T_INDICES", "T_MASK_IDS", "TERMS", "CU_Q", "CU_K"}
+POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
+                "T_MASK_IDS", "TERMS", "CU_Q", "CU_K"}
 
 
 def signature(fn, consts):
@@ -35,11 +36,9 @@ def signature(fn, consts):
 
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    for n_terms, varlen, tma, ws in itertools.product((0, 2), (False, True), (False, True), (False, True)):
-        if ws and not tma:
-            continue
-        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen, EVEN_N=not varlen,
-                                 USE_TMA=tma, WARP_SPEC=ws)
+    for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
+        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
+                                 CONTIGUOUS=contiguous, USE_TMA=tma)
     for fn in (K.bwd_dkdv_kernel, K.bwd_dq_kernel):
         for n_terms, varlen in itertools.product((0, 2), (False, True)):
             yield fn, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
@@ -49,7 +48,7 @@ def main():
     target = GPUTarget("cuda", 90, 32)
     failed = 0
     for fn, consts in variants():
-        flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "WARP_SPEC")}
+        flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS")}
         try:
             c = triton.compile(ASTSource(fn, signature(fn, consts), constexprs=consts), target=target,
                                options=dict(num_warps=8, num_stages=3))

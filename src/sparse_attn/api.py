@@ -75,3 +75,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
     from .ops.block_sparse import attention_op
     return attention_op(q, k, v, _kernel_layout(layout, causal, q, k), scale=scale, return_lse=return_lse)
+
+
+def prepare(layout: BlockLayout, backward: bool = True) -> BlockLayout:
+    """Precompute what the GPU kernels derive from ``layout`` (its visiting schedule, and for
+    ``backward`` the transposed one). Optional in eager mode; call it once before ``torch.compile``
+    so nothing data-dependent is traced. Returns the layout."""
+    from .ops.block_sparse import prepare as _prepare
+    return _prepare(layout, backward)

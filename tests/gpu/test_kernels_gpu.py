@@ -157,8 +157,7 @@ def test_long_sequences_sliding_window(seq_len):
 
 
 def test_compiles_fullgraph():
-    layout = BlockLayout.from_mask(_mask("local"), q_len=512, block_q=64, block_k=64, device="cuda")
-    layout.transpose()
+    layout = sparse_attn.prepare(BlockLayout.from_mask(_mask("local"), q_len=512, block_q=64, block_k=64, device="cuda"))
 
     class Block(torch.nn.Module):
         def forward(self, q, k, v):

@@ -7,13 +7,13 @@ mask_mod applied). Its ``BLOCK_SIZE`` is ``(block_q, block_k)`` and ``seq_length
 """
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 
 from ..layout import BlockLayout, LayoutError, _Coo, check_block_size
-from ..masks import ElementMask, TERM_FIELDS
-
-_FIELDS = ("q_lo", "q_hi", "k_lo", "k_hi", "left", "right", "doc")
-assert len(_FIELDS) == TERM_FIELDS
+from ..masks import INF, ElementMask, MaskTerm
 
 
 def _flex():
@@ -34,25 +34,44 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, order.to(torch.int32)
 
 
+def _term_allows(term: MaskTerm, p: torch.Tensor, j: torch.Tensor) -> torch.Tensor | bool:
+    """One MaskTerm at (p, j) with its bounds as Python constants; unbounded fields add no compare."""
+    conds = []
+    if term.q_lo > -INF:
+        conds.append(p >= term.q_lo)
+    if term.q_hi < INF:
+        conds.append(p <= term.q_hi)
+    if term.k_lo > -INF:
+        conds.append(j >= term.k_lo)
+    if term.k_hi < INF:
+        conds.append(j <= term.k_hi)
+    if term.left < INF:
+        conds.append(j >= p - term.left)
+    if term.right < INF:
+        conds.append(j <= p + term.right)
+    if term.doc:
+        conds.append(torch.div(p, term.doc, rounding_mode="floor") == torch.div(j, term.doc, rounding_mode="floor"))
+    return functools.reduce(operator.and_, conds) if conds else True
+
+
 def layout_mask_mod(layout: BlockLayout):
     """A flex ``mask_mod(b, h, q_idx, kv_idx) -> bool`` evaluating the layout exactly, vmap-safe.
 
-    Looks the block's state up in a dense int table ``[Bl, Hl, Qb, Kb]`` (-2 absent, -1 full,
-    m = partial with ``layout.masks[m]``), then evaluates the mask's terms from
-    ``layout.mask_table()``. Only tensor ops, so it runs eagerly under vmap and compiles.
+    Looks the block's state up in a dense int32 table ``[Bl, Hl, Qb, Kb]`` (-2 absent, -1 full,
+    m = partial with ``layout.masks[m]``), then evaluates the masks' terms (the rows of
+    ``layout.mask_table()``) with their bounds baked in as constants, skipping unbounded ones, so
+    the only memory read is the table lookup. A table of term fields gathered per element
+    instead made compiled flex kernels run out of shared memory once a mask had two terms.
+    Only tensor ops, so it runs eagerly under vmap and compiles.
     """
-    block_map = layout._block_map().long()
-    terms, _ = layout.mask_table()
-    # one 1-D [n_masks] table per (term slot, field): the mask_mod stays pointwise (no reductions),
-    # which flex's compiled kernels need; padding term slots are empty (q_lo > q_hi)
-    columns = [{name: terms[:, t, i].long().contiguous() for i, name in enumerate(_FIELDS)}
-               for t in range(terms.shape[1])]
+    block_map = layout._block_map()
+    if block_map.numel() == 0:
+        block_map = torch.full((1, 1, 1, 1), -2, dtype=torch.int32, device=layout.device)
     nq, nk = max(layout.num_q_blocks, 1), max(layout.num_kv_blocks, 1)
     offset = layout.kv_len - layout.q_len
     bq, bk, q_len, kv_len = layout.block_q, layout.block_k, layout.q_len, layout.kv_len
-    if block_map.numel() == 0:
-        block_map = torch.full((1, 1, 1, 1), -2, dtype=torch.long, device=layout.device)
     per_batch, per_head = block_map.shape[0] > 1, block_map.shape[1] > 1
+    masks = layout.masks
 
     def mask_mod(b, h, q_idx, kv_idx):
         qb = torch.clamp(q_idx // bq, 0, nq - 1)
@@ -60,18 +79,12 @@ def layout_mask_mod(layout: BlockLayout):
         bi = b if per_batch else torch.zeros_like(b)
         hi = h if per_head else torch.zeros_like(h)
         mid = block_map[bi, hi, qb, kb]
-        m = torch.clamp(mid, min=0)
         p, j = q_idx.long() + offset, kv_idx.long()
-        ok = torch.zeros_like(mid, dtype=torch.bool)
-        for col in columns:
-            f = {name: t[m] for name, t in col.items()}
-            doc = torch.where(f["doc"] > 0, f["doc"], 1)
-            same_doc = (f["doc"] == 0) | (torch.div(p, doc, rounding_mode="floor")
-                                          == torch.div(j, doc, rounding_mode="floor"))
-            ok = ok | ((p >= f["q_lo"]) & (p <= f["q_hi"]) & (j >= f["k_lo"]) & (j <= f["k_hi"])
-                       & (j >= p - f["left"]) & (j <= p + f["right"]) & same_doc)
-        inside = (q_idx < q_len) & (kv_idx < kv_len)
-        return inside & ((mid == -1) | ((mid >= 0) & ok))
+        out = mid == -1
+        for m, em in enumerate(masks):
+            ok = functools.reduce(operator.or_, [_term_allows(t, p, j) for t in em.terms], False)
+            out = out | ((mid == m) & ok)
+        return out & (q_idx < q_len) & (kv_idx < kv_len)
 
     return mask_mod
 
@@ -84,6 +97,10 @@ def to_flex(layout: BlockLayout):
     broadcast in flex as here), ``BLOCK_SIZE=(block_q, block_k)``, ``seq_lengths=(q_len, kv_len)``,
     and ``mask_mod`` = :func:`layout_mask_mod` (exact on its own, so flex's eager path, which
     evaluates mask_mod everywhere, agrees too). O(Bl*Hl*Qb*Kb) memory, as flex itself needs.
+
+    Compiled flex needs its kernel tiles to divide ``BLOCK_SIZE``; its default tiles can be 128,
+    so for 64-wide blocks pass e.g. ``kernel_options={"BLOCK_M": 64, "BLOCK_N": 64}`` to
+    ``flex_attention`` (otherwise: "Q and KV block size must be divisible by BLOCK_M and BLOCK_N").
     """
     fa = _flex()
     bmap = layout._block_map()

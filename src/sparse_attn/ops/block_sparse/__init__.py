@@ -7,6 +7,7 @@ import torch
 
 from ...layout import BlockLayout
 from .function import block_sparse_fwd
+from .schedule import schedule
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -27,16 +28,40 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def layout_inputs(layout: BlockLayout, needs_grad: bool) -> tuple:
-    """The layout as the ops' tensor arguments: rows, transpose (only for backward), term table."""
+def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens: torch.Tensor | None = None) -> tuple:
+    """The layout as the ops' tensor arguments: the forward schedule, the transposed schedule (only
+    for backward), and the term table. Schedules are cached on the layout: a layout used under
+    torch.compile must have run once eagerly (or through :func:`prepare`) so no data-dependent work
+    is traced."""
+    if torch.compiler.is_compiling() and not _prepared(layout, needs_grad, kv_lens):
+        raise RuntimeError("sparse_attn: this layout's kernel schedule is built on first use, which cannot be traced; "
+                           "call sparse_attn.prepare(layout) (or run attention once) before torch.compile")
     terms, _ = layout.mask_table()
     n_terms = terms.shape[1] if layout.masks else 0
+    fwd = schedule(layout, kv_lens)
+    rows = (layout.kv_counts, fwd.n_full, fwd.full_start, fwd.indices, fwd.mask_ids, fwd.contiguous)
     if needs_grad:
         t = layout.transpose()
-        trans = (t.kv_counts, t.kv_indices, t.kv_mask_ids)
+        ts = schedule(t, bound_tail=False)  # dK/dV: rows past the query end are zeroed by lse, not masks
+        trans = (t.kv_counts, ts.n_full, ts.indices, ts.mask_ids)
     else:
-        trans = (None, None, None)
-    return (layout.kv_counts, layout.kv_indices, layout.kv_mask_ids) + trans + (terms, n_terms)
+        trans = (None, None, None, None)
+    return rows + trans + (terms, n_terms)
+
+
+def _prepared(layout: BlockLayout, needs_grad: bool, kv_lens) -> bool:
+    key = ("schedule", True, None if kv_lens is None else tuple(kv_lens.tolist()))
+    if key not in layout._derived:
+        return False
+    t = layout._transpose
+    return not needs_grad or (t is not None and ("schedule", False, None) in t._derived)
+
+
+def prepare(layout: BlockLayout, backward: bool = True) -> BlockLayout:
+    """Build (and cache) what the kernels derive from a layout: its schedule and, for backward, its
+    transposed schedule. Optional in eager mode; required once before torch.compile."""
+    layout_inputs(layout, backward)
+    return layout
 
 
 def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, return_lse: bool = False):

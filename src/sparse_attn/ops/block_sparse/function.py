@@ -1,4 +1,8 @@
-"""torch.library custom ops (with fake impls for torch.compile) and their autograd."""
+"""torch.library custom ops (with fake impls for torch.compile) and their autograd.
+
+The layout arrives as its schedule (see schedule.py): forward rows ``counts, n_full, full_start,
+indices, mask_ids`` and, when a gradient is needed, the transposed rows ``t_*`` for dK/dV.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,18 +14,20 @@ from . import launch
 
 
 @torch.library.custom_op("sparse_attn::block_sparse_fwd", mutates_args=())
-def block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, kv_indices: Tensor, kv_mask_ids: Tensor,
-                     t_counts: Optional[Tensor], t_indices: Optional[Tensor], t_mask_ids: Optional[Tensor],
-                     terms: Tensor, n_terms: int, cu_q: Optional[Tensor], cu_k: Optional[Tensor],
-                     block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int) -> tuple[Tensor, Tensor]:
-    """Forward. ``t_*`` (the layout's transpose) ride along only so backward can use them."""
-    return launch.forward(q, k, v, kv_counts, kv_indices, kv_mask_ids, terms, n_terms, cu_q, cu_k,
-                          block_q, block_k, sm_scale, max_q, max_k)
+def block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Tensor, full_start: Tensor,
+                     indices: Tensor, mask_ids: Tensor, contiguous: bool,
+                     t_counts: Optional[Tensor], t_n_full: Optional[Tensor], t_indices: Optional[Tensor],
+                     t_mask_ids: Optional[Tensor], terms: Tensor, n_terms: int, cu_q: Optional[Tensor],
+                     cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float, max_q: int,
+                     max_k: int) -> tuple[Tensor, Tensor]:
+    """Forward; the ``t_*`` tensors only ride along for backward."""
+    return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
+                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k)
 
 
 @block_sparse_fwd.register_fake
-def _(q, k, v, kv_counts, kv_indices, kv_mask_ids, t_counts, t_indices, t_mask_ids, terms, n_terms,
-      cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k):
+def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
+      terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k):
     if cu_q is not None:
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     else:
@@ -31,39 +37,41 @@ def _(q, k, v, kv_counts, kv_indices, kv_mask_ids, t_counts, t_indices, t_mask_i
 
 @torch.library.custom_op("sparse_attn::block_sparse_bwd", mutates_args=())
 def block_sparse_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                     kv_counts: Tensor, kv_indices: Tensor, kv_mask_ids: Tensor,
-                     t_counts: Tensor, t_indices: Tensor, t_mask_ids: Tensor, terms: Tensor, n_terms: int,
-                     cu_q: Optional[Tensor], cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float,
-                     max_q: int, max_k: int) -> tuple[Tensor, Tensor, Tensor]:
-    return launch.backward(do.contiguous(), q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids,
-                           t_counts, t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k,
+                     counts: Tensor, n_full: Tensor, indices: Tensor, mask_ids: Tensor,
+                     t_counts: Tensor, t_n_full: Tensor, t_indices: Tensor, t_mask_ids: Tensor,
+                     terms: Tensor, n_terms: int, cu_q: Optional[Tensor], cu_k: Optional[Tensor],
+                     block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    return launch.backward(do.contiguous(), q, k, v, out, lse, counts, n_full, indices, mask_ids,
+                           t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k,
                            block_q, block_k, sm_scale, max_q, max_k)
 
 
 @block_sparse_bwd.register_fake
-def _(do, q, k, v, out, lse, *args):
+def _(do, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, kv_counts, kv_indices, kv_mask_ids, t_counts, t_indices, t_mask_ids, terms, n_terms,
-     cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k) = inputs
+    (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
+     terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, t_counts, t_indices,
+    ctx.save_for_backward(q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                           t_mask_ids, terms, cu_q, cu_k)
     ctx.meta = (n_terms, block_q, block_k, sm_scale, max_q, max_k)
 
 
 def _backward(ctx, do, dlse):
-    (q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, t_counts, t_indices, t_mask_ids, terms,
+    """Gradients of q, k, v. The LSE output is not differentiable (its gradient is ignored)."""
+    (q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids, terms,
      cu_q, cu_k) = ctx.saved_tensors
     n_terms, block_q, block_k, sm_scale, max_q, max_k = ctx.meta
     if t_counts is None:
         raise RuntimeError("sparse_attn: backward needs the layout's transpose, which is passed only when an input "
                            "requires grad at forward time; call attention() with grad enabled")
-    dq, dk, dv = block_sparse_bwd(do, q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, t_counts, t_indices,
-                                  t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k)
-    return (dq, dk, dv) + (None,) * 15
+    dq, dk, dv = block_sparse_bwd(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,
+                                  t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale,
+                                  max_q, max_k)
+    return (dq, dk, dv) + (None,) * 19
 
 
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)

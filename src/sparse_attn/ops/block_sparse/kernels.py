@@ -59,9 +59,49 @@ def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  USE_TMA: tl.constexpr, BOUND: tl.constexpr):
+    """K^T [D, BN] and V [BN, D] of the key tile at start_n. TMA zero-fills rows past k_len;
+    pointer loads mask them only when BOUND (the tile may cross the sequence end)."""
+    if USE_TMA:
+        b_k = tl.trans(desc_k.load([start_n, 0]))
+        b_v = desc_v.load([start_n, 0])
+    else:
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        p_k = K + kv_base + o_n.to(tl.int64)[None, :] * stride_kn + o_d[:, None]
+        p_v = V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :]
+        if BOUND or HEAD_DIM != D_PAD:
+            m_n = o_n < k_len
+            m_d = o_d < HEAD_DIM
+            b_k = tl.load(p_k, mask=m_n[None, :] & m_d[:, None], other=0.0)
+            b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
+        else:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+    return b_k, b_v
+
+
+@triton.jit
+def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, MAY_BE_EMPTY: tl.constexpr):
+    """One online-softmax update with raw scores b_s [BM, BN]; b_m is the running max in log2 units.
+    MAY_BE_EMPTY: rows may have seen only -inf so far (masked tiles), which must not give NaN."""
+    m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
+    if MAY_BE_EMPTY:
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:
+        m_use = m_new
+    b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])  # one FMA per score
+    alpha = tl.math.exp2(b_m - m_use)
+    b_l = b_l * alpha + tl.sum(b_p, 1)
+    b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * alpha[:, None])
+    return m_new, b_l, b_acc
+
+
+@triton.jit
 def fwd_kernel(
     Q, K, V, O, LSE,
-    KV_COUNTS, KV_INDICES, KV_MASK_IDS, TERMS, CU_Q, CU_K,
+    COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -73,9 +113,10 @@ def fwd_kernel(
     H, G, Lq, Lk,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    N_TERMS: tl.constexpr, EVEN_N: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
+    """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -87,7 +128,9 @@ def fwd_kernel(
     offset = k_len - q_len
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
     qb = (i_m * BLOCK_M) // BLOCK_Q
-    count = tl.load(KV_COUNTS + i_b * stride_cb + i_h * stride_ch + qb)
+    p_cnt = i_b * stride_cb + i_h * stride_ch + qb
+    count = tl.load(COUNTS + p_cnt)
+    n_full = tl.load(N_FULL + p_cnt)
     p_row = i_b * stride_ib + i_h * stride_ih + qb * stride_iq
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -105,44 +148,38 @@ def fwd_kernel(
                                            block_shape=[BLOCK_N, D_PAD])
         desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
                                            block_shape=[BLOCK_N, D_PAD])
+    else:
+        desc_k = K
+        desc_v = V
 
     qk_scale = sm_scale * LOG2E
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for it in tl.range(0, count * SUB, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
-        slot = it // SUB
-        kb = tl.load(KV_INDICES + p_row + slot)
-        start_n = kb * BLOCK_K + (it % SUB) * BLOCK_N
-        o_n = start_n + tl.arange(0, BLOCK_N)
-        if USE_TMA:
-            b_k = tl.trans(desc_k.load([start_n, 0]))  # [D, BN]
-            b_v = desc_v.load([start_n, 0])  # [BN, D]
+    # phase 1: blocks that need no mask. A contiguous run is walked by arithmetic, no index loads.
+    if CONTIGUOUS:
+        run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
+    for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
+        if CONTIGUOUS:
+            start_n = run0 + it * BLOCK_N
         else:
-            p_k = K + kv_base + o_n.to(tl.int64)[None, :] * stride_kn + o_d[:, None]
-            p_v = V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :]
-            if EVEN_N and HEAD_DIM == D_PAD:
-                b_k = tl.load(p_k)  # [D, BN]
-                b_v = tl.load(p_v)  # [BN, D]
-            else:
-                m_n = o_n < k_len
-                b_k = tl.load(p_k, mask=m_n[None, :] & m_d[:, None], other=0.0)
-                b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_s = tl.dot(b_q, b_k)  # [BM, BN], unscaled
+            start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
+        b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
+                                 BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False)
+        b_m, b_l, b_acc = _softmax_step(tl.dot(b_q, b_k), b_v, b_m, b_l, b_acc, qk_scale, False)
+    # phase 2: blocks with an element mask or crossing the sequence end
+    for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
+        slot = it // SUB
+        start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
+                                 BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True)
+        b_s = tl.where((o_n < k_len)[None, :], tl.dot(b_q, b_k), float("-inf"))  # [BM, BN]
         if N_TERMS > 0:
-            mid = tl.load(KV_MASK_IDS + p_row + slot)
+            mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:
                 b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
-        if not EVEN_N:
-            b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)  # log2 units
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing allowed yet
-        b_p = tl.math.exp2(b_s * qk_scale - m_safe[:, None])  # one FMA per score
-        alpha = tl.math.exp2(b_m - m_safe)
-        b_l = b_l * alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * alpha[:, None]
-        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
-        b_m = m_new
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, True)
 
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
@@ -153,9 +190,33 @@ def fwd_kernel(
 
 
 @triton.jit
+def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, q_base, do_base, l_base, start_m, q_len, offset,
+               o_d, pos_k, stride_qm, stride_dom, stride_lm, qk_scale, TERMS, mid,
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products)."""
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    m_m = o_m < q_len
+    m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
+    b_q = tl.load(Q + q_base + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :], mask=m_md, other=0.0)
+    b_do = tl.load(DO + do_base + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
+    # rows past the end or with no allowed key carry +inf, so their probabilities are 0
+    b_lse = tl.load(LSE + l_base + o_m * stride_lm, mask=m_m, other=float("inf"))
+    b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
+    b_delta = tl.load(DELTA + l_base + o_m * stride_lm, mask=m_m, other=0.0)
+    b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
+    if MASKED:
+        if mid >= 0:
+            b_pt = tl.where(_allowed((o_m + offset)[None, :], pos_k, TERMS, mid, N_TERMS), b_pt, 0.0)
+    b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
+    b_dst = b_pt * (tl.dot(b_v, tl.trans(b_do)) - b_delta[None, :])  # [BN, BM]
+    b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk)
+    return b_dk, b_dv
+
+
+@triton.jit
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
-    T_COUNTS, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K,
+    T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -171,7 +232,8 @@ def bwd_dkdv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One key tile of one kv head; loops over the G query heads sharing it (no atomics)."""
+    """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
+    share it and over the transposed layout's query blocks, so no atomics are needed."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
@@ -184,9 +246,7 @@ def bwd_dkdv_kernel(
     kb = (i_n * BLOCK_N) // BLOCK_K
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, D_PAD)
-    m_n = o_n < k_len
-    m_d = o_d < HEAD_DIM
-    m_nd = m_n[:, None] & m_d[None, :]
+    m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
     p_k = K + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + (k0 + o_n.to(tl.int64))[:, None] * stride_kn + o_d[None, :]
     p_v = V + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + (k0 + o_n.to(tl.int64))[:, None] * stride_vn + o_d[None, :]
     b_k = tl.load(p_k, mask=m_nd, other=0.0)  # [BN, D]
@@ -197,32 +257,25 @@ def bwd_dkdv_kernel(
     pos_k = o_n[:, None]
     for g in range(0, G):
         i_h = i_hk * G + g
-        count = tl.load(T_COUNTS + i_b * stride_cb + i_h * stride_ch + kb)
+        p_cnt = i_b * stride_cb + i_h * stride_ch + kb
+        count = tl.load(T_COUNTS + p_cnt)
+        n_full = tl.load(T_N_FULL + p_cnt)
         p_row = i_b * stride_ib + i_h * stride_ih + kb * stride_iq
         q_base = i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + q0.to(tl.int64) * stride_qm
         do_base = i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + q0.to(tl.int64) * stride_dom
         l_base = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + q0.to(tl.int64) * stride_lm
-        for it in tl.range(0, count * SUB, num_stages=NUM_STAGES):
+        for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
+            start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, q_base, do_base, l_base, start_m, q_len,
+                                    offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, qk_scale, TERMS, 0,
+                                    BLOCK_M, HEAD_DIM, N_TERMS, False)
+        for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
             slot = it // SUB
-            qb = tl.load(T_INDICES + p_row + slot)
-            o_m = qb * BLOCK_Q + (it % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_m = o_m < q_len
-            b_q = tl.load(Q + q_base + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)
-            b_do = tl.load(DO + do_base + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)
-            # rows past the end or with no allowed key carry +inf, so their probabilities are 0
-            b_lse = tl.load(LSE + l_base + o_m * stride_lm, mask=m_m, other=float("inf"))
-            b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
-            b_delta = tl.load(DELTA + l_base + o_m * stride_lm, mask=m_m, other=0.0)
-            b_st = tl.dot(b_k, tl.trans(b_q)) * qk_scale  # [BN, BM]
-            b_pt = tl.math.exp2(b_st - b_lse[None, :])
-            if N_TERMS > 0:
-                mid = tl.load(T_MASK_IDS + p_row + slot)
-                if mid >= 0:
-                    b_pt = tl.where(_allowed((o_m + offset)[None, :], pos_k, TERMS, mid, N_TERMS), b_pt, 0.0)
-            b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
-            b_dpt = tl.dot(b_v, tl.trans(b_do))  # [BN, BM]
-            b_dst = b_pt * (b_dpt - b_delta[None, :])
-            b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk)
+            start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
+            mid = tl.load(T_MASK_IDS + p_row + slot)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, q_base, do_base, l_base, start_m, q_len,
+                                    offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, qk_scale, TERMS, mid,
+                                    BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0)
     b_dk = b_dk * sm_scale
     p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh + (k0 + o_n.to(tl.int64))[:, None] * stride_dkn + o_d[None, :]
     p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh + (k0 + o_n.to(tl.int64))[:, None] * stride_dvn + o_d[None, :]
@@ -231,9 +284,26 @@ def bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
+             stride_kn, stride_vn, qk_scale, TERMS, mid,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate one key tile's contribution to dQ. Keys past the end load as 0 and add nothing."""
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
+    b_k = tl.load(K + kv_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)  # [BN, D]
+    b_v = tl.load(V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)  # [BN, D]
+    b_p = tl.math.exp2(tl.dot(b_q, tl.trans(b_k)) * qk_scale - b_lse[:, None])  # [BM, BN]
+    if MASKED:
+        if mid >= 0:
+            b_p = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_p, 0.0)
+    b_ds = b_p * (tl.dot(b_do, tl.trans(b_v)) - b_delta[:, None])
+    return tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
+
+
+@triton.jit
 def bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
-    KV_COUNTS, KV_INDICES, KV_MASK_IDS, TERMS, CU_Q, CU_K,
+    COUNTS, N_FULL, INDICES, MASK_IDS, TERMS, CU_Q, CU_K,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -248,6 +318,7 @@ def bwd_dq_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
+    """Grid (query tiles, B * H), visiting the same schedule as the forward."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -259,13 +330,14 @@ def bwd_dq_kernel(
     offset = k_len - q_len
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
     qb = (i_m * BLOCK_M) // BLOCK_Q
-    count = tl.load(KV_COUNTS + i_b * stride_cb + i_h * stride_ch + qb)
+    p_cnt = i_b * stride_cb + i_h * stride_ch + qb
+    count = tl.load(COUNTS + p_cnt)
+    n_full = tl.load(N_FULL + p_cnt)
     p_row = i_b * stride_ib + i_h * stride_ih + qb * stride_iq
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, D_PAD)
     m_m = o_m < q_len
-    m_d = o_d < HEAD_DIM
-    m_md = m_m[:, None] & m_d[None, :]
+    m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
     b_q = tl.load(Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :], mask=m_md, other=0.0)
     b_do = tl.load(DO + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + (q0 + o_m.to(tl.int64))[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
     l_off = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm
@@ -277,23 +349,16 @@ def bwd_dq_kernel(
     pos_q = (o_m + offset)[:, None]
     qk_scale = sm_scale * LOG2E
     b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for it in tl.range(0, count * SUB, num_stages=NUM_STAGES):
+    for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
+        start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
+                        stride_kn, stride_vn, qk_scale, TERMS, 0, BLOCK_N, HEAD_DIM, N_TERMS, False)
+    for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
         slot = it // SUB
-        kb = tl.load(KV_INDICES + p_row + slot)
-        o_n = kb * BLOCK_K + (it % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_nd = (o_n < k_len)[:, None] & m_d[None, :]
-        b_k = tl.load(K + kv_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)  # [BN, D]
-        b_v = tl.load(V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)  # [BN, D]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BM, BN]
-        b_p = tl.math.exp2(b_s - b_lse[:, None])
-        if N_TERMS > 0:
-            mid = tl.load(KV_MASK_IDS + p_row + slot)
-            if mid >= 0:
-                b_p = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_p, 0.0)
-        # keys past the end were loaded as 0, so they add nothing to dq (k = 0, v = 0)
-        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
+        start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
+        mid = tl.load(MASK_IDS + p_row + slot)
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
+                        stride_kn, stride_vn, qk_scale, TERMS, mid, BLOCK_N, HEAD_DIM, N_TERMS, N_TERMS > 0)
     b_dq = b_dq * sm_scale
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh + (q0 + o_m.to(tl.int64))[:, None] * stride_dqm + o_d[None, :]
     tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_md)

@@ -15,8 +15,9 @@ from . import kernels
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # SPARSE_ATTN_AUTOTUNE=0 runs one default config per kernel family (tests: compile once, not per config)
 AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
-# forward K/V loading: "ptr" (pointer loads), "tma" (on-device TMA descriptors),
-# "tma-ws" (TMA + warp-specialized loop); TMA variants need Hopper+ and 16-byte aligned rows
+# forward K/V loading: "ptr" (pointer loads) or "tma" (on-device TMA descriptors: Hopper+, 16-byte
+# aligned rows). Measured on H100 (benchmarks/NOTES.md): tma ~11% faster; Triton 3.6's warp-specialized
+# loop failed to compile for some tiles and gained nothing where it compiled, so it is not offered.
 FWD_VARIANT = os.environ.get("SPARSE_ATTN_FWD", "tma")
 
 
@@ -39,10 +40,10 @@ def _keep_fwd(cfg: triton.Config, block_q: int, block_k: int, d_pad: int) -> boo
 def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr") -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
-                               "NUM_STAGES": 1, "USE_TMA": False, "WARP_SPEC": False}, num_warps=4, num_stages=1)]
+                               "NUM_STAGES": 1, "USE_TMA": False}, num_warps=4, num_stages=1)]
     bms = _divisors(block_q)[-2:]
     bns = _divisors(block_k, (32, 64, 128))[-2:] or _divisors(block_k)[-1:]
-    flags = {"USE_TMA": variant != "ptr", "WARP_SPEC": variant == "tma-ws"}
+    flags = {"USE_TMA": variant != "ptr"}
     space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s, **flags}, num_warps=w, num_stages=s)
              for bm in bms for bn in bns for w in (4, 8) for s in (2, 3, 4)]
     return [c for c in space if _keep_fwd(c, block_q, block_k, d_pad)]
@@ -145,9 +146,10 @@ def _d_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def forward(q, k, v, kv_counts, kv_indices, kv_mask_ids, terms, n_terms: int, cu_q, cu_k,
-            block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int):
-    """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen)."""
+def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
+            cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int):
+    """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen). The layout arrives as its
+    schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked."""
     varlen = cu_q is not None
     if varlen:
         T, H, D = q.shape
@@ -163,30 +165,24 @@ def forward(q, k, v, kv_counts, kv_indices, kv_mask_ids, terms, n_terms: int, cu
         l_strides = lse.stride()
     out = torch.empty_like(q)
     d_pad = _d_pad(D)
-    even_n = (not varlen) and Lk % min(block_k, 128) == 0 and Lk % 16 == 0
     variant = FWD_VARIANT if _tma_ok(q, k, v) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
-    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("EVEN_N",), variant)
+    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS",), variant)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
-        q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, terms, cu_q, cu_k, sm_scale,
+        q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(out, varlen),
-        *l_strides, *_layout_strides(kv_counts, kv_indices),
+        *l_strides, *_layout_strides(counts, indices),
         H, H // hkv, Lq, Lk,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
-        EVEN_N=even_n and _even_for_all_tiles(Lk, block_k), IS_VARLEN=varlen)
+        CONTIGUOUS=contiguous, IS_VARLEN=varlen)
     return out, lse
 
 
-def _even_for_all_tiles(lk: int, block_k: int) -> bool:
-    """Every candidate BLOCK_N divides Lk, so the key tail never needs a bounds mask."""
-    return all(lk % bn == 0 for bn in _divisors(block_k))
-
-
-def backward(do, q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, t_counts, t_indices, t_mask_ids,
+def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
              terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int):
-    """Returns (dq, dk, dv). dK/dV walk the layout's transpose; each program owns one key tile of
+    """Returns (dq, dk, dv). dK/dV walk the transposed schedule; each program owns one key tile of
     one kv head and loops over that head's query-head group, so no atomics are needed."""
     varlen = cu_q is not None
     if varlen:
@@ -207,15 +203,15 @@ def backward(do, q, k, v, out, lse, kv_counts, kv_indices, kv_mask_ids, t_counts
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv", block_q, block_k, d_pad, _KEY)
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
-        q, k, v, do, lse, delta, dk, dv, t_counts, t_indices, t_mask_ids, terms, cu_q, cu_k, sm_scale,
+        q, k, v, do, lse, delta, dk, dv, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, sm_scale,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
         *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen), *_layout_strides(t_counts, t_indices),
         hkv, H // hkv, Lq, Lk, **common)
     kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
-        q, k, v, do, lse, delta, dq, kv_counts, kv_indices, kv_mask_ids, terms, cu_q, cu_k, sm_scale,
+        q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
-        *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(kv_counts, kv_indices),
+        *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
         H, H // hkv, Lq, Lk, **common)
     return dq, dk, dv

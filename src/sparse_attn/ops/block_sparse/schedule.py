@@ -1,0 +1,61 @@
+"""The kernels' visiting order for a layout: derived data, cached on the layout, never a new format.
+
+Each row's blocks are reordered so that blocks needing no masking come first (the kernels run them
+in a loop with no mask logic at all) and blocks that need an element mask or the sequence-end bound
+come last. When every row's unmasked blocks form one contiguous run (dense, causal, windows,
+block-diagonal...), the kernels walk that run by arithmetic instead of loading an index per tile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...layout import BlockLayout
+
+
+@dataclass
+class Schedule:
+    n_full: torch.Tensor      # int32 [Bl, Hl, Qb]: leading slots that need no mask
+    full_start: torch.Tensor  # int32 [Bl, Hl, Qb]: first unmasked key block (meaningful when contiguous)
+    indices: torch.Tensor     # int32 [Bl, Hl, Qb, max_k]: unmasked blocks ascending, then masked ascending
+    mask_ids: torch.Tensor    # int32 [Bl, Hl, Qb, max_k]: per reordered slot, -1 or a mask id
+    contiguous: bool          # every row's unmasked blocks are one run full_start .. full_start + n_full - 1
+
+
+def schedule(layout: BlockLayout, kv_lens: torch.Tensor | None = None, *, bound_tail: bool = True) -> Schedule:
+    """Reorder ``layout``'s rows (cached per ``kv_lens``).
+
+    kv_lens: int [Bl] key length per batch row (varlen); default ``layout.kv_len`` for every row.
+    bound_tail: a last key block cut by the sequence end needs the bound mask, so it goes last.
+    """
+    key = ("schedule", bound_tail, None if kv_lens is None else tuple(kv_lens.tolist()))
+    if key not in layout._derived:
+        layout._derived[key] = _build(layout, kv_lens, bound_tail)
+    return layout._derived[key]
+
+
+def _build(layout: BlockLayout, kv_lens, bound_tail: bool) -> Schedule:
+    counts, idx, mids = layout.kv_counts.long(), layout.kv_indices.long(), layout.kv_mask_ids
+    max_k = idx.shape[-1]
+    slot = torch.arange(max_k, device=idx.device)
+    valid = slot < counts[..., None]
+    needs = valid & (mids >= 0)
+    if bound_tail:
+        lens = torch.full((layout.batch,), layout.kv_len, device=idx.device) if kv_lens is None else kv_lens.to(idx.device).long()
+        lens = lens.view(-1, 1, 1, 1)
+        last = (lens + layout.block_k - 1) // layout.block_k - 1
+        needs |= valid & (idx == last) & (lens % layout.block_k != 0)
+    full = valid & ~needs
+    order_key = torch.where(full, slot, torch.where(needs, max_k + slot, 2 * max_k + slot))
+    order = torch.argsort(order_key, dim=-1)
+    n_full = full.sum(-1)
+    first = torch.where(n_full > 0, idx.gather(-1, order[..., :1])[..., 0] if max_k else n_full, 0)
+    if max_k:
+        last_full = idx.gather(-1, order).gather(-1, (n_full - 1).clamp(min=0)[..., None])[..., 0]
+        contiguous = bool(((n_full == 0) | (last_full - first + 1 == n_full)).all())
+    else:
+        contiguous = True
+    return Schedule(n_full.to(torch.int32).contiguous(), first.to(torch.int32).contiguous(),
+                    idx.gather(-1, order).to(torch.int32).contiguous(), mids.gather(-1, order).contiguous(),
+                    contiguous)
