@@ -42,13 +42,14 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense:16384", "causal:16384", "window4096:32768", "random0.1:32768"])
     ap.add_argument("--hkv", type=int, default=32)
     ap.add_argument("--bwd", action="store_true")
-    ap.add_argument("--variants", nargs="+", default=["tma"], help="forward variants: ptr tma")
+    ap.add_argument("--variants", nargs="+", default=["tma"], help="forward variants: ptr tma indexed (tma, per-tile index loads even for contiguous rows)")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows = []
     from sparse_attn.ops.block_sparse import launch
     for case, variant in [(c, v) for c in a.cases for v in a.variants]:
-        launch.FWD_VARIANT = variant
+        launch.FWD_VARIANT = "tma" if variant == "indexed" else variant
+        launch.FORCE_INDEXED = variant == "indexed"
         try:
             row = run_case(a, case, variant)
         except Exception as e:  # noqa: BLE001 - a variant that fails to compile must not hide the others

@@ -6,9 +6,9 @@
     out = sparse_attn.attention(q, k, v, layout)           # q [B, Hq, L, D], k/v [B, Hkv, L, D]
 """
 from . import masks, reference
-from .api import attention, prepare
+from .api import attention, prepare, varlen_attention
 from .layout import BlockLayout, LayoutError
 from .masks import ElementMask, MaskTerm
 
-__all__ = ["attention", "prepare", "BlockLayout", "LayoutError", "ElementMask", "MaskTerm", "masks", "reference"]
+__all__ = ["attention", "prepare", "varlen_attention", "BlockLayout", "LayoutError", "ElementMask", "MaskTerm", "masks", "reference"]
 __version__ = "0.1.0"

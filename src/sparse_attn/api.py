@@ -83,3 +83,54 @@ def prepare(layout: BlockLayout, backward: bool = True) -> BlockLayout:
     so nothing data-dependent is traced. Returns the layout."""
     from .ops.block_sparse import prepare as _prepare
     return _prepare(layout, backward)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                     layouts=None, pattern=None, causal: bool = False, scale: float | None = None,
+                     return_lse: bool = False):
+    """Block-sparse attention over packed variable-length sequences.
+
+    Args:
+        q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (packed); ``Hq % Hkv == 0``.
+        cu_seqlens_q / cu_seqlens_k: int32 ``[num_seqs + 1]`` token offsets (start 0, end at T).
+        max_seqlen_q / max_seqlen_k: upper bounds on the per-sequence lengths.
+        layouts: one :class:`BlockLayout` per sequence, each built for that sequence's
+            ``(q_len, kv_len)``; or
+        pattern: ``pattern(q_len, kv_len) -> BlockLayout``, called per sequence (e.g.
+            ``lambda lq, lk: patterns.local(lq, 256, kv_len=lk)``); neither = dense.
+        causal: bottom-right aligned per sequence (query i of a sequence sees key j iff
+            ``j <= i + kv_len - q_len``), combined with the layout by intersection.
+
+    Returns: out ``[Tq, Hq, D]`` (and lse fp32 ``[Hq, Tq]``).
+    """
+    from . import varlen
+    check_scale(scale)
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"varlen q/k/v must be packed [total_tokens, heads, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    check_qkv(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2))
+    q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
+    k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
+    if len(q_lens) != len(k_lens):
+        raise ValueError(f"cu_seqlens_q has {len(q_lens)} sequences, cu_seqlens_k has {len(k_lens)}")
+    per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal)
+    if not _use_kernels(q):
+        return _varlen_reference(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), per_seq, scale, return_lse)
+    from .ops.block_sparse import varlen_attention_op
+    stacked = varlen.stack([lay.to(q.device) for lay in per_seq], max_seqlen_q, max_seqlen_k, q.shape[1])
+    return varlen_attention_op(q, k, v, stacked, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               torch.tensor(k_lens, device=q.device), scale=scale, return_lse=return_lse)
+
+
+def _varlen_reference(q, k, v, cq, ck, per_seq, scale, return_lse):
+    """Per-sequence reference calls, concatenated back to the packed layout."""
+    outs, lses = [], []
+    for b, lay in enumerate(per_seq):
+        qs, ks, vs = (t[a:e].transpose(0, 1)[None] for t, a, e in ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]),
+                                                                  (v, ck[b], ck[b + 1])))
+        o, lse = reference.attention(qs, ks, vs, lay.to(q.device), scale=scale, return_lse=True)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    out = torch.cat(outs, 0)
+    return (out, torch.cat(lses, 1)) if return_lse else out

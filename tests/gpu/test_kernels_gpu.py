@@ -175,3 +175,36 @@ def test_fp32_on_cuda_is_a_clear_error():
     q = torch.randn(1, 2, 64, 64, device="cuda")
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         sparse_attn.attention(q, q, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_varlen_fwd_bwd_against_per_sequence_reference(dtype):
+    q_lens, k_lens = [1000, 1, 130, 4097], [1200, 64, 130, 4097]
+    hq, hkv, d = 8, 2, 128
+    cq = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    ck = torch.tensor([0] + list(torch.tensor(k_lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = _rand((sum(q_lens), hq, d), dtype).requires_grad_()
+    k = _rand((sum(k_lens), hkv, d), dtype).requires_grad_()
+    v = _rand((sum(k_lens), hkv, d), dtype).requires_grad_()
+    mask = _mask("streaming")
+    pattern = lambda lq, lk: BlockLayout.from_mask(mask, q_len=lq, kv_len=lk, block_q=64, block_k=128)  # noqa: E731
+    args = (cq, ck, max(q_lens), max(k_lens))
+    out, lse = sparse_attn.varlen_attention(q, k, v, *args, pattern=pattern, causal=True, return_lse=True)
+    qo, ko, vo = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    o_or, lse_or = sparse_attn.varlen_attention(qo, ko, vo, *(a.cpu() if torch.is_tensor(a) else a for a in args),
+                                                pattern=pattern, causal=True, return_lse=True)
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    from sparse_attn import varlen
+    per_seq = varlen.build_layouts(q_lens, k_lens, None, pattern, causal=True)
+    o_lp = torch.cat([sparse_attn.reference.attention(
+        ql[a:b].transpose(0, 1)[None], kl[c:e].transpose(0, 1)[None], vl[c:e].transpose(0, 1)[None],
+        lay.to("cuda"), _lowp=True)[0].transpose(0, 1)
+        for lay, a, b, c, e in zip(per_seq, cq[:-1].tolist(), cq[1:].tolist(), ck[:-1].tolist(), ck[1:].tolist())])
+    _check("varlen out", out, o_lp, o_or.cuda(), dtype)
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(lse_or))
+    do = _rand(out.shape, dtype)
+    out.backward(do)
+    o_or.backward(do.double().cpu())
+    o_lp.backward(do)
+    for name, a, b, c in (("dq", q, qo, ql), ("dk", k, ko, kl), ("dv", v, vo, vl)):
+        _check(name, a.grad, c.grad, b.grad.cuda(), dtype)

@@ -120,7 +120,9 @@ def summary_table(rows: list[Row], baseline: str | None = None, title: str | Non
     sp = speedups(rows, baseline) if baseline else {}
     vary = {name: len({getattr(r, name) for r in rows}) > 1
             for name in ("kv_heads", "mode", "dtype", "heads", "head_dim", "batch")}
-    t = Table(title=title, show_lines=False)
+    labels = {"batch": "B", "heads": "H", "kv_heads": "Hkv", "head_dim": "D", "dtype": "", "mode": "mode="}
+    fixed = " ".join(f"{labels[n]}{getattr(rows[0], n)}" for n in labels if rows and not vary[n])
+    t = Table(title=title, caption=fixed or None, show_lines=False)
     t.add_column("pattern")
     t.add_column("L", justify="right")
     for name, label in (("batch", "B"), ("heads", "H"), ("kv_heads", "Hkv"), ("head_dim", "D"),
@@ -132,6 +134,9 @@ def summary_table(rows: list[Row], baseline: str | None = None, title: str | Non
     t.add_column("ms", justify="right")
     t.add_column("TFLOP/s", justify="right")
     t.add_column(f"vs {baseline}" if baseline else "speedup", justify="right")
+    any_error = any(r.error for r in rows)
+    if any_error:
+        t.add_column("error", max_width=60)
     prev = None
     for r in rows:
         group = r.key()
@@ -142,9 +147,10 @@ def summary_table(rows: list[Row], baseline: str | None = None, title: str | Non
         for name in ("batch", "heads", "kv_heads", "head_dim", "dtype", "mode"):
             if vary[name]:
                 cells.append(str(getattr(r, name)))
-        ms = r.error[:40] if r.ms is None and r.error else _fmt(r.ms, ".3f")
         s = sp.get(id(r))
-        cells += [_fmt(r.density, ".3f"), r.provider, ms, _fmt(r.tflops, ".3f" if (r.tflops or 0) < 1 else ".1f"),
-                  "-" if s is None else f"{s:.2f}x"]
+        cells += [_fmt(r.density, ".3f"), r.provider, _fmt(r.ms, ".3f"),
+                  _fmt(r.tflops, ".3f" if (r.tflops or 0) < 1 else ".1f"), "-" if s is None else f"{s:.2f}x"]
+        if any_error:
+            cells.append(r.error or "")
         t.add_row(*(Text(c) for c in cells))  # Text: no rich markup in error messages
     return t

@@ -73,3 +73,15 @@ def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, re
     out, lse = block_sparse_fwd(q, k, v, *layout_inputs(layout, needs_grad), None, None,
                                 layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2])
     return (out, lse) if return_lse else out
+
+
+def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens: torch.Tensor, *,
+                        scale: float | None = None, return_lse: bool = False):
+    """Kernels on validated packed ``[T, H, D]`` inputs; ``stacked`` has one batch row per sequence."""
+    check_kernel_inputs(q, v)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    out, lse = block_sparse_fwd(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
+                                stacked.block_q, stacked.block_k, scale, max_q, max_k)
+    return (out, lse) if return_lse else out

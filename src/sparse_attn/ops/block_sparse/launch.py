@@ -19,6 +19,8 @@ AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
 # aligned rows). Measured on H100 (benchmarks/NOTES.md): tma ~11% faster; Triton 3.6's warp-specialized
 # loop failed to compile for some tiles and gained nothing where it compiled, so it is not offered.
 FWD_VARIANT = os.environ.get("SPARSE_ATTN_FWD", "tma")
+# benchmarks only: visit even contiguous runs through per-tile index loads (the bookkeeping cost)
+FORCE_INDEXED = False
 
 
 def _divisors(block: int, options=(16, 32, 64, 128)) -> list[int]:
@@ -176,7 +178,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         *l_strides, *_layout_strides(counts, indices),
         H, H // hkv, Lq, Lk,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
-        CONTIGUOUS=contiguous, IS_VARLEN=varlen)
+        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen)
     return out, lse
 
 

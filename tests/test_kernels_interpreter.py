@@ -1,0 +1,120 @@
+"""The Triton kernels under TRITON_INTERPRET=1 on the CPU (set by conftest.py when there is no GPU):
+small fp16/fp32 cases, forward and backward, against the reference (DESIGN.md rule 3)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn import reference
+from sparse_attn.layout import BlockLayout
+from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
+from sparse_attn.testing import assert_close_to_oracle
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter tests run only without a GPU"),
+]
+
+MASKS = {
+    "dense": ElementMask((MaskTerm(),)),
+    "causal": ElementMask((causal_term(),)),
+    "streaming": ElementMask((window_term(20, 0), MaskTerm(k_lo=0, k_hi=2, right=0))),
+    "two_sided": ElementMask((window_term(9, 13),)),
+    "block_diag": ElementMask((document_term(23),)),
+}
+
+
+def _ops():
+    from sparse_attn.ops.block_sparse import attention_op, varlen_attention_op
+    return attention_op, varlen_attention_op
+
+
+def _qkv(B, hq, hkv, lq, lk, d, dtype, grad):
+    g = torch.Generator().manual_seed(lq * 1000 + lk)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_(grad)  # noqa: E731
+    return mk(B, hq, lq, d), mk(B, hkv, lk, d), mk(B, hkv, lk, d)
+
+
+def _check_fwd_bwd(layout, q, k, v, bwd=True):
+    attention_op, _ = _ops()
+    out, lse = attention_op(q, k, v, layout, return_lse=True)
+    oracle = [t.detach().double().requires_grad_(bwd) for t in (q, k, v)]
+    lowp = [t.detach().clone().requires_grad_(bwd) for t in (q, k, v)]
+    o_or, lse_or = reference.attention(*oracle, layout, return_lse=True)
+    o_lp = reference.attention(*lowp, layout, _lowp=True)
+    assert_close_to_oracle(out, o_lp, o_or, name="out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_or))
+    fin = torch.isfinite(lse_or)
+    assert (lse[fin].double() - lse_or[fin]).abs().max() < 1e-2
+    if bwd:
+        do = torch.randn_like(out)
+        out.backward(do)
+        o_or.backward(do.double())
+        o_lp.backward(do)
+        for name, a, b, c in zip(("dq", "dk", "dv"), (q, k, v), oracle, lowp):
+            assert_close_to_oracle(a.grad, c.grad, b.grad, name=name)
+
+
+@pytest.mark.parametrize("kind,lq,lk,bq,bk,hq,hkv", [
+    ("dense", 40, 40, 16, 16, 2, 2),
+    ("causal", 50, 30, 32, 16, 4, 2),      # Lq > Lk: leading rows see no key; GQA
+    ("causal", 37, 70, 16, 32, 2, 1),      # Lq < Lk; MQA; tails
+    ("streaming", 45, 45, 16, 16, 2, 2),
+    ("two_sided", 33, 47, 16, 16, 2, 2),
+    ("block_diag", 49, 49, 16, 32, 2, 2),
+])
+def test_patterns_fp16_fwd_bwd(kind, lq, lk, bq, bk, hq, hkv):
+    layout = BlockLayout.from_mask(MASKS[kind], q_len=lq, kv_len=lk, block_q=bq, block_k=bk)
+    _check_fwd_bwd(layout, *_qkv(1, hq, hkv, lq, lk, 16, torch.float16, True))
+
+
+def test_fp32_per_head_random_layout_with_broadcast_batch():
+    g = torch.Generator().manual_seed(3)
+    bm = torch.rand(1, 4, 3, 3, generator=g) < 0.5
+    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=41, kv_len=35)
+    _check_fwd_bwd(layout, *_qkv(2, 4, 2, 41, 35, 16, torch.float32, True))
+
+
+def test_composed_layout_with_different_masks_per_block():
+    a = BlockLayout.from_mask(MASKS["streaming"], q_len=48, block_q=16, block_k=16)
+    b = BlockLayout.from_mask(MASKS["block_diag"], q_len=48, block_q=16, block_k=16)
+    _check_fwd_bwd(a | b, *_qkv(1, 2, 2, 48, 48, 16, torch.float16, True))
+
+
+def test_empty_layout_gives_zeros_and_minus_inf():
+    layout = BlockLayout.from_mask(ElementMask(()), q_len=20, block_q=16, block_k=16)
+    attention_op, _ = _ops()
+    q, k, v = _qkv(1, 2, 2, 20, 20, 16, torch.float16, False)
+    out, lse = attention_op(q, k, v, layout, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+
+
+def test_varlen_matches_per_sequence_reference():
+    _, varlen_attention_op = _ops()
+    from sparse_attn import varlen
+    q_lens, k_lens = [17, 1, 40], [30, 5, 40]
+    hq, hkv, d = 4, 2, 16
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).half().requires_grad_()
+    k = torch.randn(sum(k_lens), hkv, d, generator=g).half().requires_grad_()
+    v = torch.randn(sum(k_lens), hkv, d, generator=g).half().requires_grad_()
+    cq = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
+    ck = torch.tensor([0, 30, 35, 75], dtype=torch.int32)
+    pattern = lambda lq, lk: BlockLayout.from_mask(MASKS["streaming"], q_len=lq, kv_len=lk,  # noqa: E731
+                                                   block_q=16, block_k=16)
+    per_seq = varlen.build_layouts(q_lens, k_lens, None, pattern, causal=True)
+    stacked = varlen.stack(per_seq, max(q_lens), max(k_lens), hq)
+    out = varlen_attention_op(q, k, v, stacked, cq, ck, max(q_lens), max(k_lens), torch.tensor(k_lens))
+    ref = sparse_attn.varlen_attention(q.double(), k.double(), v.double(), cq, ck, max(q_lens), max(k_lens),
+                                       pattern=pattern, causal=True)
+    assert (out.double() - ref).abs().max() < 5e-3
+    do = torch.randn_like(out)
+    out.backward(do)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sparse_attn.varlen_attention(qd, kd, vd, cq, ck, max(q_lens), max(k_lens), pattern=pattern,
+                                 causal=True).backward(do.double())
+    for a, b in ((q, qd), (k, kd), (v, vd)):
+        assert (a.grad.double() - b.grad).abs().max() < 1e-2
