@@ -99,7 +99,8 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
     heads = heads if heads is not None else _heads_to_draw(states.shape[1], max_heads)
     dens = per_head_density(states)
     n_panels = len(heads) + (close_up is not None)
-    fig, axes = plt.subplots(1, n_panels, figsize=(max(panel_inches * n_panels, 6.4), panel_inches + 1.2), squeeze=False)
+    size = (max(panel_inches * n_panels, 6.4), panel_inches + 1.2)
+    fig, axes = plt.subplots(1, n_panels, figsize=size, squeeze=False)
     axes = axes[0]
     cmap = ListedColormap(COLORS)
     nq, nk = states.shape[-2:]
@@ -120,8 +121,8 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
         _draw_close_up(axes[-1], layout, close_up, b)
     n_full = int((states == FULL).sum())
     n_part = int((states == PARTIAL).sum())
-    title = (f"{name + ': ' if name else ''}L={layout.q_len}"
-             f"{'' if layout.kv_len == layout.q_len else f'x{layout.kv_len}'}, blocks {layout.block_q}x{layout.block_k}, "
+    kv = "" if layout.kv_len == layout.q_len else f"x{layout.kv_len}"
+    title = (f"{name + ': ' if name else ''}L={layout.q_len}{kv}, blocks {layout.block_q}x{layout.block_k}, "
              f"density {layout.density:.3f}")
     if close_up is not None:
         title += " (red: token close-up)"
@@ -263,9 +264,11 @@ def gallery_items(seq_len: int = 4096) -> list[GalleryItem]:
         GalleryItem("block_diagonal", "block_diagonal",
                     "Documents of 600 tokens (not a multiple of 128, so blocks on document boundaries are partial).",
                     {"block_size": 600}, close_up=(512, 512, 384)),
-        GalleryItem("strided", "strided", "Sparse-Transformer fixed pattern (causal): the diagonal block plus every 4th key block as a summary column.",
+        GalleryItem("strided", "strided", "Sparse-Transformer fixed pattern (causal): the diagonal block plus "
+                    "every 4th key block as a summary column.",
                     {"stride": 4, "causal": True}),
-        GalleryItem("dilated", "dilated", "Dilated window (non-causal): every 3rd key block, 6 on each side of the diagonal counting it.",
+        GalleryItem("dilated", "dilated", "Dilated window (non-causal): every 3rd key block, 6 on each side of "
+                    "the diagonal counting it.",
                     {"window_blocks": 6, "dilation": 3}),
         GalleryItem("random", "random", "Random key blocks per head, density 0.2 (per-head layouts).",
                     {"density": 0.2, "heads": 4, "seed": 0}),
@@ -292,7 +295,8 @@ def write_gallery(out_dir, *, seq_len: int = 4096, block: int = 128, markdown=No
         else:
             layout = build_pattern(item.expr, seq_len, block_q=block, block_k=block, **item.options)
         cu = CloseUp(*item.close_up) if item.close_up else None
-        path = save(draw_layout(layout, name=item.expr or item.name, close_up=cu), out_dir / f"{item.name}.png", dpi=dpi)
+        fig = draw_layout(layout, name=item.expr or item.name, close_up=cu)
+        path = save(fig, out_dir / f"{item.name}.png", dpi=dpi)
         written.append(path)
         entries.append((item, path, layout))
     if markdown is not None:

@@ -26,7 +26,8 @@ from .registry import always, needs_cuda, register_provider
 
 
 # ----------------------------------------------------------------------------- ours
-@register_provider("sparse_attn", description="sparse_attn.attention (Triton kernels on CUDA, reference path elsewhere)")
+@register_provider("sparse_attn",
+                   description="sparse_attn.attention (Triton kernels on CUDA, reference path elsewhere)")
 def sparse_attn_provider(q, k, v, layout, causal):
     import sparse_attn
     return lambda: sparse_attn.attention(q, k, v, layout, causal=causal)

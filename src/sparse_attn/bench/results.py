@@ -120,7 +120,7 @@ def summary_table(rows: list[Row], baseline: str | None = None, title: str | Non
     sp = speedups(rows, baseline) if baseline else {}
     vary = {name: len({getattr(r, name) for r in rows}) > 1
             for name in ("kv_heads", "mode", "dtype", "heads", "head_dim", "batch")}
-    labels = {"batch": "B", "heads": "H", "kv_heads": "Hkv", "head_dim": "D", "dtype": "", "mode": "mode="}
+    labels = {"batch": "B=", "heads": "H=", "kv_heads": "Hkv=", "head_dim": "D=", "dtype": "", "mode": "mode="}
     fixed = " ".join(f"{labels[n]}{getattr(rows[0], n)}" for n in labels if rows and not vary[n])
     t = Table(title=title, caption=fixed or None, show_lines=False)
     t.add_column("pattern")
