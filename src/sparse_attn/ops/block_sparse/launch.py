@@ -5,6 +5,7 @@ varlen inputs are packed ``[T, H, D]`` with ``cu_seqlens`` (int32 [B + 1]).
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -43,11 +44,14 @@ def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr") ->
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1, "USE_TMA": False}, num_warps=4, num_stages=1)]
-    bms = _divisors(block_q)[-2:]
-    bns = _divisors(block_k, (32, 64, 128))[-2:] or _divisors(block_k)[-1:]
+    # Kept small on purpose: every config is a compile on first use. On H100 the winners were the
+    # largest query tile with 8 warps and 2-3 stages (benchmarks/NOTES.md).
+    bm = _divisors(block_q)[-1]
+    bns = _divisors(block_k, (64, 128)) or _divisors(block_k)[-1:]
     flags = {"USE_TMA": variant != "ptr"}
-    space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s, **flags}, num_warps=w, num_stages=s)
-             for bm in bms for bn in bns for w in (4, 8) for s in (2, 3, 4)]
+    space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s, **flags}, num_warps=8 if bm >= 128 else 4,
+                           num_stages=s)
+             for bn in bns for s in (2, 3)]
     return [c for c in space if _keep_fwd(c, block_q, block_k, d_pad)]
 
 
@@ -75,12 +79,11 @@ def bwd_configs(block_q: int, block_k: int, d_pad: int) -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1}, num_warps=4, num_stages=1)]
-    bms = _divisors(block_q, (32, 64, 128))[-2:] or _divisors(block_q)[-1:]
-    bns = _divisors(block_k, (32, 64, 128))[-2:] or _divisors(block_k)[-1:]
-    space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s}, num_warps=w, num_stages=s)
-             for bm in bms for bn in bns for w in (4, 8) for s in (1, 2, 3)]
-    return [c for c in space if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128 and
-            not (d_pad >= 256 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)]
+    pairs = [(m, n) for m, n in ((64, 128), (128, 64), (64, 64)) if block_q % m == 0 and block_k % n == 0]
+    pairs = pairs or [(_divisors(block_q)[-1], _divisors(block_k)[-1])]
+    space = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": 2}, num_warps=w, num_stages=2)
+             for m, n in pairs for w in (4, 8)]
+    return [c for c in space if not (d_pad >= 256 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)] or space[-1:]
 
 
 _TUNED: dict = {}
@@ -97,7 +100,11 @@ def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple
             configs = bwd_configs(block_q, block_k, d_pad)
         if not AUTOTUNE:
             configs = [default_config(configs, kind, d_pad)]
-        _TUNED[k] = triton.autotune(configs, key=list(key))(kernel) if len(configs) > 1 else _Fixed(kernel, configs[0])
+        if len(configs) > 1:
+            kw = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+            _TUNED[k] = triton.autotune(configs, key=list(key), **kw)(kernel)
+        else:
+            _TUNED[k] = _Fixed(kernel, configs[0])
     return _TUNED[k]
 
 
