@@ -70,8 +70,15 @@ def run_case(a, case, variant):
     k = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
     flops = 4 * B * D * 128 * 128 * (layout.num_blocks * (H // layout.heads))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sparse_attn.attention(q, k, v, layout)
+    torch.cuda.synchronize()
+    extra_bytes = torch.cuda.max_memory_allocated() - base  # output + lse + workspace, beyond q/k/v/layout
     ms = bench(lambda: sparse_attn.attention(q, k, v, layout))
-    row = dict(case=which, variant=variant, L=L, hkv=a.hkv, density=layout.density, ms=ms, tflops=flops / ms * 1e-9)
+    row = dict(peak_extra_bytes=extra_bytes, inputs_bytes=3 * q.numel() * q.element_size(), layout_bytes=layout.nbytes,
+               peak_total_bytes=torch.cuda.max_memory_allocated(), case=which, variant=variant, L=L, hkv=a.hkv, density=layout.density, ms=ms, tflops=flops / ms * 1e-9)
     if which in ("dense", "causal") and variant == a.variants[0]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         kk, vv = (k, v) if a.hkv == H else (k.repeat_interleave(H // a.hkv, 1), v.repeat_interleave(H // a.hkv, 1))
