@@ -1,6 +1,8 @@
 """Public entry points: validate, pick a path, call an op."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import reference
@@ -26,25 +28,20 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, q: torch.Tensor, k:
     (cached on the layout), so the kernels only ever apply a layout's own element masks."""
     lq, lk = q.shape[2], k.shape[2]
     if layout is None:
-        key = ("dense-causal" if causal else "dense", lq, lk, q.device)
-        if key not in _BUILT:
-            mask = ElementMask((causal_term(),)) if causal else ElementMask((MaskTerm(),))
-            built = BlockLayout.from_mask(mask, q_len=lq, kv_len=lk, block_q=DEFAULT_BLOCK,
-                                          block_k=DEFAULT_BLOCK, device=q.device)
-            built._validated = True
-            _BUILT[key] = built
-        return _BUILT[key]
+        return _default_layout(causal, lq, lk, str(q.device))
     if not causal:
         return layout
     key = ("causal", q.device)
     if key not in layout._derived:
-        both = layout & _causal_layout(lq, lk, layout.block_q, layout.block_k, layout.device)
-        both._validated = True
-        layout._derived[key] = both
+        layout._derived[key] = layout & _causal_layout(lq, lk, layout.block_q, layout.block_k, layout.device)
     return layout._derived[key]
 
 
-_BUILT: dict = {}
+@functools.lru_cache(maxsize=32)
+def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
+    """Dense or causal layout with 128x128 blocks, cached per shape (a few recent shapes)."""
+    mask = ElementMask((causal_term(),)) if causal else ElementMask((MaskTerm(),))
+    return BlockLayout.from_mask(mask, q_len=lq, kv_len=lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,

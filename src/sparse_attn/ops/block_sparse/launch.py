@@ -44,8 +44,9 @@ def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr") ->
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1, "USE_TMA": False}, num_warps=4, num_stages=1)]
-    # Kept small on purpose: every config is a compile on first use. On H100 the winners were the
-    # largest query tile with 8 warps and 2-3 stages (benchmarks/NOTES.md).
+    # Kept small on purpose: every config is a compile on first use. The space follows the usual
+    # Hopper attention choices (the largest query tile the layout allows, 8 warps at 128 rows,
+    # 2-3 stages); per-config timings have not been recorded yet.
     bm = _divisors(block_q)[-1]
     bns = _divisors(block_k, (64, 128)) or _divisors(block_k)[-1:]
     flags = {"USE_TMA": variant != "ptr"}
