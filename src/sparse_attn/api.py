@@ -23,15 +23,14 @@ def _causal_layout(lq: int, lk: int, block_q: int, block_k: int, device) -> Bloc
                                  block_q=block_q, block_k=block_k, device=device)
 
 
-def _kernel_layout(layout: BlockLayout | None, causal: bool, q: torch.Tensor, k: torch.Tensor) -> BlockLayout:
+def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, device) -> BlockLayout:
     """The layout the kernels run: dense/causal when none is given; causal folded in by intersection
     (cached on the layout), so the kernels only ever apply a layout's own element masks."""
-    lq, lk = q.shape[2], k.shape[2]
     if layout is None:
-        return _default_layout(causal, lq, lk, str(q.device))
+        return _default_layout(causal, lq, lk, str(device))
     if not causal:
         return layout
-    key = ("causal", q.device)
+    key = ("causal", torch.device(device))
     if key not in layout._derived:
         layout._derived[key] = layout & _causal_layout(lq, lk, layout.block_q, layout.block_k, layout.device)
     return layout._derived[key]
@@ -71,15 +70,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     if not _use_kernels(q):
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
     from .ops.block_sparse import attention_op
-    return attention_op(q, k, v, _kernel_layout(layout, causal, q, k), scale=scale, return_lse=return_lse)
+    kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)
+    return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse)
 
 
-def prepare(layout: BlockLayout, backward: bool = True) -> BlockLayout:
-    """Precompute what the GPU kernels derive from ``layout`` (its visiting schedule, and for
-    ``backward`` the transposed one). Optional in eager mode; call it once before ``torch.compile``
-    so nothing data-dependent is traced. Returns the layout."""
+def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) -> BlockLayout:
+    """Precompute what the GPU kernels derive from ``layout`` (its visiting schedule; for ``backward``
+    the transposed one; with ``causal`` the layout's intersection with causal, as
+    ``attention(..., causal=True)`` uses it). Optional in eager mode; call it once, on the device the
+    layout will be used on, before ``torch.compile`` so nothing data-dependent is traced. Returns
+    the layout."""
     from .ops.block_sparse import prepare as _prepare
-    return _prepare(layout, backward)
+    _prepare(_kernel_layout(layout, causal, layout.q_len, layout.kv_len, layout.device), backward)
+    return layout
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
