@@ -295,10 +295,6 @@ def test_layout_not_a_blocklayout_or_batched():
         _call(a, layouts=[patterns.dense(5, 4, block_q=16, block_k=16), batched])
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="BUG: varlen_attention's CPU path never checks a per-sequence layout's heads "
-                                      "against Hq; a GQA user passing heads=Hkv gets RuntimeError \"shape '[1, 2, 2, "
-                                      "5, 4]' is invalid for input of size 40\" from reference.py instead of a "
-                                      "LayoutError naming the heads (attention() and the CUDA path's stack() do check)")
 @pytest.mark.parametrize("heads", [2, 3])
 def test_layout_with_wrong_heads_is_a_layout_error(heads):
     q, k, v = _packed([5, 3], [4, 6], hq=4, hkv=2)

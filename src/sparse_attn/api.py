@@ -114,7 +114,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
     if len(q_lens) != len(k_lens):
         raise ValueError(f"cu_seqlens_q has {len(q_lens)} sequences, cu_seqlens_k has {len(k_lens)}")
-    per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal)
+    per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal, heads=q.shape[1])
     if not _use_kernels(q):
         return _varlen_reference(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), per_seq, scale, return_lse)
     from .ops.block_sparse import varlen_attention_op

@@ -37,8 +37,10 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
 
 
 def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequence[BlockLayout] | None,
-                  pattern: PatternFn | None, causal: bool, block: int = 128) -> list[BlockLayout]:
-    """One layout per sequence: given, produced by ``pattern(q_len, kv_len)``, or dense/causal."""
+                  pattern: PatternFn | None, causal: bool, block: int = 128, *,
+                  heads: int | None = None) -> list[BlockLayout]:
+    """One layout per sequence: given, produced by ``pattern(q_len, kv_len)``, or dense/causal.
+    ``heads`` (the query heads) is checked against each layout's heads (1 or heads)."""
     if layouts is not None and pattern is not None:
         raise ValueError("give either layouts= or pattern=, not both")
     if layouts is None:
@@ -56,6 +58,9 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
         if (lay.q_len, lay.kv_len) != (lq, lk):
             raise LayoutError(f"layout {i} was built for q_len={lay.q_len}, kv_len={lay.kv_len} but sequence {i} "
                               f"has {lq} query and {lk} key tokens")
+        if heads is not None and lay.heads not in (1, heads):
+            raise LayoutError(f"layout {i} has {lay.heads} heads; q has {heads}: use 1 (broadcast) or {heads} "
+                              "(one per query head)")
         if lay.batch != 1:
             raise LayoutError(f"layout {i} has batch {lay.batch}; per-sequence layouts must have batch 1")
         if not lay._validated:
