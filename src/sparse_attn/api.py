@@ -1,6 +1,8 @@
 """Public entry points: validate, pick a path, call an op."""
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 
 import torch
@@ -114,13 +116,48 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
     if len(q_lens) != len(k_lens):
         raise ValueError(f"cu_seqlens_q has {len(q_lens)} sequences, cu_seqlens_k has {len(k_lens)}")
-    per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal, heads=q.shape[1])
+    plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device)
     if not _use_kernels(q):
-        return _varlen_reference(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), per_seq, scale, return_lse)
+        return _varlen_reference(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), plan.per_seq, scale,
+                                 return_lse)
     from .ops.block_sparse import varlen_attention_op
-    stacked = varlen.stack([lay.to(q.device) for lay in per_seq], max_seqlen_q, max_seqlen_k, q.shape[1])
-    return varlen_attention_op(q, k, v, stacked, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               torch.tensor(k_lens, device=q.device), scale=scale, return_lse=return_lse)
+    return varlen_attention_op(q, k, v, plan.stacked, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               plan.kv_lens, scale=scale, return_lse=return_lse)
+
+
+_VARLEN_PLANS: "collections.OrderedDict" = collections.OrderedDict()
+_VARLEN_PLANS_MAX = 16
+
+
+def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, device):
+    """Per-sequence layouts (and, on CUDA, their stacked form) for one batch shape, cached so a
+    training loop does not rebuild them every step. The key holds the pattern / layout objects by
+    identity, and the entry keeps them alive so an id cannot be reused while it is cached."""
+    from . import varlen
+    key = (tuple(q_lens), tuple(k_lens), causal, heads, max_q, max_k, str(device), id(pattern),
+           None if layouts is None else tuple(id(lay) for lay in layouts))
+    plan = _VARLEN_PLANS.get(key)
+    if plan is None:
+        per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal, heads=heads)
+        stacked = kv_lens = None
+        if torch.device(device).type == "cuda":
+            stacked = varlen.stack([lay.to(device) for lay in per_seq], max_q, max_k, heads)
+            kv_lens = tuple(k_lens)
+        plan = _VarlenPlan((pattern, layouts), per_seq, stacked, kv_lens)
+        _VARLEN_PLANS[key] = plan
+        if len(_VARLEN_PLANS) > _VARLEN_PLANS_MAX:
+            _VARLEN_PLANS.popitem(last=False)
+    else:
+        _VARLEN_PLANS.move_to_end(key)
+    return plan
+
+
+@dataclasses.dataclass
+class _VarlenPlan:
+    pinned: tuple  # the pattern / layouts whose ids are in the key
+    per_seq: list
+    stacked: BlockLayout | None
+    kv_lens: tuple | None  # per-sequence key lengths (Python ints: schedule lookups never sync)
 
 
 def _varlen_reference(q, k, v, cq, ck, per_seq, scale, return_lse):

@@ -7,7 +7,7 @@ import torch
 
 from ...layout import BlockLayout
 from .function import block_sparse_fwd
-from .schedule import schedule
+from .schedule import schedule, schedule_key
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -28,7 +28,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens: torch.Tensor | None = None) -> tuple:
+def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     """The layout as the ops' tensor arguments: the forward schedule, the transposed schedule (only
     for backward), and the term table. Schedules are cached on the layout: a layout used under
     torch.compile must have run once eagerly (or through :func:`prepare`) so no data-dependent work
@@ -50,8 +50,7 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens: torch.Tensor |
 
 
 def _prepared(layout: BlockLayout, needs_grad: bool, kv_lens) -> bool:
-    key = ("schedule", True, None if kv_lens is None else tuple(kv_lens.tolist()))
-    if key not in layout._derived:
+    if schedule_key(kv_lens) not in layout._derived:
         return False
     t = layout._transpose
     return not needs_grad or (t is not None and ("schedule", False, None) in t._derived)
@@ -75,9 +74,10 @@ def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, re
     return (out, lse) if return_lse else out
 
 
-def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens: torch.Tensor, *,
+def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,
                         scale: float | None = None, return_lse: bool = False):
-    """Kernels on validated packed ``[T, H, D]`` inputs; ``stacked`` has one batch row per sequence."""
+    """Kernels on validated packed ``[T, H, D]`` inputs; ``stacked`` has one batch row per sequence and
+    ``kv_lens`` (ints) the sequences' key lengths."""
     check_kernel_inputs(q, v)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -23,15 +23,24 @@ class Schedule:
     contiguous: bool          # every row's unmasked blocks are one run full_start .. full_start + n_full - 1
 
 
-def schedule(layout: BlockLayout, kv_lens: torch.Tensor | None = None, *, bound_tail: bool = True) -> Schedule:
+def schedule_key(kv_lens, bound_tail: bool = True) -> tuple:
+    """Cache key of a schedule; ``kv_lens`` as Python ints so a lookup never syncs with the GPU."""
+    if isinstance(kv_lens, torch.Tensor):
+        kv_lens = kv_lens.tolist()
+    return ("schedule", bound_tail, None if kv_lens is None else tuple(int(n) for n in kv_lens))
+
+
+def schedule(layout: BlockLayout, kv_lens=None, *, bound_tail: bool = True) -> Schedule:
     """Reorder ``layout``'s rows (cached per ``kv_lens``).
 
-    kv_lens: int [Bl] key length per batch row (varlen); default ``layout.kv_len`` for every row.
+    kv_lens: key length per batch row (varlen), a sequence of ints (or an int tensor [Bl]);
+        default ``layout.kv_len`` for every row.
     bound_tail: a last key block cut by the sequence end needs the bound mask, so it goes last.
     """
-    key = ("schedule", bound_tail, None if kv_lens is None else tuple(kv_lens.tolist()))
+    key = schedule_key(kv_lens, bound_tail)
     if key not in layout._derived:
-        layout._derived[key] = _build(layout, kv_lens, bound_tail)
+        lens = None if key[2] is None else torch.tensor(key[2], device=layout.device)
+        layout._derived[key] = _build(layout, lens, bound_tail)
     return layout._derived[key]
 
 

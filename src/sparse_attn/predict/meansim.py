@@ -1,0 +1,236 @@
+"""Mean-similarity block prediction (SpargeAttn-style): pooled Q/K scores -> a BlockLayout.
+
+The rule, per (batch b, query head h), with ``g = Hq // Hkv`` and kv head ``h // g``:
+
+1. Tiling. Queries are cut into ``Qb = ceil(Lq / block_q)`` blocks, keys into
+   ``Kb = ceil(Lk / block_k)``; the last block of each may be a tail with fewer tokens.
+2. Pooling and self-similarity, per block of ``n`` *valid* tokens ``x_1..x_n`` (tails use only
+   their valid tokens): ``m = mean(x_a)`` (the pooled vector) and
+   ``sim = mean_a cos(x_a, m)`` (``cos = 0`` when a norm is 0). The block is *self-similar*
+   iff ``sim >= simthreshd1``. Shapes: pooled Q ``[B, Hq, Qb, D]``, pooled K ``[B, Hkv, Kb, D]``,
+   sim Q ``[B, Hq, Qb]``, sim K ``[B, Hkv, Kb]``.
+3. Visibility. Without ``causal`` every key block is visible to every query block. With
+   ``causal`` (bottom-right aligned, query row ``i`` at key position ``p = i + Lk - Lq``) key
+   block ``kb`` is visible to query block ``qb`` iff ``kb <= d(qb)`` where
+   ``d(qb) = p_last(qb) // block_k`` is the *diagonal* block (``p_last`` the position of the
+   block's last real row); blocks wholly above the diagonal are never kept.
+4. Always kept (among visible blocks): every block of a row whose query block is not
+   self-similar; every key block that is not self-similar (in every row); the diagonal block
+   ``d(qb)`` under ``causal`` (when ``0 <= d < Kb``); key block 0 with ``attention_sink``.
+5. Ranking. Candidates of row ``qb`` are the visible, self-similar key blocks. Their pooled
+   scores ``s[kb] = scale * <mq[qb], mk[kb]>`` (``scale`` default ``1/sqrt(D)``) are
+   soft-maxed over the candidates only and sorted descending (ties: lower ``kb`` first).
+   * CDF mode (default): keep the shortest prefix whose probability mass reaches
+     ``cdfthreshd``: rank ``r`` is kept iff the mass of ranks ``< r`` is ``< cdfthreshd``
+     (so the top candidate is always kept; ``cdfthreshd >= 1`` keeps every candidate).
+   * Top-k mode (``topk`` given; ``cdfthreshd`` is then ignored): keep the first
+     ``ceil(topk * N)`` ranks, ``N`` = number of visible key blocks of the row.
+6. Layout. Kept blocks are full; with ``causal`` the layout is intersected (``&``) with
+   ``sparse_attn.patterns.causal(Lq, Lk)``, so diagonal blocks get the token-exact causal
+   element mask (``j <= p``).
+
+The block mask is dense in blocks, ``O(B * Hq * Qb * Kb)`` memory (never per token).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .. import patterns
+from ..layout import BlockLayout, check_block_size
+
+_CHUNK_ELEMS = 1 << 25  # elements converted to the work dtype at once while pooling (bounds temporaries)
+
+
+# ----------------------------------------------------------------------------- argument checks
+def _check_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4 or not t.is_floating_point():
+            raise ValueError(f"{name} must be a float 4-D [batch, heads, seq_len, head_dim] tensor, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    B, Hq, Lq, D = q.shape
+    Bk, Hkv, Lk, Dk = k.shape
+    if B != Bk:
+        raise ValueError(f"q has batch {B}, k has batch {Bk}: they must match")
+    if D != Dk:
+        raise ValueError(f"q has head_dim {D}, k has {Dk}: they must match")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"k has {Hkv} heads, q has {Hq}: Hq must be a multiple of Hkv (GQA/MQA)")
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
+    return B, Hq, Hkv, Lq, Lk, D
+
+
+def _per_head(name: str, value, heads: int, device, dtype, lo=None, hi=None) -> torch.Tensor:
+    """A float or a sequence/tensor of ``heads`` values -> ``[1, heads, 1]`` (checked against (lo, hi])."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number or {heads} per-head numbers, got {value!r}")
+    t = torch.as_tensor(value, dtype=torch.float64).flatten()
+    if t.numel() == 1:
+        t = t.expand(heads)
+    if t.numel() != heads:
+        raise ValueError(f"{name} has {t.numel()} values; give one number or one per query head ({heads})")
+    if torch.isnan(t).any():
+        raise ValueError(f"{name} must not be NaN, got {value!r}")
+    if lo is not None and not bool(((t > lo) & (t <= hi)).all()):
+        raise ValueError(f"{name} must be in ({lo}, {hi}], got {value!r}")
+    return t.to(device=device, dtype=dtype).view(1, heads, 1)
+
+
+def _blocks(block_q: int, block_k: int, block) -> tuple[int, int]:
+    if block is not None:
+        if isinstance(block, int):
+            block_q = block_k = block
+        else:
+            block_q, block_k = block
+    check_block_size("block_q", block_q)
+    check_block_size("block_k", block_k)
+    return block_q, block_k
+
+
+# ----------------------------------------------------------------------------- the steps
+def block_pool_sim(x: torch.Tensor, block: int, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of ``block`` tokens (the tail block over its valid tokens only):
+    pooled mean ``[B, H, nb, D]`` and mean cosine of the tokens to that mean ``[B, H, nb]`` (``work`` dtype).
+    """
+    B, H, L, D = x.shape
+    nb = math.ceil(L / block)
+    pooled = torch.zeros(B, H, nb, D, dtype=work, device=x.device)
+    sim = torch.zeros(B, H, nb, dtype=work, device=x.device)
+    if nb == 0:
+        return pooled, sim
+    n = torch.clamp(L - torch.arange(nb, device=x.device) * block, max=block).to(work)  # valid tokens per block
+    per_head = max(1, nb * block * D)
+    step = max(1, _CHUNK_ELEMS // per_head)
+    flat_x = x.reshape(B * H, L, D)
+    pooled_f, sim_f = pooled.view(B * H, nb, D), sim.view(B * H, nb)
+    for s in range(0, B * H, step):
+        xs = flat_x[s:s + step].to(work)
+        if nb * block != L:  # zero-pad the tail: zeros add nothing to sums, norms or dots
+            xs = torch.nn.functional.pad(xs, (0, 0, 0, nb * block - L))
+        xs = xs.view(-1, nb, block, D)
+        mean = xs.sum(2) / n[:, None]                                      # [c, nb, D]
+        dots = torch.einsum("cnsd,cnd->cns", xs, mean)                     # [c, nb, block]
+        norms = torch.linalg.vector_norm(xs, dim=-1) * torch.linalg.vector_norm(mean, dim=-1)[..., None]
+        cos = torch.where(norms > 0, dots / torch.where(norms > 0, norms, 1), 0)  # padded rows: 0
+        pooled_f[s:s + step] = mean
+        sim_f[s:s + step] = cos.sum(-1) / n
+    return pooled, sim
+
+
+def visible_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, device):
+    """(visible bool ``[Qb, Kb]``, diagonal block int64 ``[Qb]``) as in step 3 of the module docstring."""
+    nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_k)
+    qb = torch.arange(nq, device=device)
+    p_last = torch.clamp((qb + 1) * block_q, max=q_len) - 1 + (kv_len - q_len)
+    d = torch.div(p_last, block_k, rounding_mode="floor")
+    kb = torch.arange(nk, device=device)
+    if causal:
+        vis = kb[None, :] <= d[:, None]
+    else:
+        vis = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    return vis, d
+
+
+def select_ranked(scores: torch.Tensor, cand: torch.Tensor, *, cdfthreshd: torch.Tensor | None,
+                  topk: torch.Tensor | None, n_visible: torch.Tensor) -> torch.Tensor:
+    """Step 5: bool ``[B, H, Qb, Kb]``, the candidates kept by the CDF or top-k rule.
+
+    scores float ``[B, H, Qb, Kb]``; cand bool (same shape, broadcastable); cdfthreshd / topk
+    ``[1, H, 1]`` (exactly one given); n_visible int64 ``[Qb]`` (visible key blocks per row).
+    """
+    cand = cand.expand_as(scores)
+    if scores.shape[-1] == 0:
+        return cand.clone()
+    s = scores.masked_fill(~cand, float("-inf"))
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    cand_sorted = cand.gather(-1, order)
+    rank = torch.arange(s.shape[-1], device=s.device)
+    if topk is not None:
+        n_keep = torch.ceil(topk[..., None] * n_visible[:, None].to(topk.dtype) - 1e-9)  # [1, H, Qb, 1]
+        keep_sorted = cand_sorted & (rank < n_keep)
+    else:
+        any_cand = cand.any(-1, keepdim=True)
+        p = torch.softmax(torch.where(any_cand, s, 0.0), dim=-1)  # rows without candidates: ignored below
+        p_sorted = p.gather(-1, order).masked_fill(~cand_sorted, 0.0)
+        cum = torch.cumsum(p_sorted, -1)
+        before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], -1)  # mass of the higher ranks
+        thr = cdfthreshd[..., None]
+        keep_sorted = cand_sorted & ((before < thr) | (thr >= 1.0))
+    return torch.zeros_like(cand_sorted).scatter(-1, order, keep_sorted)
+
+
+# ----------------------------------------------------------------------------- public
+def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[float] | torch.Tensor = 0.6,
+            cdfthreshd: float | Sequence[float] | torch.Tensor = 0.98,
+            topk: float | Sequence[float] | torch.Tensor | None = None, block_q: int = 128, block_k: int = 128,
+            block: int | tuple[int, int] | None = None, causal: bool = False, attention_sink: bool = False,
+            scale: float | None = None) -> BlockLayout:
+    """Predict a per-head block layout from mean-pooled Q/K similarity (SpargeAttn's "meansim").
+
+    Args:
+        q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0`` (query head ``h``
+            uses kv head ``h // (Hq // Hkv)``). Any float dtype and device; the rule is computed
+            in fp32 (fp64 for fp64 inputs). Lengths need not be block multiples.
+        simthreshd1: self-similarity threshold; a block whose mean token-to-mean cosine is below
+            it is always computed (its whole query row, or its key column in every row). One
+            number or one per query head. Higher = more blocks always computed = denser.
+        cdfthreshd: in (0, 1]; probability mass of the pooled softmax each row must keep.
+            Lower = sparser. One number or one per query head.
+        topk: in (0, 1]; when given, keep the top ``ceil(topk * visible blocks)`` candidates of
+            each row instead of the CDF rule (``cdfthreshd`` is ignored).
+        block_q, block_k: block sizes (multiples of 16 in [16, 256]); ``block`` (an int or a
+            ``(block_q, block_k)`` pair) overrides both.
+        causal: bottom-right aligned (query ``i`` sees key ``j <= i + Lk - Lq``): blocks wholly
+            above the diagonal are excluded, the diagonal block is always kept and cut token-exactly.
+        attention_sink: always keep key block 0 (the first ``block_k`` keys).
+        scale: temperature of the pooled scores, default ``1/sqrt(D)`` (the attention scale).
+
+    Returns:
+        A :class:`~sparse_attn.BlockLayout` for ``(Lq, Lk)`` with ``batch = B``, ``heads = Hq``;
+        kept blocks are full, except causal diagonal blocks (causal element mask).
+        ``layout.sparsity`` is the fraction of the ``B * Hq * Qb * Kb`` block grid skipped.
+
+    The exact rule (pooling over valid tokens, visibility, always-kept blocks, ranking) is in
+    the docstring of :mod:`sparse_attn.predict.meansim`.
+    """
+    B, Hq, Hkv, Lq, Lk, D = _check_inputs(q, k)
+    block_q, block_k = _blocks(block_q, block_k, block)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    sim_thr = _per_head("simthreshd1", simthreshd1, Hq, dev, work)
+    if topk is not None:
+        topk_t, cdf_t = _per_head("topk", topk, Hq, dev, work, 0.0, 1.0), None
+    else:
+        topk_t, cdf_t = None, _per_head("cdfthreshd", cdfthreshd, Hq, dev, work, 0.0, 1.0)
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number or None (1/sqrt(head_dim)), got {scale!r}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    group = Hq // Hkv
+    with torch.no_grad():
+        mq, sq = block_pool_sim(q.detach(), block_q, work)          # [B, Hq, Qb, D], [B, Hq, Qb]
+        mk, sk = block_pool_sim(k.detach(), block_k, work)          # [B, Hkv, Kb, D], [B, Hkv, Kb]
+        nq, nk = mq.shape[2], mk.shape[2]
+        mk = mk.repeat_interleave(group, dim=1)                     # [B, Hq, Kb, D] (blocks only)
+        sk = sk.repeat_interleave(group, dim=1)                     # [B, Hq, Kb]
+        q_similar = sq >= sim_thr                                   # [B, Hq, Qb]
+        k_similar = sk >= sim_thr                                   # [B, Hq, Kb]
+        vis, diag = visible_blocks(Lq, Lk, block_q, block_k, causal, dev)  # [Qb, Kb], [Qb]
+        always = ~q_similar[..., :, None] | ~k_similar[..., None, :]      # [B, Hq, Qb, Kb]
+        kb = torch.arange(nk, device=dev)
+        if causal:
+            always = always | (kb[None, :] == diag[:, None])
+        if attention_sink:
+            always = always | (kb == 0)
+        cand = vis & k_similar[..., None, :]
+        scores = torch.einsum("bhqd,bhkd->bhqk", mq, mk) * scale    # [B, Hq, Qb, Kb]
+        ranked = select_ranked(scores, cand, cdfthreshd=cdf_t, topk=topk_t, n_visible=vis.sum(-1))
+        keep = (ranked | always) & vis
+    layout = BlockLayout.from_block_mask(keep, block_q=block_q, block_k=block_k, q_len=Lq, kv_len=Lk)
+    if causal:
+        layout = layout & patterns.causal(Lq, Lk, block_q=block_q, block_k=block_k, device=dev)
+    return layout
