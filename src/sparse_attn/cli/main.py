@@ -15,18 +15,19 @@ EPILOG = """examples:
   sparse-attn bench --list                          suites and providers (and why some cannot run)
   sparse-attn viz streaming --seq-len 8k --window 1024 --num-sink 64 --out streaming.png
   sparse-attn viz 'local|random' --density 0.1 --heads 4 --out mix.png
+  sparse-attn eval-model --patterns streaming --window 1024 --lengths 1k 2k   dense vs sparse model logits
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, demo, viz
+    from . import bench, demo, eval_model, viz
     from .. import __version__
     parser = argparse.ArgumentParser(
         prog="sparse-attn", description="Block-sparse FlashAttention: benchmarks, pattern pictures, demo.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"sparse_attn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (bench, viz, demo):
+    for module in (bench, viz, demo, eval_model):
         module.add_parser(sub)
     return parser
 

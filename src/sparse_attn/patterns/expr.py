@@ -1,0 +1,62 @@
+"""Pattern expressions: builder names joined by ``|`` / ``&`` with options matched to each builder's
+signature (``build_pattern("local|random", 8192, window=512, density=0.1)``). Used by the CLI, the
+gallery and the transformers integration."""
+from __future__ import annotations
+
+import inspect
+import re
+
+DEFAULTS = {"window": lambda L: max(L // 8, 16), "num_sink": lambda L: 64, "block_size": lambda L: max(L // 8, 16),
+            "stride": lambda L: 4, "window_blocks": lambda L: 3, "dilation": lambda L: 2}
+
+
+def build_pattern(expr: str, seq_len: int, **options):
+    """A layout from a pattern expression: builder names joined by ``|`` (union) or ``&`` (intersection),
+    evaluated left to right, e.g. ``"local|random"``.
+
+    Each builder in :mod:`sparse_attn.patterns` gets the ``options`` its signature accepts (None
+    values dropped); a required argument not given takes a value from :data:`DEFAULTS`.
+    ``random`` with neither ``density`` nor ``top_k`` uses ``density=0.2``.
+    """
+    tokens = re.split(r"\s*([|&])\s*", expr.strip())
+    layout = _build_one(tokens[0], seq_len, options)
+    for op, name in zip(tokens[1::2], tokens[2::2]):
+        other = _build_one(name, seq_len, options)
+        layout = layout | other if op == "|" else layout & other
+    return layout
+
+
+def _build_one(name: str, seq_len: int, options: dict):
+    from .. import patterns
+    fn = getattr(patterns, name, None) if not name.startswith("_") else None
+    if fn is None or not callable(fn) or name in NOT_BUILDERS:
+        raise ValueError(f"unknown pattern {name!r}; choose from {', '.join(pattern_names())}")
+    params = inspect.signature(fn).parameters
+    kw = {k: v for k, v in options.items() if v is not None and k in params}
+    for pname, p in params.items():
+        if pname == "seq_len" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is inspect.Parameter.empty and pname not in kw and pname in DEFAULTS:
+            kw[pname] = DEFAULTS[pname](seq_len)
+    if name == "random" and kw.get("density") is None and kw.get("top_k") is None:
+        kw["density"] = 0.2
+    if "seq_len" in params and params["seq_len"].kind == params["seq_len"].KEYWORD_ONLY:
+        return fn(seq_len=seq_len, **kw)
+    return fn(seq_len, **kw)
+
+
+NOT_BUILDERS = {"to_flex", "from_block_index", "from_block_mask", "from_csr", "to_csr", "to_block_index",
+                "from_flex", "topk"}
+
+
+def pattern_names() -> list[str]:
+    """Builders in :mod:`sparse_attn.patterns` that take ``seq_len`` (the CLI's PATTERN choices)."""
+    from .. import patterns
+    names = []
+    for name in getattr(patterns, "__all__", dir(patterns)):
+        fn = getattr(patterns, name, None)
+        if name.startswith("_") or name in NOT_BUILDERS or not inspect.isfunction(fn):
+            continue
+        if "seq_len" in inspect.signature(fn).parameters:
+            names.append(name)
+    return names
