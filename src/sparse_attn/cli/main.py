@@ -15,19 +15,21 @@ EPILOG = """examples:
   sparse-attn bench --list                          suites and providers (and why some cannot run)
   sparse-attn viz streaming --seq-len 8k --window 1024 --num-sink 64 --out streaming.png
   sparse-attn viz 'local|random' --density 0.1 --heads 4 --out mix.png
+  sparse-attn quick --seq-len 4096 --causal          dense vs adaptive-sparse on one input, pass/fail
+  sparse-attn accuracy --quick --sweep              accuracy suite: report, attention-map PNGs, threshold sweep
   sparse-attn eval-model --patterns streaming --window 1024 --lengths 1k 2k   dense vs sparse model logits
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, demo, eval_model, viz
+    from . import accuracy, bench, demo, eval_model, quick, viz
     from .. import __version__
     parser = argparse.ArgumentParser(
         prog="sparse-attn", description="Block-sparse FlashAttention: benchmarks, pattern pictures, demo.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"sparse_attn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (bench, viz, demo, eval_model):
+    for module in (bench, viz, demo, quick, accuracy, eval_model):
         module.add_parser(sub)
     return parser
 

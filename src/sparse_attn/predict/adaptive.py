@@ -5,16 +5,14 @@ import torch
 
 from .meansim import meansim
 
-# sparse level -> (simthreshd1, cdfthreshd); see SPARSE_LEVELS_DOC
+# sparse level -> (simthreshd1, cdfthreshd), calibrated on sparse_attn.accuracy.structured_qkv (L 512-4096):
+# low: cosine > 0.998, sparsity ~10-25%; medium: cosine > 0.99, ~15-45%; high: cosine > 0.97, ~25-75%.
+# Lower simthreshd1 treats more blocks as self-similar (prunable); lower cdfthreshd keeps less mass per row.
 SPARSE_LEVELS: dict[str, tuple[float, float]] = {
-    "low": (0.7, 0.995),
+    "low": (0.65, 0.99),
     "medium": (0.6, 0.98),
-    "high": (0.4, 0.93),
+    "high": (0.5, 0.96),
 }
-SPARSE_LEVELS_DOC = ("sparse levels (simthreshd1, cdfthreshd): "
-                     + ", ".join(f"{k} = {v}" for k, v in SPARSE_LEVELS.items())
-                     + "; lower simthreshd1 treats more blocks as self-similar (prunable), lower cdfthreshd "
-                     "keeps less of each row's pooled attention mass")
 
 
 def level_params(level: str) -> dict[str, float]:

@@ -27,9 +27,16 @@ The rule, per (batch b, query head h), with ``g = Hq // Hkv`` and kv head ``h //
      ``ceil(topk * N)`` ranks, ``N`` = number of visible key blocks of the row.
 6. Layout. Kept blocks are full; with ``causal`` the layout is intersected (``&``) with
    ``sparse_attn.patterns.causal(Lq, Lk)``, so diagonal blocks get the token-exact causal
-   element mask (``j <= p``).
+   element mask (``j <= p``) and blocks wholly below the diagonal stay full (computed per entry
+   in closed form by ``patterns._common.layout_from_entries``, which equals that intersection).
 
 The block mask is dense in blocks, ``O(B * Hq * Qb * Kb)`` memory (never per token).
+
+Differences from SpargeAttn's ``get_block_map_meansim``: self-similarity there is the mean
+pairwise cosine of the block's tokens (``|mean of unit vectors|^2``), here the mean cosine to
+the pooled vector; its CDF rule keeps the ranks whose *inclusive* mass is ``<= cdfthreshd``
+(at least one), this one the shortest prefix *reaching* it; top-k there counts all ``Kb``
+blocks, here the visible ones.
 """
 from __future__ import annotations
 
@@ -38,8 +45,8 @@ from typing import Sequence
 
 import torch
 
-from .. import patterns
 from ..layout import BlockLayout, check_block_size
+from ..patterns._common import layout_from_entries
 
 _CHUNK_ELEMS = 1 << 25  # elements converted to the work dtype at once while pooling (bounds temporaries)
 
@@ -214,23 +221,24 @@ def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[f
     with torch.no_grad():
         mq, sq = block_pool_sim(q.detach(), block_q, work)          # [B, Hq, Qb, D], [B, Hq, Qb]
         mk, sk = block_pool_sim(k.detach(), block_k, work)          # [B, Hkv, Kb, D], [B, Hkv, Kb]
-        nq, nk = mq.shape[2], mk.shape[2]
+        nk = mk.shape[2]
         mk = mk.repeat_interleave(group, dim=1)                     # [B, Hq, Kb, D] (blocks only)
         sk = sk.repeat_interleave(group, dim=1)                     # [B, Hq, Kb]
         q_similar = sq >= sim_thr                                   # [B, Hq, Qb]
         k_similar = sk >= sim_thr                                   # [B, Hq, Kb]
         vis, diag = visible_blocks(Lq, Lk, block_q, block_k, causal, dev)  # [Qb, Kb], [Qb]
         always = ~q_similar[..., :, None] | ~k_similar[..., None, :]      # [B, Hq, Qb, Kb]
-        kb = torch.arange(nk, device=dev)
+        kbs = torch.arange(nk, device=dev)
         if causal:
-            always = always | (kb[None, :] == diag[:, None])
+            always = always | (kbs[None, :] == diag[:, None])
         if attention_sink:
-            always = always | (kb == 0)
+            always = always | (kbs == 0)
         cand = vis & k_similar[..., None, :]
         scores = torch.einsum("bhqd,bhkd->bhqk", mq, mk) * scale    # [B, Hq, Qb, Kb]
         ranked = select_ranked(scores, cand, cdfthreshd=cdf_t, topk=topk_t, n_visible=vis.sum(-1))
         keep = (ranked | always) & vis
-    layout = BlockLayout.from_block_mask(keep, block_q=block_q, block_k=block_k, q_len=Lq, kv_len=Lk)
-    if causal:
-        layout = layout & patterns.causal(Lq, Lk, block_q=block_q, block_k=block_k, device=dev)
-    return layout
+    # == BlockLayout.from_block_mask(keep) & patterns.causal(Lq, Lk) under causal, in closed form per entry
+    # (no per-token classification, few host syncs: this runs on every forward)
+    b, h, qb, kb = keep.nonzero(as_tuple=True)
+    return layout_from_entries(b, h, qb, kb, batch=B, heads=Hq, q_len=Lq, kv_len=Lk, block_q=block_q,
+                               block_k=block_k, causal=causal)

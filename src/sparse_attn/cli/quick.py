@@ -1,0 +1,154 @@
+"""``sparse-attn quick``: dense vs adaptive-sparse attention on one input, with pass/fail."""
+from __future__ import annotations
+
+import argparse
+
+from ._common import console, default_device, tokens
+
+DESCRIPTION = """Quick accuracy check of adaptive sparse attention (sparse_attn.predict.adaptive_attention:
+meansim block prediction from pooled Q/K, then the block-sparse call) against dense attention on
+one input. Prints cosine similarity, relative L1 and RMSE of the sparse output against the dense
+one, the sparsity (fraction of the dense baseline's blocks skipped; causal: of the causal blocks),
+and PASS/FAIL against the thresholds; exit code 0 on pass, 1 on fail.
+
+Sparse levels map to meansim (simthreshd1, cdfthreshd):
+  {levels}.
+Lower simthreshd1 treats more blocks as self-similar (prunable); lower cdfthreshd keeps less of
+each row's pooled attention mass. --simthreshd1/--cdfthreshd/--topk override the level.
+
+Inputs are random but structured (so that they are sparsifiable; pure N(0,1) inputs attend almost
+uniformly, use --random to see that): per head a latent sequence mixing a slow AR(1) drift
+(correlation length 128 tokens) with one of 8 recurring topic vectors (redrawn every 384 tokens),
+q and k are the latent plus noise whose level varies per 64-token stretch in U(0.2, 1.8), v ~ N(0,1).
+
+--benchmark also times dense vs sparse (median of repetitions). On the CPU both run the PyTorch
+reference: those are CPU reference timings, not a statement about the GPU kernels."""
+
+
+def levels_text() -> str:
+    from ..predict import SPARSE_LEVELS
+    return ", ".join(f"{name} = {pair}" for name, pair in SPARSE_LEVELS.items())
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("quick", help="dense vs adaptive-sparse attention on one input (pass/fail)",
+                       description=DESCRIPTION.format(levels=levels_text()), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=tokens, default=1024, help="query length L (default 1024; 8k style accepted)")
+    p.add_argument("--kv-len", type=tokens, help="key length (default: L)")
+    p.add_argument("--sparse-level", choices=["low", "medium", "high"], default="medium",
+                   help="threshold preset (default medium)")
+    p.add_argument("--simthreshd1", type=float, help="override the level's self-similarity threshold")
+    p.add_argument("--cdfthreshd", type=float, help="override the level's CDF threshold (0, 1]")
+    p.add_argument("--topk", type=float, help="keep this fraction of key blocks per row instead of the CDF rule")
+    p.add_argument("--causal", action="store_true", help="causal attention (bottom-right aligned)")
+    p.add_argument("--attention-sink", action="store_true", help="always keep the first key block")
+    p.add_argument("--benchmark", action="store_true", help="also time dense vs sparse")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="input dtype (default: fp32 on cpu, bf16 on cuda)")
+    p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
+    p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA when < heads; default: heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    p.add_argument("--block", type=int, default=128, help="block size for queries and keys (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p.add_argument("--random", action="store_true", help="pure N(0,1) inputs instead of structured ones")
+    p.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's default)")
+    t = p.add_argument_group("thresholds")
+    t.add_argument("--min-cosine", type=float, default=0.95, help="pass if cosine > this (default 0.95)")
+    t.add_argument("--max-l1", type=float, default=0.1, help="pass if relative L1 < this (default 0.1)")
+    t.add_argument("--min-sparsity", type=float, default=0.05, help="pass if sparsity > this (default 0.05)")
+    p.set_defaults(func=run)
+
+
+def predictor_kwargs(args) -> dict:
+    from ..predict import level_params
+    kw = level_params(args.sparse_level)
+    if args.simthreshd1 is not None:
+        kw["simthreshd1"] = args.simthreshd1
+    if args.cdfthreshd is not None:
+        kw["cdfthreshd"] = args.cdfthreshd
+    if args.topk is not None:
+        kw["topk"] = args.topk
+        kw.pop("cdfthreshd")
+    kw.update(block=args.block, attention_sink=args.attention_sink)
+    return kw
+
+
+def make_inputs(args, device, dtype):
+    from .. import accuracy
+    make = accuracy.random_qkv if args.random else accuracy.structured_qkv
+    return make(args.batch, args.heads, args.seq_len, args.head_dim, kv_heads=args.kv_heads, kv_len=args.kv_len,
+                seed=args.seed, dtype=dtype, device=device)
+
+
+def benchmark(q, k, v, kw: dict, causal: bool, device: str, con) -> dict:
+    """Median ms of dense, predict, sparse attention on the predicted layout, and predict + sparse."""
+    import sparse_attn
+    from rich.table import Table
+    from ..bench.timing import time_fn
+    from ..predict import adaptive_attention, meansim
+    layout = meansim(q, k, causal=causal, **kw)
+    times = {"dense": time_fn(lambda: sparse_attn.attention(q, k, v, causal=causal), device),
+             "predict (meansim)": time_fn(lambda: meansim(q, k, causal=causal, **kw), device),
+             "sparse attention (layout given)": time_fn(lambda: sparse_attn.attention(q, k, v, layout, causal=causal),
+                                                        device),
+             "adaptive (predict + sparse)": time_fn(lambda: adaptive_attention(q, k, v, causal=causal, **kw),
+                                                    device)}
+    table = Table(title="timing (median ms)" + (" - CPU reference timings, not GPU kernel performance"
+                                                 if device == "cpu" else ""))
+    for col in ("what", "ms", "speedup vs dense"):
+        table.add_column(col, justify="right" if col != "what" else "left")
+    for name, ms in times.items():
+        replaces_dense = name not in ("dense", "predict (meansim)")
+        table.add_row(name, f"{ms:.2f}", f"{times['dense'] / ms:.2f}x" if replaces_dense else "")
+    con.print(table)
+    return times
+
+
+def run(args) -> int:
+    import torch
+    from rich.markup import escape
+    import sparse_attn
+    from .. import accuracy
+    from ..predict import adaptive_attention
+    con = console()
+    device = args.device or default_device()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
+        args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    try:
+        kw = predictor_kwargs(args)
+        q, k, v = make_inputs(args, device, dtype)
+    except (ValueError, TypeError) as e:
+        con.print(f"[red]{escape(str(e))}[/red]")
+        return 2
+    settings = ", ".join(f"{key}={val}" for key, val in kw.items() if key not in ("block", "attention_sink"))
+    con.rule(f"quick test: sparse level {args.sparse_level} ({settings})")
+    con.print(f"L={args.seq_len}{'' if args.kv_len is None else f', Lk={args.kv_len}'}, causal={args.causal}, "
+              f"device {device}, {str(dtype).replace('torch.', '')}, blocks {args.block}x{args.block}")
+    con.print(f"inputs ({'random N(0,1)' if args.random else 'structured'}): q {list(q.shape)}, k/v {list(k.shape)}")
+    try:
+        dense = sparse_attn.attention(q, k, v, causal=args.causal)
+        out, layout = adaptive_attention(q, k, v, causal=args.causal, **kw)
+    except (ValueError, TypeError) as e:
+        con.print(f"[red]{escape(str(e))}[/red]")
+        return 2
+    m = accuracy.metrics.compare(out, dense)
+    sparsity = accuracy.effective_sparsity(layout, args.causal)
+    con.print(f"\nCossim: {m['cosine']:.4f}, L1: {m['relative_l1']:.4f}, RMSE: {m['rmse']:.4f}")
+    grid = f" ({layout.sparsity:.2%} of the whole block grid)" if args.causal else ""
+    con.print(f"sparsity: {sparsity:.2%} of the {'causal' if args.causal else 'dense'} blocks skipped{grid}; "
+              f"{layout.num_blocks} of {accuracy.baseline_blocks(layout, args.causal)} blocks computed")
+    checks = [(m["cosine"] > args.min_cosine, f"cosine {m['cosine']:.4f} > {args.min_cosine}"),
+              (m["relative_l1"] < args.max_l1, f"relative L1 {m['relative_l1']:.4f} < {args.max_l1}"),
+              (sparsity > args.min_sparsity, f"sparsity {sparsity:.2%} > {args.min_sparsity:.0%}")]
+    con.print("\nchecks:")
+    for ok, text in checks:
+        con.print(f"  {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'} {text}")
+    if args.benchmark:
+        con.print()
+        benchmark(q, k, v, kw, args.causal, device, con)
+    passed = all(ok for ok, _ in checks) and bool(m["finite"])
+    con.rule("[green]PASSED[/green]" if passed else "[red]FAILED[/red]")
+    return 0 if passed else 1

@@ -1,0 +1,100 @@
+"""``sparse-attn quick`` and ``sparse-attn accuracy`` on the CPU, through their own argparse parsers
+(the lead registers the modules in cli/main.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from sparse_attn.cli import accuracy as accuracy_cli
+from sparse_attn.cli import quick as quick_cli
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared 2-core box torch's OpenMP threads spin-wait under outside load
+    (10x slower); these tests check numbers, not speed. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run_cli(module, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="sparse-attn")
+    sub = parser.add_subparsers(dest="command", required=True)
+    module.add_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def assert_png(path, min_w=300, min_h=200):
+    import matplotlib.image as mpimg
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] >= min_h and img.shape[1] >= min_w
+    assert img[..., :3].std() > 0.05  # not a blank canvas
+
+
+TINY = ["quick", "--seq-len", "384", "--block", "32", "--batch", "1", "--heads", "2", "--head-dim", "32"]
+
+
+def test_quick_passes_and_prints_metrics(capsys):
+    rc = run_cli(quick_cli, TINY + ["--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for word in ("Cossim:", "L1:", "RMSE:", "sparsity:", "PASSED"):
+        assert word in out
+    assert "FAIL" not in out
+
+
+def test_quick_fails_with_exit_code_1(capsys):
+    rc = run_cli(quick_cli, TINY + ["--device", "cpu", "--min-cosine", "1.01"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL cosine" in out and "FAILED" in out
+    # pure random inputs are barely sparsifiable: the sparsity check fails
+    rc = run_cli(quick_cli, TINY + ["--device", "cpu", "--random"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL sparsity" in out
+
+
+def test_quick_causal_gqa_benchmark(capsys):
+    rc = run_cli(quick_cli, TINY + ["--device", "cpu", "--causal", "--kv-heads", "1", "--sparse-level", "medium",
+                                    "--benchmark", "--attention-sink"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "causal blocks skipped" in out and "CPU reference timings" in out and "dense" in out
+
+
+def test_quick_bad_arguments_exit_2(capsys):
+    assert run_cli(quick_cli, TINY + ["--device", "cpu", "--cdfthreshd", "1.5"]) == 2
+    assert "cdfthreshd" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run_cli(quick_cli, ["quick", "--sparse-level", "extreme"])
+
+
+def test_accuracy_quick_writes_report(tmp_path, capsys):
+    out_dir = tmp_path / "acc"
+    rc = run_cli(accuracy_cli, ["accuracy", "--quick", "--sweep", "--device", "cpu", "--out-dir", str(out_dir)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for name in ("attention_comparison.png", "block_pattern.png", "block_pattern_causal.png", "sweep.png"):
+        assert_png(out_dir / name)
+    data = json.loads((out_dir / "accuracy.json").read_text())
+    cases = data["cases"]
+    assert {c["category"] for c in cases} == {"levels", "lengths", "causal", "stability", "edge"}
+    assert all(c["passed"] for c in cases)
+    names = {c["name"] for c in cases}
+    assert {"inputs x100", "inputs x1e-3", "L=1", "Lq=300, Lk=1000, causal", "L=1000 (tail block)"} <= names
+    for c in cases:
+        assert 0.0 <= c["sparsity"] <= 1.0 and c["finite"]
+    assert len(data["sweep"]) == 9 and {"simthreshd1", "cdfthreshd", "sparsity", "cosine", "relative_l1"} <= set(
+        data["sweep"][0])
+    md = (out_dir / "accuracy_report.md").read_text()
+    assert md.count("| pass |") == len(cases)
+    assert "![" in md and "Threshold sweep" in md and "simthreshd1" in md
+    assert (out_dir / "sweep.csv").read_text().startswith("simthreshd1,cdfthreshd")
