@@ -22,3 +22,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core box torch's OpenMP threads spin-wait under outside load
+    (10x slower); tests that check numbers, not speed, pin it. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,14 +14,7 @@ from sparse_attn.cli import quick as quick_cli
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core box torch's OpenMP threads spin-wait under outside load
-    (10x slower); these tests check numbers, not speed. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_cli(module, argv: list[str]) -> int:

@@ -21,14 +21,7 @@ from sparse_attn.predict import SPARSE_LEVELS, adaptive_attention, level_params,
 from sparse_attn.testing import causal_token_mask
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core box torch's OpenMP threads spin-wait under outside load
-    (10x slower); these tests check numbers, not speed. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- inputs and oracle
