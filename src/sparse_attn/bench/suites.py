@@ -10,6 +10,7 @@ heads, head dim and dtype. ``causal=True`` marks a causal pattern: the sparse pr
     kernels   the H100 suite of the kernels issue: bf16, B=1, H=32 (Hkv 32 and 8), D=128;
               sparse patterns at 8K/32K/128K, dense and causal at 16K-64K, all forward, plus
               fwd+bwd at 16K/32K; providers sparse_attn, flex, sdpa-cudnn, sdpa-flash
+    all       (device-dependent, :func:`suite_all`) small on the CPU; kernels + demo-gpu on CUDA
 """
 from __future__ import annotations
 
@@ -142,6 +143,24 @@ def _kernels() -> Suite:
 
 
 SUITES = {"small": _small, "demo-gpu": _demo_gpu, "kernels": _kernels}
+
+
+ALL = "all"
+
+
+def suite_all(device, *, stress: bool = False) -> Suite:
+    """Every suite that fits ``device``: the CPU gets 'small'; CUDA 'kernels' + 'demo-gpu'.
+
+    ``stress=True`` extends every case with two longer lengths (2x and 4x its longest), to find
+    where each provider runs out of memory (failed rows are recorded as "OOM", not fatal)."""
+    names = ("kernels", "demo-gpu") if torch.device(device).type == "cuda" else ("small",)
+    cases = tuple(c for n in names for c in get_suite(n).cases)
+    if stress:
+        cases = tuple(replace(c, seq_lens=tuple(dict.fromkeys(c.seq_lens + (2 * max(c.seq_lens),
+                                                                              4 * max(c.seq_lens)))))
+                      for c in cases)
+    desc = " + ".join(names) + (" (stress: + 2x, 4x the longest length)" if stress else "")
+    return Suite(ALL, f"every suite that fits {torch.device(device).type}: {desc}", cases)
 
 
 def get_suite(name: str) -> Suite:

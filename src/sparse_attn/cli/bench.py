@@ -24,8 +24,12 @@ def add_parser(sub) -> None:
     from ..bench.suites import DTYPES
     p = sub.add_parser("bench", help="run a benchmark suite (JSON + CSV + table)", description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="small", choices=list(SUITES),
-                   help="which suite (default: small, the CPU-friendly one; 'kernels' is the H100 suite)")
+    p.add_argument("--suite", default="small", choices=list(SUITES) + ["all"],
+                   help="which suite (default: small, the CPU-friendly one; 'kernels' is the H100 suite; "
+                        "'all': every suite that fits the device: small on CPU, kernels + demo-gpu on CUDA)")
+    p.add_argument("--stress", action="store_true",
+                   help="with --suite all: also run each case at 2x and 4x its longest length "
+                        "(to see where providers run out of memory; OOM rows are recorded, not fatal)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--providers", nargs="+", metavar="NAME",
                    help="providers to run instead of the suite's (space or comma separated; see --list)")
@@ -49,9 +53,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def selected_suite(args):
+def selected_suite(args, device: str = "cpu"):
     from ..bench import get_suite, restrict
-    return restrict(get_suite(args.suite), providers=split_list(args.providers), patterns=split_list(args.patterns),
+    from ..bench.suites import ALL, suite_all
+    if getattr(args, "stress", False) and args.suite != ALL:
+        raise KeyError("--stress only applies to --suite all")
+    base = suite_all(device, stress=args.stress) if args.suite == ALL else get_suite(args.suite)
+    return restrict(base, providers=split_list(args.providers), patterns=split_list(args.patterns),
                     seq_lens=args.seq_lens, modes=args.modes, dtype=args.dtype, batch=args.batch,
                     heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
 
@@ -134,7 +142,7 @@ def run(args) -> int:
     if args.list:
         return list_all(device, con)
     try:
-        suite = selected_suite(args)
+        suite = selected_suite(args, device)
     except KeyError as e:
         con.print(f"[red]{escape(str(e.args[0]))}[/red]")
         return 2

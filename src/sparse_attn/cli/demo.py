@@ -11,7 +11,9 @@ DESCRIPTION = """Run the benchmark suite sized for this machine and draw the pat
 
 Without CUDA this runs the CPU 'small' suite (L 256-1024, fp32; the PyTorch reference path:
 correctness-sized, not a performance claim); with CUDA the 'demo-gpu' suite (bf16, L 4K-16K).
-Results go to OUT/bench/demo-DEVICE.{json,csv}, pictures to OUT/gallery/*.png."""
+Results go to OUT/bench/demo-DEVICE.{json,csv} (accuracy vs dense: OUT/bench/accuracy-DEVICE.json),
+pictures to OUT/gallery/*.png, and the readable report (scaling tables T | Dense | Pattern |
+Speedup, accuracy, plots) to OUT/report.md + OUT/report-*.png."""
 
 
 def add_parser(sub) -> None:
@@ -57,9 +59,24 @@ def run(args) -> int:
     paths = viz.write_gallery(gallery_dir, seq_len=1024 if args.quick else 4096,
                               markdown=gallery_dir / "gallery.md")
     con.print(f"drew {len(paths)} patterns: {', '.join(p.stem for p in paths)}")
+    report_path = None
+    if json_path is not None:
+        from .. import report
+        from ..bench.accuracy_rows import accuracy_rows, write_accuracy_json
+        con.rule("accuracy vs dense + report")
+        # CPU: at the largest length (at L=256 a 256-token window is the whole causal row);
+        # CUDA: at the smallest, to keep the fp32 reference cheap.
+        acc = accuracy_rows(suite, device, at="smallest" if device.startswith("cuda") else "largest")
+        acc_path = write_accuracy_json(args.out_dir / "bench" / f"accuracy-{device.split(':')[0]}.json",
+                                       {"device": device, "suite": suite.name}, acc)
+        header, rows_, acc_ = report.load_results([json_path, acc_path])
+        report.print_tables(rows_, acc_, con=con, header=header)
+        report_path, pngs = report.write_report(args.out_dir, header, rows_, acc_)
     con.rule("outputs")
     if json_path is not None:
         con.print(f"benchmark results: {json_path} (+ {csv_path.name})")
     con.print(f"pattern gallery:   {gallery_dir}/*.png (index: {gallery_dir / 'gallery.md'})")
+    if report_path is not None:
+        con.print(f"report:            {report_path} (+ {len(pngs)} plots: {', '.join(p.name for p in pngs)})")
     con.print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0 if json_path is not None else 1
