@@ -7,8 +7,9 @@
 """
 from . import masks, reference
 from .api import attention, prepare, varlen_attention
+from .grouped import Group, grouped_attention
 from .layout import BlockLayout, LayoutError
 from .masks import ElementMask, MaskTerm
 
-__all__ = ["attention", "prepare", "varlen_attention", "BlockLayout", "LayoutError", "ElementMask", "MaskTerm", "masks", "reference"]
+__all__ = ["attention", "prepare", "varlen_attention", "grouped_attention", "Group", "BlockLayout", "LayoutError", "ElementMask", "MaskTerm", "masks", "reference"]
 __version__ = "0.1.0"
