@@ -1,0 +1,79 @@
+"""Zigzag sharding of a sequence dimension: pure tensor slicing, no communication.
+
+A sequence of length L is cut into 2W chunks of C = L / (2W) tokens; rank r holds chunks r and
+2W-1-r, concatenated in that order (its "local" tensor, 2C tokens). Early chunks (cheap under causal
+masking) pair with late ones (expensive), so every rank does the same causal work.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+def zigzag_chunk_ids(world_size: int, rank: int) -> tuple[int, int]:
+    """The two chunk indices (of 2 * world_size) that ``rank`` holds, in local order."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return rank, 2 * world_size - 1 - rank
+
+
+def _chunk_len(length: int, world_size: int, what: str) -> int:
+    if length % (2 * world_size):
+        raise ValueError(f"{what} has length {length}, which is not divisible by 2 * world_size = "
+                         f"{2 * world_size}: pad each sequence to a multiple of {2 * world_size}")
+    return length // (2 * world_size)
+
+
+def zigzag_split(x: torch.Tensor, world_size: int, rank: int, dim: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s zigzag share of ``x`` along ``dim``: chunks r and 2W-1-r, concatenated
+    (length ``x.shape[dim] / W``). ``dim=2`` is the sequence dim of ``[B, H, L, D]``."""
+    c = _chunk_len(x.shape[dim], world_size, f"dim {dim} of a tensor of shape {tuple(x.shape)}")
+    a, b = zigzag_chunk_ids(world_size, rank)
+    return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim)
+
+
+def zigzag_merge(parts, dim: int = 2) -> torch.Tensor:
+    """Inverse of :func:`zigzag_split`: ``parts[r]`` is rank r's local tensor (all W of them, in rank
+    order); returns the full tensor in sequence order."""
+    world_size = len(parts)
+    c = _chunk_len(parts[0].shape[dim], 1, f"dim {dim} of the local tensor {tuple(parts[0].shape)}")
+    chunks = [None] * (2 * world_size)
+    for r, p in enumerate(parts):
+        a, b = zigzag_chunk_ids(world_size, r)
+        chunks[a], chunks[b] = p.narrow(dim, 0, c), p.narrow(dim, c, c)
+    return torch.cat(chunks, dim)
+
+
+def _seq_bounds(cu_seqlens, world_size: int) -> list[tuple[int, int]]:
+    cu = [int(t) for t in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu}")
+    for i, (a, b) in enumerate(itertools.pairwise(cu)):
+        _chunk_len(b - a, world_size, f"sequence {i} (cu_seqlens[{i}:{i + 2}] = [{a}, {b}])")
+    return list(itertools.pairwise(cu))
+
+
+def zigzag_cu_seqlens(cu_seqlens: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Local cu_seqlens of a packed varlen batch after :func:`zigzag_split_varlen`: every sequence
+    keeps 2 of its 2W chunks on each rank, so local offsets are ``cu_seqlens // W`` (same on every
+    rank). Each sequence length must be divisible by 2W."""
+    _seq_bounds(cu_seqlens, world_size)
+    return torch.div(torch.as_tensor(cu_seqlens), world_size, rounding_mode="floor")
+
+
+def zigzag_split_varlen(x: torch.Tensor, cu_seqlens, world_size: int, rank: int, dim: int = 0) -> torch.Tensor:
+    """Zigzag-split every sequence of a packed batch (``x`` packed along ``dim``, e.g. ``[T, H, D]``)
+    and concatenate the local shares; offsets are :func:`zigzag_cu_seqlens`."""
+    return torch.cat([zigzag_split(x.narrow(dim, a, b - a), world_size, rank, dim)
+                      for a, b in _seq_bounds(cu_seqlens, world_size)], dim)
+
+
+def zigzag_merge_varlen(parts, cu_seqlens, dim: int = 0) -> torch.Tensor:
+    """Inverse of :func:`zigzag_split_varlen` (``parts[r]``: rank r's packed local tensor)."""
+    world_size = len(parts)
+    full = []
+    for a, b in _seq_bounds(cu_seqlens, world_size):
+        la, n = a // world_size, (b - a) // world_size
+        full.append(zigzag_merge([p.narrow(dim, la, n) for p in parts], dim))
+    return torch.cat(full, dim)
