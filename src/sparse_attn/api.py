@@ -9,7 +9,6 @@ import torch
 
 from . import reference
 from .layout import BlockLayout
-from .masks import ElementMask, MaskTerm, causal_term
 from .validation import check_layout, check_qkv, check_scale
 
 DEFAULT_BLOCK = 128
@@ -21,8 +20,9 @@ def _use_kernels(q: torch.Tensor) -> bool:
 
 
 def _causal_layout(lq: int, lk: int, block_q: int, block_k: int, device) -> BlockLayout:
-    return BlockLayout.from_mask(ElementMask((causal_term(),)), q_len=lq, kv_len=lk,
-                                 block_q=block_q, block_k=block_k, device=device)
+    # patterns.causal builds the entries directly (from_mask would classify every block by counting)
+    from .patterns import causal
+    return causal(lq, lk, block_q=block_q, block_k=block_k, device=device)
 
 
 def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, device) -> BlockLayout:
@@ -41,8 +41,10 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
 @functools.lru_cache(maxsize=32)
 def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
     """Dense or causal layout with 128x128 blocks, cached per shape (a few recent shapes)."""
-    mask = ElementMask((causal_term(),)) if causal else ElementMask((MaskTerm(),))
-    return BlockLayout.from_mask(mask, q_len=lq, kv_len=lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
+    if causal:
+        return _causal_layout(lq, lk, DEFAULT_BLOCK, DEFAULT_BLOCK, device)
+    from .patterns import dense
+    return dense(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
