@@ -7,8 +7,9 @@ import functools
 
 import torch
 
-from . import reference
+from . import patterns, reference
 from .layout import BlockLayout
+from .patterns import causal_cut
 from .validation import check_layout, check_qkv, check_scale
 
 DEFAULT_BLOCK = 128
@@ -17,12 +18,6 @@ DEFAULT_BLOCK = 128
 def _use_kernels(q: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; everything else the PyTorch reference."""
     return q.is_cuda
-
-
-def _causal_layout(lq: int, lk: int, block_q: int, block_k: int, device) -> BlockLayout:
-    # patterns.causal builds the entries directly (from_mask would classify every block by counting)
-    from .patterns import causal
-    return causal(lq, lk, block_q=block_q, block_k=block_k, device=device)
 
 
 def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, device) -> BlockLayout:
@@ -34,17 +29,15 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
         return layout
     key = ("causal", torch.device(device))
     if key not in layout._derived:
-        layout._derived[key] = layout & _causal_layout(lq, lk, layout.block_q, layout.block_k, layout.device)
+        layout._derived[key] = causal_cut(layout)
     return layout._derived[key]
 
 
 @functools.lru_cache(maxsize=32)
 def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
     """Dense or causal layout with 128x128 blocks, cached per shape (a few recent shapes)."""
-    if causal:
-        return _causal_layout(lq, lk, DEFAULT_BLOCK, DEFAULT_BLOCK, device)
-    from .patterns import dense
-    return dense(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
+    builder = patterns.causal if causal else patterns.dense  # entries built directly, no per-block counting
+    return builder(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,

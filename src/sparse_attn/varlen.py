@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import patterns
 from .layout import BlockLayout, LayoutError, _Coo
-from .masks import ElementMask, MaskTerm, causal_term
 
 PatternFn = Callable[[int, int], BlockLayout]
 
@@ -45,8 +45,8 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
         raise ValueError("give either layouts= or pattern=, not both")
     if layouts is None:
         if pattern is None:
-            mask = ElementMask((causal_term(),) if causal else (MaskTerm(),))
-            pattern = lambda lq, lk: BlockLayout.from_mask(mask, q_len=lq, kv_len=lk, block_q=block, block_k=block)  # noqa: E731
+            builder = patterns.causal if causal else patterns.dense
+            pattern = lambda lq, lk: builder(lq, lk, block_q=block, block_k=block)  # noqa: E731
             causal = False
         layouts = [pattern(lq, lk) for lq, lk in zip(q_lens, k_lens)]
     if len(layouts) != len(q_lens):
@@ -67,8 +67,7 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
             lay.validate()
             lay._validated = True
         if causal:
-            lay = lay & BlockLayout.from_mask(ElementMask((causal_term(),)), q_len=lq, kv_len=lk,
-                                              block_q=lay.block_q, block_k=lay.block_k, device=lay.device)
+            lay = patterns.causal_cut(lay)
         out.append(lay)
     return out
 

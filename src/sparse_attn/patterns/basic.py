@@ -45,3 +45,10 @@ def causal(seq_len: int, kv_len: int | None = None, *, block_q: int = 128, block
     the first ``Lq - Lk`` query rows see no key (their output is 0).
     """
     return _rows(seq_len, kv_len, block_q, block_k, device, causal=True)
+
+
+def causal_cut(layout: BlockLayout) -> BlockLayout:
+    """``layout`` restricted to causal (bottom-right aligned), token-exact: ``layout & causal(...)``
+    with the layout's own lengths, blocks and device. What ``attention(..., causal=True)`` runs."""
+    return layout & causal(layout.q_len, layout.kv_len, block_q=layout.block_q, block_k=layout.block_k,
+                           device=layout.device)
