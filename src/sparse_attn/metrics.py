@@ -61,26 +61,25 @@ def relative_l1(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den
 
 
-def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Root mean square of ``a - b``; 0.0 for empty inputs; ``nan`` on NaN/inf in either input."""
+def _reduce_diff(a: torch.Tensor, b: torch.Tensor, reduce) -> float:
+    """``reduce(a - b)`` in float64; 0.0 for empty inputs; ``nan`` on NaN/inf in either input."""
     pair = _pair(a, b)
     if pair is None:
         return math.nan
     a, b = pair
     if a.numel() == 0:
         return 0.0
-    return float(((a - b) ** 2).mean().sqrt())
+    return float(reduce(a - b))
+
+
+def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Root mean square of ``a - b``; 0.0 for empty inputs; ``nan`` on NaN/inf in either input."""
+    return _reduce_diff(a, b, lambda d: (d ** 2).mean().sqrt())
 
 
 def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max |a - b|``; 0.0 for empty inputs; ``nan`` on NaN/inf in either input."""
-    pair = _pair(a, b)
-    if pair is None:
-        return math.nan
-    a, b = pair
-    if a.numel() == 0:
-        return 0.0
-    return float((a - b).abs().max())
+    return _reduce_diff(a, b, lambda d: d.abs().max())
 
 
 def sparsity(layout_or_mask) -> float:
