@@ -35,3 +35,16 @@ def console():
 def default_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_accuracy_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``quick`` and ``accuracy``: input device/dtype/shape/seed and the pass/fail
+    thresholds (cosine > 0.95, relative L1 < 0.1, sparsity > 5% by default)."""
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="input dtype (default: fp32 on cpu, bf16 on cuda)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    t = p.add_argument_group("thresholds")
+    t.add_argument("--min-cosine", type=float, default=0.95, help="pass if cosine > this (default 0.95)")
+    t.add_argument("--max-l1", type=float, default=0.1, help="pass if relative L1 < this (default 0.1)")
+    t.add_argument("--min-sparsity", type=float, default=0.05, help="pass if sparsity > this (default 0.05)")

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import console, default_device
+from ._common import add_accuracy_options, console, default_device
 
 DESCRIPTION = """Accuracy suite of adaptive sparse attention (sparse_attn.predict: meansim prediction, then
 the block-sparse call) against dense attention on structured inputs (see `sparse-attn quick --help`):
@@ -32,18 +32,11 @@ def add_parser(sub) -> None:
     p.add_argument("--out-dir", type=Path, default=Path("out/accuracy"), help="output folder (default out/accuracy)")
     p.add_argument("--quick", action="store_true", help="fewer and shorter cases (and a 3x3 sweep)")
     p.add_argument("--sweep", action="store_true", help="also run the simthreshd1 x cdfthreshd sweep")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="input dtype (default: fp32 on cpu, bf16 on cuda)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads while the suite runs (default 1: the suite is many small ops, and "
                         "on a busy shared machine torch's spinning OpenMP threads made it ~10x slower; "
                         "0 = torch's default)")
-    t = p.add_argument_group("thresholds")
-    t.add_argument("--min-cosine", type=float, default=0.95, help="pass if cosine > this (default 0.95)")
-    t.add_argument("--max-l1", type=float, default=0.1, help="pass if relative L1 < this (default 0.1)")
-    t.add_argument("--min-sparsity", type=float, default=0.05, help="pass if sparsity > this (default 0.05)")
+    add_accuracy_options(p)
     p.set_defaults(func=run)
 
 

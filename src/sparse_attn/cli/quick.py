@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import console, default_device, tokens
+from ._common import add_accuracy_options, console, default_device, tokens
 
 DESCRIPTION = """Quick accuracy check of adaptive sparse attention (sparse_attn.predict.adaptive_attention:
 meansim block prediction from pooled Q/K, then the block-sparse call) against dense attention on
@@ -43,20 +43,13 @@ def add_parser(sub) -> None:
     p.add_argument("--causal", action="store_true", help="causal attention (bottom-right aligned)")
     p.add_argument("--attention-sink", action="store_true", help="always keep the first key block")
     p.add_argument("--benchmark", action="store_true", help="also time dense vs sparse")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="input dtype (default: fp32 on cpu, bf16 on cuda)")
     p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
     p.add_argument("--kv-heads", type=int, help="key/value heads (GQA when < heads; default: heads)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
     p.add_argument("--block", type=int, default=128, help="block size for queries and keys (default 128)")
-    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p.add_argument("--random", action="store_true", help="pure N(0,1) inputs instead of structured ones")
     p.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's default)")
-    t = p.add_argument_group("thresholds")
-    t.add_argument("--min-cosine", type=float, default=0.95, help="pass if cosine > this (default 0.95)")
-    t.add_argument("--max-l1", type=float, default=0.1, help="pass if relative L1 < this (default 0.1)")
-    t.add_argument("--min-sparsity", type=float, default=0.05, help="pass if sparsity > this (default 0.05)")
+    add_accuracy_options(p)
     p.set_defaults(func=run)
 
 
