@@ -323,6 +323,20 @@ def _no_data(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
 
 
+def _finish_vs_length(fig, ax, path, *, has_data: bool, ylabel: str, empty_msg: str, log_y: bool = False) -> Path:
+    """Common ending of the plots against sequence length: log2 x axis (and log y), legend, labels."""
+    if has_data:
+        ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax, empty_msg)
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel(ylabel)
+    return _save(fig, path)
+
+
 def plot_runtime(rows: list[Row], path, title_suffix: str = "") -> Path:
     """Runtime vs T, log-log: one line per pattern (sparse_attn) plus the dense baseline(s)."""
     tables = _plot_tables(rows)
@@ -338,15 +352,7 @@ def plot_runtime(rows: list[Row], path, title_suffix: str = "") -> Path:
         if pts:
             ax.plot(*zip(*pts), marker="o", label=t.pattern)
             any_line = True
-    if any_line:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    else:
-        _no_data(ax, "no timed rows")
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel("ms")
-    return _save(fig, path)
+    return _finish_vs_length(fig, ax, path, has_data=any_line, ylabel="ms", empty_msg="no timed rows", log_y=True)
 
 
 def plot_speedup(rows: list[Row], path, title_suffix: str = "") -> Path:
@@ -360,14 +366,8 @@ def plot_speedup(rows: list[Row], path, title_suffix: str = "") -> Path:
             ax.plot(*zip(*pts), marker="o", label=t.pattern)
             any_line = True
     ax.axhline(1.0, color="k", lw=1, ls=":")
-    if any_line:
-        ax.set_xscale("log", base=2)
-        ax.legend(fontsize=8)
-    else:
-        _no_data(ax, "no speedups (no dense or no pattern timings)")
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel("dense ms / pattern ms")
-    return _save(fig, path)
+    return _finish_vs_length(fig, ax, path, has_data=any_line, ylabel="dense ms / pattern ms",
+                             empty_msg="no speedups (no dense or no pattern timings)")
 
 
 def plot_memory(rows: list[Row], path, title_suffix: str = "") -> Path:
@@ -384,9 +384,7 @@ def plot_memory(rows: list[Row], path, title_suffix: str = "") -> Path:
                        [r.seq_len for r in t.rows if r.pattern_error == "OOM"], "-"))
     values = [v for _, pts, _, _ in series for _, v in pts]
     ooms = [L for _, _, o, _ in series for L in o]
-    if not values and not ooms:
-        _no_data(ax, "no peak memory measured (CPU runs do not record it)")
-    else:
+    if values or ooms:
         top = max(values) * 2 if values else 1.0
         for label, pts, oom, style in series:
             color = None
@@ -399,13 +397,9 @@ def plot_memory(rows: list[Row], path, title_suffix: str = "") -> Path:
                 for L in oom:
                     ax.annotate("OOM", (L, top), textcoords="offset points", xytext=(0, 6), ha="center",
                                 fontsize=8, color=color or "red")
-        ax.set_xscale("log", base=2)
-        if values and min(values) > 0:
-            ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel("peak extra memory (MiB)")
-    return _save(fig, path)
+    return _finish_vs_length(fig, ax, path, has_data=bool(values or ooms), ylabel="peak extra memory (MiB)",
+                             empty_msg="no peak memory measured (CPU runs do not record it)",
+                             log_y=bool(values) and min(values) > 0)
 
 
 def plot_accuracy(acc: list[dict], path) -> Path:
