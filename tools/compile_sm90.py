@@ -13,7 +13,8 @@ from triton.compiler import ASTSource
 from sparse_attn.ops.block_sparse import kernels as K
 
 POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
-                "T_MASK_IDS", "TERMS", "CU_Q", "CU_K"}
+                "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK"}
+SCALES_F32 = {"LSE", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE"}
 
 
 def signature(fn, consts):
@@ -23,12 +24,16 @@ def signature(fn, consts):
             sig[name] = "constexpr"
         elif name == "sm_scale":
             sig[name] = "fp32"
-        elif name.startswith("stride") or name in ("H", "G", "HKV", "Lq", "Lk"):
+        elif name.startswith("stride") or name in ("H", "G", "HKV", "Lq", "Lk", "SEQ_STEP"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
-        elif name in ("LSE", "DELTA"):
+        elif name in SCALES_F32:
             sig[name] = "*fp32"
+        elif name in ("Q", "K") and consts.get("QUANT", 0):
+            sig[name] = "*i8"
+        elif name == "V" and consts.get("QUANT", 0) == 2:
+            sig[name] = "*fp8e4nv"
         else:
             sig[name] = "*bf16"
     return sig
@@ -38,7 +43,10 @@ def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
-                                 CONTIGUOUS=contiguous, USE_TMA=tma)
+                                 CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0)
+    for quant, tma, bn in itertools.product((1, 2), (False, True), (64, 128)):
+        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
+                                 USE_TMA=tma, QUANT=quant)
     for fn in (K.bwd_dkdv_kernel, K.bwd_dq_kernel):
         for n_terms, varlen in itertools.product((0, 2), (False, True)):
             yield fn, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
@@ -48,7 +56,7 @@ def main():
     target = GPUTarget("cuda", 90, 32)
     failed = 0
     for fn, consts in variants():
-        flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS")}
+        flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N")}
         try:
             c = triton.compile(ASTSource(fn, signature(fn, consts), constexprs=consts), target=target,
                                options=dict(num_warps=8, num_stages=3))

@@ -9,6 +9,11 @@ Symbol legend
     count, slot      a layout row's length and position in it
 Positions: query row i has position p = i + (k_len - q_len) (bottom-right alignment); masks are
 evaluated on (p, j) from the int32 term table (see sparse_attn.masks).
+Varlen: sequence b spans tokens [BOUNDS[b * SEQ_STEP], BOUNDS[b * SEQ_STEP + 1]): SEQ_STEP 1 reads
+cu_seqlens (adjacent sequences), 2 reads (start, end) pairs (grouped attention: K/V slices may overlap).
+QUANT (forward only): 0 fp16/bf16 inputs; 1 int8 Q/K with per-row fp32 scales (SageAttention's
+per-block/warp/thread groups expanded to rows); 2 as 1 plus FP8 e4m3 P.V with V transposed
+[.., D, L] and scaled per channel.
 """
 import triton
 import triton.language as tl
@@ -43,13 +48,13 @@ def _allowed(p, j, TERMS, mid, N_TERMS: tl.constexpr):
 
 
 @triton.jit
-def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN: tl.constexpr):
-    """(first q token, q_len, first k token, k_len) of sequence i_b."""
+def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN: tl.constexpr):
+    """(first q token, q_len, first k token, k_len) of sequence i_b (see the legend for SEQ_STEP)."""
     if IS_VARLEN:
-        q0 = tl.load(CU_Q + i_b)
-        q_len = tl.load(CU_Q + i_b + 1) - q0
-        k0 = tl.load(CU_K + i_b)
-        k_len = tl.load(CU_K + i_b + 1) - k0
+        q0 = tl.load(CU_Q + i_b * SEQ_STEP)
+        q_len = tl.load(CU_Q + i_b * SEQ_STEP + 1) - q0
+        k0 = tl.load(CU_K + i_b * SEQ_STEP)
+        k_len = tl.load(CU_K + i_b * SEQ_STEP + 1) - k0
     else:
         q0 = 0
         q_len = Lq
@@ -59,18 +64,22 @@ def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
+def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn, stride_vd,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  USE_TMA: tl.constexpr, BOUND: tl.constexpr):
+                  USE_TMA: tl.constexpr, BOUND: tl.constexpr, V_TRANS: tl.constexpr):
     """K^T [D, BN] and V [BN, D] of the key tile at start_n. TMA zero-fills rows past k_len;
-    pointer loads mask them only when BOUND (the tile may cross the sequence end)."""
+    pointer loads mask them only when BOUND (the tile may cross the sequence end). V_TRANS: V is
+    stored [D, L] (FP8 P.V wants V K-major), its descriptor's block is [D, BN]."""
     if USE_TMA:
         b_k = tl.trans(desc_k.load([start_n, 0]))
-        b_v = desc_v.load([start_n, 0])
+        if V_TRANS:
+            b_v = tl.trans(desc_v.load([0, start_n]))
+        else:
+            b_v = desc_v.load([start_n, 0])
     else:
         o_n = start_n + tl.arange(0, BLOCK_N)
         p_k = K + kv_base + o_n.to(tl.int64)[None, :] * stride_kn + o_d[:, None]
-        p_v = V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :]
+        p_v = V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :] * stride_vd
         if BOUND or HEAD_DIM != D_PAD:
             m_n = o_n < k_len
             m_d = o_d < HEAD_DIM
@@ -83,9 +92,24 @@ def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, s
 
 
 @triton.jit
-def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, MAY_BE_EMPTY: tl.constexpr):
+def _scores(b_q, b_k, b_rs, K_SCALE, ks_base, start_n, k_len, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+    """Scores of one tile [BM, BN]: the raw q.k product, or for int8 inputs the int32 product
+    dequantised by per-row Q scales b_rs (already times sm_scale * log2 e) and per-key K scales."""
+    if QUANT == 0:
+        b_s = tl.dot(b_q, b_k)
+    else:
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        b_ks = tl.load(K_SCALE + ks_base + o_n, mask=o_n < k_len, other=0.0)
+        b_s = tl.dot(b_q, b_k).to(tl.float32) * b_rs[:, None] * b_ks[None, :]
+    return b_s
+
+
+@triton.jit
+def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, MAY_BE_EMPTY: tl.constexpr, P_SCALE: tl.constexpr):
     """One online-softmax update with raw scores b_s [BM, BN]; b_m is the running max in log2 units.
-    MAY_BE_EMPTY: rows may have seen only -inf so far (masked tiles), which must not give NaN."""
+    MAY_BE_EMPTY: rows may have seen only -inf so far (masked tiles), which must not give NaN.
+    P_SCALE: probabilities are multiplied by it before the cast for P.V (448 spreads [0, 1] over FP8
+    e4m3's range); the caller divides it out at the end."""
     m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
     if MAY_BE_EMPTY:
         m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -94,35 +118,37 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, MAY_BE_EMPTY: tl.constexp
     b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])  # one FMA per score
     alpha = tl.math.exp2(b_m - m_use)
     b_l = b_l * alpha + tl.sum(b_p, 1)
-    b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * alpha[:, None])
+    b_acc = tl.dot((b_p * P_SCALE).to(b_v.dtype), b_v, b_acc * alpha[:, None])
     return m_new, b_l, b_acc
 
 
 @triton.jit
 def fwd_kernel(
     Q, K, V, O, LSE,
-    COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K,
+    COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
+    stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh, stride_lm,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    H, G, Lq, Lk,
+    stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    H, G, Lq, Lk, SEQ_STEP,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, QUANT: tl.constexpr,
 ):
-    """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones."""
+    """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
+    Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
     i_hk = i_h // G
-    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN)
+    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
@@ -142,17 +168,31 @@ def fwd_kernel(
     kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
     vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
     pos_q = (o_m + offset)[:, None]
+    V_TRANS: tl.constexpr = QUANT == 2
     if USE_TMA:
         # per-head descriptors: rows past k_len (and head-dim padding) read as zeros
         desc_k = tl.make_tensor_descriptor(K + kv_base, shape=[k_len, HEAD_DIM], strides=[stride_kn, 1],
                                            block_shape=[BLOCK_N, D_PAD])
-        desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, D_PAD])
+        if V_TRANS:
+            desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[HEAD_DIM, k_len], strides=[stride_vd, 1],
+                                               block_shape=[D_PAD, BLOCK_N])
+        else:
+            desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
+                                               block_shape=[BLOCK_N, D_PAD])
     else:
         desc_k = K
         desc_v = V
 
     qk_scale = sm_scale * LOG2E
+    P_SCALE: tl.constexpr = 448.0 if QUANT == 2 else 1.0
+    ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
+    if QUANT != 0:
+        # per-row Q scale folded with the softmax scale; the scores then arrive in log2 units
+        b_rs = tl.load(Q_SCALE + i_b.to(tl.int64) * stride_qsb + i_h.to(tl.int64) * stride_qsh + q0 + o_m,
+                       mask=m_m, other=0.0) * qk_scale
+        qk_scale = 1.0
+    else:
+        b_rs = qk_scale
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -165,24 +205,30 @@ def fwd_kernel(
         else:
             start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
-                                 BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False)
-        b_m, b_l, b_acc = _softmax_step(tl.dot(b_q, b_k), b_v, b_m, b_l, b_acc, qk_scale, False)
+                                 stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
+        b_s = _scores(b_q, b_k, b_rs, K_SCALE, ks_base, start_n, k_len, BLOCK_N, QUANT)
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, False, P_SCALE)
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
         slot = it // SUB
         start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
         o_n = start_n + tl.arange(0, BLOCK_N)
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
-                                 BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True)
-        b_s = tl.where((o_n < k_len)[None, :], tl.dot(b_q, b_k), float("-inf"))  # [BM, BN]
+                                 stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
+        b_s = _scores(b_q, b_k, b_rs, K_SCALE, ks_base, start_n, k_len, BLOCK_N, QUANT)
+        b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
         if N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:
                 b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
-        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, True)
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, True, P_SCALE)
 
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
+    if QUANT == 2:
+        b_vs = tl.load(V_SCALE + i_b.to(tl.int64) * stride_vsb + i_hk.to(tl.int64) * stride_vsh + o_d, mask=m_d,
+                       other=0.0)
+        b_o = b_o * (b_vs / P_SCALE)[None, :]
     p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + (q0 + o_m.to(tl.int64))[:, None] * stride_om + o_d[None, :]
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     b_lse = tl.where(has, (b_m + tl.math.log2(tl.where(has, b_l, 1.0))) * LN2, float("-inf"))
@@ -216,7 +262,7 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, q_base, do_base, l_base,
 @triton.jit
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
-    T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K,
+    T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K, CU_DK,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -227,18 +273,20 @@ def bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    HKV, G, Lq, Lk,
+    HKV, G, Lq, Lk, SEQ_STEP,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
-    share it and over the transposed layout's query blocks, so no atomics are needed."""
+    share it and over the transposed layout's query blocks, so no atomics are needed. Varlen: dK/dV
+    rows of sequence b start at CU_DK[b * SEQ_STEP] (CU_K itself, or a scratch buffer's offsets
+    when key slices overlap)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
     i_hk = i_bh % HKV
-    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN)
+    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
     if i_n * BLOCK_N >= k_len:
         return
     offset = k_len - q_len
@@ -277,8 +325,12 @@ def bwd_dkdv_kernel(
                                     offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, qk_scale, TERMS, mid,
                                     BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0)
     b_dk = b_dk * sm_scale
-    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh + (k0 + o_n.to(tl.int64))[:, None] * stride_dkn + o_d[None, :]
-    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh + (k0 + o_n.to(tl.int64))[:, None] * stride_dvn + o_d[None, :]
+    if IS_VARLEN:
+        dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
+    else:
+        dk0 = 0
+    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh + (dk0 + o_n.to(tl.int64))[:, None] * stride_dkn + o_d[None, :]
+    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh + (dk0 + o_n.to(tl.int64))[:, None] * stride_dvn + o_d[None, :]
     tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=m_nd)
     tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_nd)
 
@@ -313,7 +365,7 @@ def bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    H, G, Lq, Lk,
+    H, G, Lq, Lk, SEQ_STEP,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -324,7 +376,7 @@ def bwd_dq_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     i_hk = i_h // G
-    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, IS_VARLEN)
+    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len

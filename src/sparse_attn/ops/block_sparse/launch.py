@@ -156,14 +156,42 @@ def _d_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _num_seqs(cu: torch.Tensor, seq_step: int) -> int:
+    """cu_seqlens [B + 1] (seq_step 1) or (start, end) pairs [2 B] (seq_step 2)."""
+    return cu.numel() - 1 if seq_step == 1 else cu.numel() // 2
+
+
+def _scale_strides(t: torch.Tensor | None, varlen: bool) -> tuple:
+    """(batch, head) strides of a per-token or per-channel scale tensor: dense [B, H, n], varlen [H, n]."""
+    if t is None:
+        return 0, 0
+    return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
+
+
+def _v_strides(v: torch.Tensor, varlen: bool, v_trans: bool) -> tuple:
+    """(batch, head, token, channel) strides of V: [B, H, L, D] / [T, H, D], or with v_trans the
+    transposed FP8 copies [B, H, D, L] / [H, D, T]."""
+    if not v_trans:
+        return _qkv_strides(v, varlen) + (1,)
+    if varlen:
+        return 0, v.stride(0), 1, v.stride(1)
+    return v.stride(0), v.stride(1), 1, v.stride(2)
+
+
 def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
-            cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int):
+            cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
+            scales: tuple | None = None, quant: int = 0, out_dtype: torch.dtype | None = None):
     """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen). The layout arrives as its
-    schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked."""
+    schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked.
+
+    8-bit inputs (``quant`` 1 or 2, see kernels.py): q/k int8, ``scales = (q_scale, k_scale, v_scale)``
+    (fp32 per row ``[B, H, L]`` / ``[H, T]``, and per V channel ``[B, Hkv, D]`` / ``[Hkv, D]``), v
+    in out_dtype (quant 1) or FP8 transposed (quant 2); ``out_dtype`` is the output's dtype."""
     varlen = cu_q is not None
+    v_trans = quant == 2
     if varlen:
         T, H, D = q.shape
-        B = cu_q.numel() - 1
+        B = _num_seqs(cu_q, seq_step)
         Lq, Lk = max_q, max_k
         lse = torch.empty(H, T, device=q.device, dtype=torch.float32)
         l_strides = (0, lse.stride(0), lse.stride(1))
@@ -173,31 +201,40 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         Lk, hkv = k.shape[2], k.shape[1]
         lse = torch.empty(B, H, Lq, device=q.device, dtype=torch.float32)
         l_strides = lse.stride()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
+    q_scale, k_scale, v_scale = scales if scales is not None else (None, None, None)
     d_pad = _d_pad(D)
-    variant = FWD_VARIANT if _tma_ok(q, k, v) else "ptr"
+    # the FP8 V^T descriptor of a packed sequence would start mid-row (k0 bytes in): TMA needs 16-byte bases
+    variant = FWD_VARIANT if _tma_ok(q, k, v) and not (v_trans and varlen) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
-    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS",), variant)
+    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT"), variant)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
-        q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
-        *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(out, varlen),
+        q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
+        sm_scale,
+        *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
         *l_strides, *_layout_strides(counts, indices),
-        H, H // hkv, Lq, Lk,
+        *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_scale_strides(v_scale, varlen),
+        H, H // hkv, Lq, Lk, seq_step,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
-        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen)
+        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant)
     return out, lse
 
 
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
-             terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int):
+             terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int,
+             seq_step: int = 1, cu_dk=None, dk_rows=None):
     """Returns (dq, dk, dv). dK/dV walk the transposed schedule; each program owns one key tile of
-    one kv head and loops over that head's query-head group, so no atomics are needed."""
+    one kv head and loops over that head's query-head group, so no atomics are needed.
+
+    Overlapping key slices (grouped attention, ``seq_step`` 2): each sequence writes its dK/dV rows
+    into a scratch buffer at the (start, end) pairs ``cu_dk``; ``dk_rows`` (int64 [scratch rows])
+    maps scratch rows to k's rows, and overlapping contributions are summed in fp32."""
     varlen = cu_q is not None
     if varlen:
         T, H, D = q.shape
-        B = cu_q.numel() - 1
+        B = _num_seqs(cu_q, seq_step)
         Lq, Lk = max_q, max_k
         hkv = k.shape[1]
         delta = (out.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [H, T]
@@ -207,21 +244,30 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         Lk, hkv = k.shape[2], k.shape[1]
         delta = (out.float() * do.float()).sum(-1)  # [B, H, Lq]
         l_strides = lse.stride()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
+    if dk_rows is None:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        cu_dk = cu_k
+    else:
+        dk = k.new_empty(dk_rows.numel(), *k.shape[1:])
+        dv = v.new_empty(dk_rows.numel(), *v.shape[1:])
     d_pad = _d_pad(D)
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv", block_q, block_k, d_pad, _KEY)
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
-        q, k, v, do, lse, delta, dk, dv, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, sm_scale,
+        q, k, v, do, lse, delta, dk, dv, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk, sm_scale,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
         *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen), *_layout_strides(t_counts, t_indices),
-        hkv, H // hkv, Lq, Lk, **common)
+        hkv, H // hkv, Lq, Lk, seq_step, **common)
     kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
         *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-        H, H // hkv, Lq, Lk, **common)
+        H, H // hkv, Lq, Lk, seq_step, **common)
+    if dk_rows is not None:
+        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk.float()).to(k.dtype)
+        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv.float()).to(v.dtype)
     return dq, dk, dv

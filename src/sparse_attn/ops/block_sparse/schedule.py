@@ -44,6 +44,25 @@ def schedule(layout: BlockLayout, kv_lens=None, *, bound_tail: bool = True) -> S
     return layout._derived[key]
 
 
+def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool = False) -> Schedule:
+    """Cache the forward schedule (``kv_lens`` None, tail bound) of a layout whose rows are already in
+    visiting order: in every row the first ``n_full`` listed blocks need no mask and the rest do
+    (an element mask or the sequence-end bound). A builder that knows this (``predict.meansim``)
+    calls it so a fresh layout costs no reordering and no host sync; ``contiguous`` is a claim the
+    caller must know to be true (False is always safe: the kernels then load every index).
+
+    n_full: int [Bl, Hl, Qb]. The layout's own tensors are the schedule's indices and mask ids.
+    """
+    n_full = n_full.to(torch.int32).contiguous()
+    if layout.max_k:
+        first = torch.where(n_full > 0, layout.kv_indices[..., 0], 0).to(torch.int32).contiguous()
+    else:
+        first = torch.zeros_like(n_full)
+    sched = Schedule(n_full, first, layout.kv_indices.contiguous(), layout.kv_mask_ids.contiguous(), contiguous)
+    layout._derived[schedule_key(None)] = sched
+    return sched
+
+
 def _build(layout: BlockLayout, kv_lens, bound_tail: bool) -> Schedule:
     counts, idx, mids = layout.kv_counts.long(), layout.kv_indices.long(), layout.kv_mask_ids
     max_k = idx.shape[-1]

@@ -1,0 +1,29 @@
+"""Launcher of the block-pooling kernel: grid and strides. x is read in place (any strides)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from . import kernels
+
+ROW_ELEMS = 4096  # elements loaded per row chunk (BR x padded head_dim)
+
+
+def block_pool(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[B, H, L, D]`` (fp16/bf16/fp32) -> (pooled fp32 ``[B, H, nb, D]``, sim fp32 ``[B, H, nb]``)."""
+    B, H, L, D = x.shape
+    nb = math.ceil(L / block)
+    pooled = torch.empty(B, H, nb, D, dtype=torch.float32, device=x.device)
+    sim = torch.empty(B, H, nb, dtype=torch.float32, device=x.device)
+    if pooled.numel() == 0 or sim.numel() == 0:
+        return pooled.zero_(), sim.zero_()
+    bd = triton.next_power_of_2(D)
+    br = 16  # block is a multiple of 16: the largest power of two <= ROW_ELEMS / bd dividing it
+    while br * 2 * bd <= ROW_ELEMS and block % (br * 2) == 0:
+        br *= 2
+    kernels.block_pool_kernel[(nb, H, B)](
+        x, pooled, sim, L, *x.stride(), *pooled.stride()[:3], *sim.stride()[:2],
+        D=D, BLOCK=block, BR=br, BD=bd, num_warps=4)
+    return pooled, sim
