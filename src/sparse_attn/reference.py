@@ -51,7 +51,7 @@ def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
               causal: bool = False, scale: float | None = None, return_lse: bool = False,
-              _lowp: bool = False):
+              _lowp: bool = False, _round_p=None):
     """Reference block-sparse attention.
 
     Args:
@@ -67,7 +67,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
 
     ``_lowp`` (tests only) does both products in the input dtype and rounds probabilities to it, as a
     fused kernel does: the "same-dtype reference" of DESIGN.md rule 3, whose error against the
-    fp64 oracle sets the kernels' tolerance.
+    fp64 oracle sets the kernels' tolerance. ``_round_p`` (the 8-bit twin, ops/sage/reference.py)
+    rounds the probabilities used in P.V (not those in the normaliser), as an FP8 P.V kernel does.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -104,7 +105,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: avoid inf - inf
         e = torch.exp(s - m)
         denom = e.sum(-1, keepdim=True)
-        o = torch.einsum("bhgqk,bhkd->bhgqd", e.to(mm), vf[:, :, j0:j1]).to(acc)
+        e_pv = e if _round_p is None else _round_p(e)
+        o = torch.einsum("bhgqk,bhkd->bhgqd", e_pv.to(mm), vf[:, :, j0:j1]).to(acc)
         o = o / torch.where(denom > 0, denom, torch.ones_like(denom))
         outs.append(o.reshape(B, Hq, r1 - r0, Dv))
         lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))

@@ -1,0 +1,85 @@
+"""Quick 8-bit probe on the GPU: dense (and one sparse) forward, bf16 kernel vs int8 / int8-fp8
+end to end (quantization included) and kernel alone (inputs quantized beforehand), effective
+TOPS = 4 B H L^2 D density / time. The full suite is `sparse-attn bench --suite sage`."""
+import argparse
+import datetime
+import json
+import math
+
+import torch
+import triton
+
+import sparse_attn
+from sparse_attn import patterns
+from sparse_attn.api import _kernel_layout
+from sparse_attn.ops.block_sparse import launch as bs_launch
+from sparse_attn.ops.block_sparse import layout_inputs
+from sparse_attn.ops.sage import launch as sage_launch
+from sparse_attn.ops.sage.granularity import GRANULARITY
+
+
+def ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def kernel_only(q, k, v, lay, quant, gran):
+    """The attention kernel on pre-quantized inputs (what the quantization costs is measured apart)."""
+    (qs, qp), (ks, kp) = GRANULARITY[gran]
+    q8, q_s = sage_launch.quantize_rows(q, qs, qp, None, False)
+    k8, k_s = sage_launch.quantize_rows(k, ks, kp, sage_launch.k_mean(k, False), False)
+    vq, v_s = sage_launch.quantize_v_fp8(v, False) if quant == 2 else (v, None)
+    rows = layout_inputs(lay, False)
+    args = rows[:6] + rows[-2:]
+    scale = 1 / math.sqrt(q.shape[-1])
+    return lambda: bs_launch.forward(q8, k8, vq, *args, None, None, lay.block_q, lay.block_k, scale, q.shape[2],
+                                     k.shape[2], 1, (q_s, k_s, v_s), quant, q.dtype)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["dense:16384", "dense:32768", "local4096:32768"])
+    ap.add_argument("--grans", nargs="+", default=["per_warp"])
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    rows = []
+    try:
+        from sageattention import sageattn
+    except Exception as e:  # noqa: BLE001 - optional peer
+        sageattn = None
+        print("sageattention unavailable:", e)
+    for case in a.cases:
+        kind, L = case.split(":")
+        L = int(L)
+        B, H, D = 1, 32, 128
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        lay = None if kind == "dense" else patterns.local(L, 4096, device="cuda")
+        causal = kind != "dense"
+        kl = _kernel_layout(lay, causal, L, L, "cuda")
+        flops = 4 * B * H * L * L * D * kl.density
+        res = {"case": case, "density": kl.density}
+        res["bf16_ms"] = ms(lambda: sparse_attn.attention(q, k, v, lay, causal=causal))
+        for gran in a.grans:
+            for name, mode in (("int8", 1), ("int8-fp8", 2)):
+                res[f"{name}/{gran}_ms"] = ms(lambda: sparse_attn.attention(q, k, v, lay, causal=causal, quant=name,
+                                                                              quant_granularity=gran))
+                res[f"{name}/{gran}_kernel_ms"] = ms(kernel_only(q, k, v, kl, mode, gran))
+        (qs, qp), (ks, kp) = GRANULARITY[a.grans[0]]
+        res["quant_qk_ms"] = ms(lambda: (sage_launch.quantize_rows(q, qs, qp, None, False),
+                                         sage_launch.quantize_rows(k, ks, kp, sage_launch.k_mean(k, False), False)))
+        res["quant_v_fp8_ms"] = ms(lambda: sage_launch.quantize_v_fp8(v, False))
+        if sageattn is not None and kind == "dense":
+            try:
+                res["sageattention_ms"] = ms(lambda: sageattn(q, k, v, is_causal=False))
+            except Exception as e:  # noqa: BLE001
+                res["sageattention_error"] = str(e)[-200:]
+        for key in [k_ for k_ in res if k_.endswith("_ms") and not k_.startswith("quant")]:
+            res[key.replace("_ms", "_tops")] = flops / res[key] / 1e9
+        print(json.dumps({k_: round(v_, 3) if isinstance(v_, float) else v_ for k_, v_ in res.items()}), flush=True)
+        rows.append(res)
+    if a.out:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "date": datetime.date.today().isoformat(), "rows": rows}, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""8-bit block-sparse attention (SageAttention-style): INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V.
+
+Forward only; see :mod:`sparse_attn.quantized` for the public entry and its gradients."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...layout import BlockLayout
+from ..block_sparse import check_kernel_inputs, layout_inputs
+from .granularity import GRANULARITY, QUANT_MODES, check_quant
+
+__all__ = ["GRANULARITY", "QUANT_MODES", "check_quant", "check_fp8_device", "sage_attention_op",
+           "sage_varlen_attention_op"]
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 tensor-core MMAs need compute capability 8.9+ (Ada, Hopper and newer)."""
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise RuntimeError(f"quant='int8-fp8' needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper or newer); "
+                           f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}: use quant='int8'")
+
+
+def _prepare(q, k, v, quant: str, granularity: str):
+    check_kernel_inputs(q, v)
+    mode = check_quant(quant, granularity)
+    if mode == 2 and q.is_cuda:
+        check_fp8_device(q.device)
+    if q.shape[-1] % 16:
+        raise ValueError(f"the 8-bit kernels need head_dim a multiple of 16 (int8 rows in 16-byte units), got "
+                         f"{q.shape[-1]}: pad q/k/v, or use quant=None")
+    return mode, tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+
+
+def sage_attention_op(q, k, v, layout: BlockLayout, *, quant: str, granularity: str, smooth_k: bool,
+                      scale: float | None = None):
+    """8-bit kernels on validated ``[B, H, L, D]`` fp16/bf16 inputs. Returns (out, lse of the
+    smoothed scores, fp32 ``[B, H, Lq]``)."""
+    from .function import sage_fwd
+    mode, (q, k, v) = _prepare(q, k, v, quant, granularity)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    rows = layout_inputs(layout, False)
+    fwd = rows[:6] + rows[-2:]  # forward schedule + term table (no transposed rows)
+    return sage_fwd(q, k, v, *fwd, None, None, layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
+                    mode, granularity, smooth_k)
+
+
+def sage_varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,
+                             quant: str, granularity: str, smooth_k: bool, scale: float | None = None):
+    """8-bit kernels on packed ``[T, H, D]`` inputs (see varlen_attention_op). Returns (out, lse [H, T])."""
+    from .function import sage_fwd
+    mode, (q, k, v) = _prepare(q, k, v, quant, granularity)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    rows = layout_inputs(stacked, False, kv_lens)
+    fwd = rows[:6] + rows[-2:]
+    return sage_fwd(q, k, v, *fwd, cu_q, cu_k, stacked.block_q, stacked.block_k, scale, max_q, max_k,
+                    mode, granularity, smooth_k)

@@ -1,0 +1,31 @@
+"""torch.library custom op of the 8-bit forward (with a fake impl for torch.compile).
+
+Not differentiable by itself: :func:`sparse_attn.attention` routes gradients through the
+fp16/bf16 kernels (see sparse_attn/quantized.py)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import launch
+
+
+@torch.library.custom_op("sparse_attn::sage_fwd", mutates_args=())
+def sage_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Tensor, full_start: Tensor,
+             indices: Tensor, mask_ids: Tensor, contiguous: bool, terms: Tensor, n_terms: int,
+             cu_q: Optional[Tensor], cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float,
+             max_q: int, max_k: int, quant: int, granularity: str, smooth_k: bool) -> tuple[Tensor, Tensor]:
+    return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
+                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, quant, granularity, smooth_k)
+
+
+@sage_fwd.register_fake
+def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms, cu_q, cu_k, block_q,
+      block_k, sm_scale, max_q, max_k, quant, granularity, smooth_k):
+    if cu_q is not None:
+        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    else:
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return torch.empty_like(q), lse

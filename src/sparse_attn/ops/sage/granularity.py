@@ -1,0 +1,34 @@
+"""Scale groups of the 8-bit path, shared by the Triton kernels and the PyTorch twin.
+
+A group is ``(span, period)``: the rows of one ``span``-row span that are equal modulo ``period``
+share one int8 scale (see ops/sage/kernels.py). The groups follow SageAttention's names:
+
+    per_block   Q: 128 contiguous rows      K: 64 contiguous keys
+    per_warp    Q: 16 rows (one warp's MMA rows)   K: 64 keys
+    per_thread  Q: 2 rows {r, r + 8} of a 16-row MMA tile (what one thread holds)
+                K: 8 keys {n, n + 8, ...} of a 64-key block (likewise)
+
+Finer groups cost nothing at run time here (scales are expanded to one per row before attention)
+and follow outliers more closely.
+"""
+from __future__ import annotations
+
+GRANULARITY: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "per_block": ((128, 1), (64, 1)),
+    "per_warp": ((16, 1), (64, 1)),
+    "per_thread": ((16, 8), (64, 8)),
+}
+QUANT_MODES: dict[str, int] = {"int8": 1, "int8-fp8": 2}  # value: the kernels' QUANT flag
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+INT8_MAX = 127.0
+
+
+def check_quant(quant: str, granularity: str) -> int:
+    """The kernels' QUANT flag of ``quant``; clear errors for unknown names."""
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant={quant!r} is not supported; choose one of {', '.join(map(repr, QUANT_MODES))} "
+                         "(or None for fp16/bf16 attention)")
+    if granularity not in GRANULARITY:
+        raise ValueError(f"quant_granularity={granularity!r} is not supported; choose one of "
+                         f"{', '.join(map(repr, GRANULARITY))}")
+    return QUANT_MODES[quant]

@@ -1,0 +1,77 @@
+"""Quantization kernels of the 8-bit attention path (the attention itself is the block-sparse
+forward kernel with its QUANT flag). @triton.jit only.
+
+Symbol legend
+    i_t, i_bh    program's row tile and (batch, head)       o_m, o_d   row / head-dim offsets
+    b_*          on-chip blocks                              m_*        masks
+    SPAN, PERIOD a scale group: rows of one SPAN-row span that are equal modulo PERIOD
+                 (PERIOD 1: SPAN contiguous rows; SageAttention's per-block / per-warp groups;
+                 PERIOD 8: the rows one MMA thread holds, its per-thread groups)
+"""
+import triton
+import triton.language as tl
+
+INT8_MAX = tl.constexpr(127.0)
+
+
+@triton.jit
+def quant_rows_kernel(
+    X, MEAN, XQ, SCALE,
+    stride_xb, stride_xh, stride_xm,
+    stride_mb, stride_mh,
+    stride_qb, stride_qh, stride_qm,
+    stride_sb, stride_sh,
+    H, L,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr,
+    PERIOD: tl.constexpr, SMOOTH: tl.constexpr,
+):
+    """Grid (row tiles, B * H). int8 rows of X (minus MEAN [.., D] when SMOOTH) with one fp32 scale
+    per group, written per row to SCALE (token stride 1) so the attention kernel needs no group logic."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_m = i_t * TILE + tl.arange(0, TILE)
+    o_d = tl.arange(0, D_PAD)
+    m_m = o_m < L
+    m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
+    p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh + o_m.to(tl.int64)[:, None] * stride_xm + o_d[None, :]
+    b_x = tl.load(p_x, mask=m_md, other=0.0).to(tl.float32)  # [TILE, D]
+    if SMOOTH:
+        b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < HEAD_DIM, other=0.0)
+        b_x = tl.where(m_md, b_x - b_mean[None, :], 0.0)
+    b_amax = tl.max(tl.abs(b_x), 1)  # [TILE]
+    b_g = tl.max(tl.reshape(b_amax, [TILE // SPAN, SPAN // PERIOD, PERIOD]), 1)  # [TILE // SPAN, PERIOD]
+    b_amax = tl.reshape(tl.broadcast_to(b_g[:, None, :], [TILE // SPAN, SPAN // PERIOD, PERIOD]), [TILE])
+    b_scale = tl.where(b_amax > 0, b_amax / INT8_MAX, 1.0)
+    b_xs = b_x / b_scale[:, None]
+    b_q = (b_xs + tl.where(b_xs >= 0, 0.5, -0.5)).to(tl.int8)  # round half away from zero
+    p_q = XQ + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :]
+    tl.store(p_q, b_q, mask=m_md)
+    tl.store(SCALE + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_m, b_scale, mask=m_m)
+
+
+@triton.jit
+def quant_v_fp8_kernel(
+    V, SCALE, VT,
+    stride_vb, stride_vh, stride_vm,
+    stride_sb, stride_sh,
+    stride_tb, stride_th, stride_td,
+    H, L,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
+):
+    """Grid (row tiles, B * H). V / SCALE (one scale per channel) as FP8 e4m3, stored transposed
+    [.., D, L] (token stride 1) so P.V reads V K-major, as FP8 tensor-core MMAs want it."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_m = i_t * TILE + tl.arange(0, TILE)
+    o_d = tl.arange(0, D_PAD)
+    m_md = (o_m < L)[:, None] & (o_d < HEAD_DIM)[None, :]
+    p_v = V + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh + o_m.to(tl.int64)[:, None] * stride_vm + o_d[None, :]
+    b_v = tl.load(p_v, mask=m_md, other=0.0).to(tl.float32)  # [TILE, D]
+    b_s = tl.load(SCALE + i_b * stride_sb + i_h * stride_sh + o_d, mask=o_d < HEAD_DIM, other=1.0)
+    b_v8 = tl.trans((b_v / b_s[None, :]).to(VT.dtype.element_ty))  # [D, TILE]
+    p_t = VT + i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + o_d.to(tl.int64)[:, None] * stride_td + o_m[None, :]
+    tl.store(p_t, b_v8, mask=tl.trans(m_md))

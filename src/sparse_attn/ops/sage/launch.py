@@ -1,0 +1,86 @@
+"""Launchers of the 8-bit path: quantize Q/K (int8) and V (FP8, transposed), then run the
+block-sparse forward kernel with its QUANT flag. No autograd here.
+
+Dense inputs are ``[B, H, L, D]``; varlen inputs packed ``[T, H, D]`` (then B = 1 for the
+quantization kernels, which see one long row range per head: groups that straddle two sequences
+just share a scale).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..block_sparse import launch as bs_launch
+from . import kernels
+from .granularity import FP8_MAX, GRANULARITY
+
+TILE = 128  # rows per quantization program: a multiple of every group span
+
+
+def _as_bhld(x: torch.Tensor, varlen: bool) -> tuple:
+    """(B, H, L, strides (b, h, l)) of a dense [B, H, L, D] or packed [T, H, D] tensor."""
+    if varlen:
+        return 1, x.shape[1], x.shape[0], (0, x.stride(1), x.stride(0))
+    return x.shape[0], x.shape[1], x.shape[2], (x.stride(0), x.stride(1), x.stride(2))
+
+
+def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | None, varlen: bool):
+    """int8 copy of x (same shape, contiguous) and fp32 scales per row: dense ``[B, H, L]``,
+    varlen ``[H, T]``. ``mean`` (fp32 ``[B, H, D]`` / ``[H, D]``) is subtracted first when given."""
+    B, H, L, (sxb, sxh, sxm) = _as_bhld(x, varlen)
+    D = x.shape[-1]
+    xq = torch.empty(x.shape, device=x.device, dtype=torch.int8)
+    _, _, _, (sqb, sqh, sqm) = _as_bhld(xq, varlen)
+    scale = torch.empty((H, L) if varlen else (B, H, L), device=x.device, dtype=torch.float32)
+    ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
+    if mean is not None:
+        smb, smh = (0, mean.stride(0)) if varlen else (mean.stride(0), mean.stride(1))
+    else:
+        smb = smh = 0
+    kernels.quant_rows_kernel[(triton.cdiv(L, TILE), B * H)](
+        x, mean, xq, scale, sxb, sxh, sxm, smb, smh, sqb, sqh, sqm, ssb, ssh, H, L,
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, SPAN=span, PERIOD=period, SMOOTH=mean is not None,
+        num_warps=4)
+    return xq, scale
+
+
+def quantize_v_fp8(v: torch.Tensor, varlen: bool):
+    """(FP8 e4m3 V^T: dense ``[B, H, D, Lp]`` / varlen ``[H, D, Tp]`` with the token dim padded to a
+    multiple of 16 for TMA, fp32 per-channel scale ``[B, H, D]`` / ``[H, D]``)."""
+    B, H, L, (svb, svh, svm) = _as_bhld(v, varlen)
+    D = v.shape[-1]
+    amax = v.abs().amax(0 if varlen else 2).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    lp = triton.cdiv(max(L, 1), 16) * 16
+    vt = torch.empty(((H, D, lp) if varlen else (B, H, D, lp)), device=v.device, dtype=torch.float8_e4m3fn)
+    if lp > L:
+        vt[..., L:].zero_()
+    ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
+    stb, sth, std = (0, vt.stride(0), vt.stride(1)) if varlen else (vt.stride(0), vt.stride(1), vt.stride(2))
+    kernels.quant_v_fp8_kernel[(triton.cdiv(L, TILE), B * H)](
+        v, scale, vt, svb, svh, svm, ssb, ssh, stb, sth, std, H, L,
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, num_warps=4)
+    return vt, scale
+
+
+def k_mean(k: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """fp32 per-head mean of K over tokens (dense ``[B, Hkv, D]``, varlen ``[Hkv, D]``): subtracting
+    it changes every score of a query row by the same amount, which softmax ignores."""
+    return k.float().mean(0 if varlen else 2) if k.shape[0 if varlen else 2] > 0 else None
+
+
+def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
+            cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, quant: int,
+            granularity: str, smooth_k: bool):
+    """Returns (out in q's dtype, lse of the smoothed scores, fp32). quant: 1 int8 Q.K, 2 also FP8 P.V."""
+    varlen = cu_q is not None
+    (qs, qp), (ks, kp) = GRANULARITY[granularity]
+    q8, q_scale = quantize_rows(q, qs, qp, None, varlen)
+    k8, k_scale = quantize_rows(k, ks, kp, k_mean(k, varlen) if smooth_k else None, varlen)
+    if quant == 2:
+        vq, v_scale = quantize_v_fp8(v, varlen)
+    else:
+        vq, v_scale = v, None
+    return bs_launch.forward(q8, k8, vq, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
+                             cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, 1, (q_scale, k_scale, v_scale),
+                             quant, q.dtype)

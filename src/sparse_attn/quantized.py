@@ -1,0 +1,81 @@
+"""8-bit attention behind :func:`sparse_attn.attention` / :func:`sparse_attn.varlen_attention`
+(``quant="int8"`` or ``"int8-fp8"``): the Triton 8-bit kernels on CUDA, their PyTorch twin
+(ops/sage/reference.py) elsewhere.
+
+Gradients: the 8-bit forward has none of its own. When an input requires grad, the fp16/bf16
+attention also runs (kernel on CUDA) and the result is ``out_hp + (out_8bit - out_hp).detach()``:
+the value is the 8-bit output, the gradients are exactly those of the fp16/bf16 attention. That
+costs one extra fp16/bf16 forward per training step; inference pays nothing.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import BlockLayout
+from .ops.sage.granularity import check_quant
+from .ops.sage.reference import lse_shift
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def attention(q, k, v, layout: BlockLayout | None, *, causal: bool, scale, return_lse: bool, quant: str,
+              granularity: str, smooth_k: bool):
+    """Validated ``[B, H, L, D]`` inputs (see :func:`sparse_attn.attention`)."""
+    from . import api
+    check_quant(quant, granularity)
+    with torch.no_grad():
+        if q.is_cuda:
+            from .ops.sage import sage_attention_op
+            from .ops.sage.launch import k_mean
+            kernel_layout = api._kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)
+            out, lse = sage_attention_op(q, k, v, kernel_layout, quant=quant, granularity=granularity,
+                                         smooth_k=smooth_k, scale=scale)
+            if return_lse:
+                lse = lse + lse_shift(q, k_mean(k, False) if smooth_k else None, scale)
+        else:
+            from .ops.sage import reference as sage_ref
+            out, lse = sage_ref.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True, quant=quant,
+                                          granularity=granularity, smooth_k=smooth_k)
+    if _needs_grad(q, k, v):
+        out_hp = api.attention(q, k, v, layout, causal=causal, scale=scale)
+        out = out_hp + (out - out_hp).detach()
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, plan, *, scale, return_lse: bool, quant: str,
+                     granularity: str, smooth_k: bool, hp_call):
+    """Validated packed ``[T, H, D]`` inputs and a varlen plan (see api._varlen_plan); ``hp_call()``
+    runs the fp16/bf16 varlen attention (for gradients)."""
+    check_quant(quant, granularity)
+    with torch.no_grad():
+        if q.is_cuda:
+            from .ops.sage import sage_varlen_attention_op
+            from .ops.sage.launch import k_mean
+            out, lse = sage_varlen_attention_op(q, k, v, plan.stacked, cu_q, cu_k, max_q, max_k, plan.kv_lens,
+                                                quant=quant, granularity=granularity, smooth_k=smooth_k, scale=scale)
+            if return_lse and smooth_k and k.shape[0] > 0:
+                # [T, H, D] . [H, D] -> [H, T], the varlen LSE layout
+                lse = lse + lse_shift(q.transpose(0, 1)[None], k_mean(k, True)[None], scale)[0]
+        else:
+            out, lse = _varlen_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), plan.per_seq, scale, quant,
+                                         granularity, smooth_k)
+    if _needs_grad(q, k, v):
+        out_hp = hp_call()
+        out = out_hp + (out - out_hp).detach()
+    return (out, lse) if return_lse else out
+
+
+def _varlen_reference(q, k, v, cq, ck, per_seq, scale, quant, granularity, smooth_k):
+    """Per-sequence 8-bit twin calls (each sequence quantized on its own), concatenated back."""
+    from .ops.sage import reference as sage_ref
+    outs, lses = [], []
+    for b, lay in enumerate(per_seq):
+        qs, ks, vs = (t[a:e].transpose(0, 1)[None] for t, a, e in ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]),
+                                                                  (v, ck[b], ck[b + 1])))
+        o, lse = sage_ref.attention(qs, ks, vs, lay.to(q.device), scale=scale, return_lse=True, quant=quant,
+                                    granularity=granularity, smooth_k=smooth_k)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs, 0), torch.cat(lses, 1)

