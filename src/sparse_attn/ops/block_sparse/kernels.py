@@ -92,15 +92,21 @@ def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, s
 
 
 @triton.jit
-def _scores(b_q, b_k, b_rs, K_SCALE, ks_base, start_n, k_len, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N: tl.constexpr,
+            QUANT: tl.constexpr, USE_TMA: tl.constexpr):
     """Scores of one tile [BM, BN]: the raw q.k product, or for int8 inputs the int32 product
-    dequantised by per-row Q scales b_rs (already times sm_scale * log2 e) and per-key K scales."""
+    dequantised by per-row Q scales b_rs (already times sm_scale * log2 e) and per-key K scales.
+    The K scales come by TMA when K does: a pointer load per tile is not pipelined and its latency
+    would stall every iteration."""
     if QUANT == 0:
         b_s = tl.dot(b_q, b_k)
     else:
-        o_n = start_n + tl.arange(0, BLOCK_N)
-        b_ks = tl.load(K_SCALE + ks_base + o_n, mask=o_n < k_len, other=0.0)
-        b_s = tl.dot(b_q, b_k).to(tl.float32) * b_rs[:, None] * b_ks[None, :]
+        if USE_TMA:
+            b_ks = desc_ks.load([ks_row, k0 + start_n])  # [1, BN]; zeros past the sequence end
+        else:
+            o_n = start_n + tl.arange(0, BLOCK_N)
+            b_ks = tl.load(K_SCALE + ks_base + o_n, mask=o_n < k_len, other=0.0)[None, :]
+        b_s = tl.dot(b_q, b_k).to(tl.float32) * b_rs[:, None] * b_ks
     return b_s
 
 
@@ -186,6 +192,13 @@ def fwd_kernel(
     qk_scale = sm_scale * LOG2E
     P_SCALE: tl.constexpr = 448.0 if QUANT == 2 else 1.0
     ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
+    ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
+    if USE_TMA and QUANT != 0:
+        # one descriptor over all K-scale rows (row stride padded to 16 bytes by the launcher)
+        desc_ks = tl.make_tensor_descriptor(K_SCALE, shape=[ks_row + 1, k0 + k_len], strides=[stride_ksh, 1],
+                                            block_shape=[1, BLOCK_N])
+    else:
+        desc_ks = K_SCALE
     if QUANT != 0:
         # per-row Q scale folded with the softmax scale; the scores then arrive in log2 units
         b_rs = tl.load(Q_SCALE + i_b.to(tl.int64) * stride_qsb + i_h.to(tl.int64) * stride_qsh + q0 + o_m,
@@ -206,7 +219,7 @@ def fwd_kernel(
             start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
-        b_s = _scores(b_q, b_k, b_rs, K_SCALE, ks_base, start_n, k_len, BLOCK_N, QUANT)
+        b_s = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
         b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, False, P_SCALE)
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
@@ -215,7 +228,7 @@ def fwd_kernel(
         o_n = start_n + tl.arange(0, BLOCK_N)
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
-        b_s = _scores(b_q, b_k, b_rs, K_SCALE, ks_base, start_n, k_len, BLOCK_N, QUANT)
+        b_s = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
         b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
         if N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)

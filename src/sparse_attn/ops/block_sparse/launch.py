@@ -204,8 +204,10 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     q_scale, k_scale, v_scale = scales if scales is not None else (None, None, None)
     d_pad = _d_pad(D)
-    # the FP8 V^T descriptor of a packed sequence would start mid-row (k0 bytes in): TMA needs 16-byte bases
-    variant = FWD_VARIANT if _tma_ok(q, k, v) and not (v_trans and varlen) else "ptr"
+    # 8-bit varlen runs on pointer loads: the FP8 V^T descriptor of a packed sequence would start
+    # mid-row (k0 bytes in; TMA needs 16-byte bases), and int8 varlen with TMA hit an illegal
+    # instruction on the H100 (not understood yet; the dense 8-bit path uses TMA and passes)
+    variant = FWD_VARIANT if _tma_ok(q, k, v) and not (quant and varlen) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT"), variant)
@@ -244,7 +246,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         Lk, hkv = k.shape[2], k.shape[1]
         delta = (out.float() * do.float()).sum(-1)  # [B, H, Lq]
         l_strides = lse.stride()
-    dq = torch.empty_like(q)
+    # (start, end) pairs (seq_step 2, grouped attention) need not cover q: the dQ kernel writes only group
+    # rows, so rows in no group must start at 0
+    dq = torch.zeros_like(q) if seq_step == 2 else torch.empty_like(q)
     if dk_rows is None:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         cu_dk = cu_k

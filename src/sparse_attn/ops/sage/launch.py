@@ -31,7 +31,9 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     D = x.shape[-1]
     xq = torch.empty(x.shape, device=x.device, dtype=torch.int8)
     _, _, _, (sqb, sqh, sqm) = _as_bhld(xq, varlen)
-    scale = torch.empty((H, L) if varlen else (B, H, L), device=x.device, dtype=torch.float32)
+    # rows padded to 16 bytes: the attention kernel reads K scales through a TMA descriptor
+    lp = triton.cdiv(max(L, 1), 4) * 4
+    scale = torch.empty((H, lp) if varlen else (B, H, lp), device=x.device, dtype=torch.float32)[..., :L]
     ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
     if mean is not None:
         smb, smh = (0, mean.stride(0)) if varlen else (mean.stride(0), mean.stride(1))
