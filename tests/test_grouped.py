@@ -213,6 +213,20 @@ def test_pattern_matches_loop_with_layouts():
         _assert_same(got, _naive(q, k, v, mask))
 
 
+def test_explicit_layouts_equal_pattern():
+    q, k, v = _qkv(80, 90, hq=2, hkv=1, seed=6)
+    groups = [Group(0, 30, 0, 50), Group(30, 30, 0, 4), Group(30, 80, 40, 90)]  # an empty group takes None
+    pattern = lambda lq, lk: patterns.local(lq, 24, kv_len=lk, block_q=16, block_k=16)  # noqa: E731
+    layouts = [pattern(30, 50), None, pattern(50, 50)]
+    got = sparse_attn.grouped_attention(q, k, v, groups, layouts=layouts, return_lse=True)
+    _assert_same(got, sparse_attn.grouped_attention(q, k, v, groups, pattern=pattern, return_lse=True))
+    _assert_same(got, _loop(q, k, v, groups, True, layouts))
+    with pytest.raises(ValueError, match="either layouts= or pattern="):
+        sparse_attn.grouped_attention(q, k, v, groups, layouts=layouts, pattern=pattern)
+    with pytest.raises(ValueError, match="got 2 layouts for 3 groups"):
+        sparse_attn.grouped_attention(q, k, v, groups, layouts=layouts[:2])
+
+
 def test_loop_is_public_and_equal():
     q, k, v = _qkv(30, 40)
     groups = [Group(0, 15, 0, 25), Group(15, 30, 0, 40)]

@@ -9,12 +9,17 @@ Query slices must not overlap; query tokens in no group get output 0 and LSE ``-
 Causal masking is bottom-right aligned per group (query i of a group sees key j of its slice iff
 ``j <= i + k_len - q_len``), as in :func:`sparse_attn.varlen_attention`.
 
-``grouped_attention_loop`` is the prototype: one :func:`sparse_attn.attention` call per group (the
-Triton kernel on CUDA, the PyTorch reference elsewhere). It stays public as the reference and a
-benchmark provider once a one-launch grouped kernel exists.
+On CUDA :func:`grouped_attention` runs every group in ONE kernel launch (forward) and one dQ plus
+one dK/dV launch (backward): the per-group layouts are stacked along the batch dimension (one batch
+row per group, as varlen does), the kernels read each group's bounds from int32 (start, end) pairs
+(``seq_step`` 2), and the dK/dV of overlapping K/V slices go through a scratch buffer that is
+summed into dK/dV in fp32 (see ``ops/block_sparse/launch.backward``). Elsewhere it runs
+:func:`grouped_attention_loop`: one :func:`sparse_attn.attention` call per group (the PyTorch
+reference on the CPU), which stays public as the reference and as a benchmark provider.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
@@ -25,6 +30,9 @@ from .layout import BlockLayout
 from .validation import check_qkv, check_scale
 
 PatternFn = Callable[[int, int], BlockLayout]
+
+# tests: send CPU tensors down the kernel path (which then runs under TRITON_INTERPRET=1)
+FORCE_KERNELS = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +120,7 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Sequence[Group], *,
                            causal: bool = True, scale: float | None = None, return_lse: bool = False,
-                           pattern: PatternFn | None = None):
+                           layouts: Sequence[BlockLayout | None] | None = None, pattern: PatternFn | None = None):
     """Grouped attention as one :func:`sparse_attn.attention` call per group (same arguments and
     result as :func:`grouped_attention`). Outputs are assembled out of place (``torch.cat``), so
     autograd reaches q, k and v, and gradients of overlapping K/V slices add up."""
@@ -121,9 +129,10 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     check_scale(scale)
     tq, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
     groups = check_groups(groups, tq, k.shape[0])
-    layouts: dict = {}  # (q_len, kv_len) -> layout, one pattern call per distinct shape
+    _check_layout_args(layouts, pattern, len(groups))
+    shapes: dict = {}  # (q_len, kv_len) -> layout, one pattern call per distinct shape
     pieces: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (q_start, out [L, Hq, Dv], lse [Hq, L])
-    for g in groups:
+    for i, g in enumerate(groups):
         if g.q_len == 0:
             continue
         if g.k_len == 0:  # nothing to see: zeros that keep q/k/v in the graph (zero grads)
@@ -131,12 +140,12 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
             pieces.append((g.q_start, q.new_zeros(g.q_len, hq, dv) + anchor,
                            torch.full((hq, g.q_len), float("-inf"), device=q.device)))
             continue
-        layout = None
+        layout = None if layouts is None else layouts[i]
         if pattern is not None:
             key = (g.q_len, g.k_len)
-            if key not in layouts:
-                layouts[key] = pattern(g.q_len, g.k_len)
-            layout = layouts[key]
+            if key not in shapes:
+                shapes[key] = pattern(g.q_len, g.k_len)
+            layout = shapes[key]
         qs = q[g.q_start:g.q_end].transpose(0, 1)[None]
         ks = k[g.k_start:g.k_end].transpose(0, 1)[None]
         vs = v[g.k_start:g.k_end].transpose(0, 1)[None]
@@ -162,30 +171,153 @@ def _assemble(pieces, q, tq, hq, dv):
     return torch.cat(outs, 0), torch.cat(lses, 1)
 
 
+def _check_layout_args(layouts, pattern, n_groups: int) -> None:
+    if layouts is not None and pattern is not None:
+        raise ValueError("give either layouts= or pattern=, not both")
+    if layouts is not None:
+        if isinstance(layouts, BlockLayout) or not isinstance(layouts, (list, tuple)):
+            raise TypeError(f"layouts must be a list with one BlockLayout per group, got {type(layouts).__name__}")
+        if len(layouts) != n_groups:
+            raise ValueError(f"got {len(layouts)} layouts for {n_groups} groups: give one per group (None for an "
+                             "empty group)")
+
+
+# ----------------------------------------------------------------------------- the one-launch plan
+@dataclasses.dataclass
+class GroupedPlan:
+    """What the kernels need for one groups signature, built once and cached (:func:`grouped_plan`).
+
+    Only *run* groups (``q_len > 0`` and ``k_len > 0``) reach the kernels, heaviest (most blocks
+    visited) first; batch row ``r`` of ``stacked`` is group ``run[r]``. Tensors live on the device the
+    plan was built for.
+    """
+    pinned: tuple                   # the pattern / layouts whose ids are in the cache key
+    run: tuple[int, ...]            # indices (into the given groups) of the groups the kernels run
+    per_group: list                 # their layouts (causal folded in), as built
+    stacked: BlockLayout | None     # one batch row per run group; None when no group runs
+    cu_q: torch.Tensor | None       # int32 [2R]: (q_start, q_end) per run group
+    cu_k: torch.Tensor | None       # int32 [2R]: (k_start, k_end) per run group
+    max_q: int
+    max_k: int
+    kv_lens: tuple[int, ...]        # per run group (Python ints: schedule lookups never sync)
+    cu_dk: torch.Tensor | None      # int32 [2R]: scratch (start, end) of each group's dK/dV rows
+    dk_rows: torch.Tensor | None    # int64 [scratch rows]: scratch row -> row of k (None: written in place)
+    free_rows: torch.Tensor | None  # int64: query rows in no run group (output 0, LSE -inf), None if none
+
+
+_PLANS: "collections.OrderedDict" = collections.OrderedDict()
+_PLANS_MAX = 16
+
+
+def grouped_plan(groups: Sequence[Group], tq: int, tk: int, *, layouts=None, pattern: PatternFn | None = None,
+                 causal: bool = True, heads: int = 1, device="cpu") -> GroupedPlan:
+    """The cached :class:`GroupedPlan` of checked ``groups`` over ``tq`` query / ``tk`` key tokens.
+    The key holds the pattern / layout objects by identity; the entry keeps them alive so an id cannot
+    be reused while it is cached."""
+    device = torch.device(device)
+    key = (tuple(dataclasses.astuple(g) for g in groups), tq, tk, causal, heads, str(device), id(pattern),
+           None if layouts is None else tuple(id(lay) for lay in layouts))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _build_plan(list(groups), tq, tk, layouts, pattern, causal, heads, device)
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def _build_plan(groups, tq, tk, layouts, pattern, causal, heads, device) -> GroupedPlan:
+    from . import varlen
+    run = tuple(i for i, g in enumerate(groups) if g.q_len > 0 and g.k_len > 0)
+    covered = torch.zeros(tq, dtype=torch.bool)
+    for i in run:
+        covered[groups[i].q_start:groups[i].q_end] = True
+    free = (~covered).nonzero()[:, 0]
+    free_rows = free.to(device) if free.numel() else None
+    if not run:
+        return GroupedPlan((pattern, layouts), run, [], None, None, None, 0, 0, (), None, None, free_rows)
+    per_group = varlen.build_layouts([groups[i].q_len for i in run], [groups[i].k_len for i in run],
+                                     None if layouts is None else [layouts[i] for i in run], pattern, causal,
+                                     heads=heads)
+    # heaviest group first: the GPU hands out programs in grid order (query tiles, then batch rows), so
+    # the long-running programs of a big group start early instead of forming the launch's tail
+    order = sorted(range(len(run)), key=lambda r: -_work(per_group[r], heads))
+    run, per_group = tuple(run[r] for r in order), [per_group[r] for r in order]
+    rg = [groups[i] for i in run]
+    q_lens, k_lens = [g.q_len for g in rg], [g.k_len for g in rg]
+    max_q, max_k = max(q_lens), max(k_lens)
+    stacked = varlen.stack([lay.to(device) for lay in per_group], max_q, max_k, heads)
+    pairs = lambda a, b: torch.tensor([x for g in rg for x in (getattr(g, a), getattr(g, b))],  # noqa: E731
+                                      dtype=torch.int32, device=device)
+    cu_dk = dk_rows = None
+    spans = sorted((g.k_start, g.k_end) for g in rg)
+    tiles_k = spans[0][0] == 0 and spans[-1][1] == tk and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    if not tiles_k:  # overlapping or partial K/V cover: each group's dK/dV rows go to a scratch buffer
+        ends = torch.tensor(k_lens).cumsum(0)
+        starts = ends - torch.tensor(k_lens)
+        cu_dk = torch.stack([starts, ends], 1).flatten().to(torch.int32).to(device)
+        dk_rows = torch.cat([torch.arange(g.k_start, g.k_end) for g in rg]).to(device)
+    return GroupedPlan((pattern, layouts), run, per_group, stacked, pairs("q_start", "q_end"),
+                       pairs("k_start", "k_end"), max_q, max_k, tuple(k_lens), cu_dk, dk_rows, free_rows)
+
+
+def _work(layout: BlockLayout, heads: int) -> int:
+    """Blocks the kernels visit for one layout (over all query heads): the group's cost estimate."""
+    return int(layout.kv_counts.sum()) * (heads // layout.heads)
+
+
+def _kernel_path(q, k, v, groups, causal, scale, return_lse, layouts, pattern):
+    from .ops.block_sparse import grouped_attention_op
+    plan = grouped_plan(groups, q.shape[0], k.shape[0], layouts=layouts, pattern=pattern, causal=causal,
+                        heads=q.shape[1], device=q.device)
+    if plan.stacked is None:  # no group has both queries and keys: zeros that keep q/k/v in the graph
+        anchor = (q[:0].sum() + k[:0].sum() + v[:0].sum()).to(q.dtype)
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + anchor
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+        return (out, lse) if return_lse else out
+    return grouped_attention_op(q, k, v, plan.stacked, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, plan.kv_lens,
+                                cu_dk=plan.cu_dk, dk_rows=plan.dk_rows, free_rows=plan.free_rows, scale=scale,
+                                return_lse=return_lse)
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Sequence[Group], *,
                       causal: bool = True, scale: float | None = None, return_lse: bool = False,
-                      pattern: PatternFn | None = None):
+                      layouts: Sequence[BlockLayout | None] | None = None, pattern: PatternFn | None = None):
     """Attention of packed query slices over their own, possibly overlapping, K/V slices.
 
     Args:
         q: ``[Tq, Hq, D]`` packed queries; k: ``[Tk, Hkv, D]``; v: ``[Tk, Hkv, Dv]``; one dtype and
-            device; ``Hq % Hkv == 0`` (GQA/MQA).
+            device; ``Hq % Hkv == 0`` (GQA/MQA). The CUDA kernels take fp16/bf16 and ``Dv == D``.
         groups: list of :class:`Group` ``(q_start, q_end, k_start, k_end)`` (Python ints): query tokens
             ``[q_start, q_end)`` attend K/V tokens ``[k_start, k_end)``. Query slices must not overlap;
             K/V slices may (e.g. zigzag llama3 context parallelism: group g attends ``k[0:end_g]``).
-            For consecutive varlen-style slices use :func:`groups_from_cu_seqlens`.
+            For consecutive varlen-style slices use :func:`groups_from_cu_seqlens`. Empty groups
+            (``q_len`` 0, or ``k_len`` 0: its queries see nothing) are allowed.
         causal: bottom-right aligned per group: query i of a group sees key j of its slice iff
             ``j <= i + k_len - q_len``. Default True.
         scale: softmax scale; default ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp, fp32 ``[Hq, Tq]``.
-        pattern: optional ``pattern(q_len, kv_len) -> BlockLayout`` called per group shape (as in
-            :func:`sparse_attn.varlen_attention`), intersected with causal when ``causal``.
+        layouts: one :class:`BlockLayout` per group, built for that group's ``(q_len, k_len)`` (None
+            for an empty group; all with one ``block_q x block_k``); or
+        pattern: ``pattern(q_len, kv_len) -> BlockLayout`` called per group shape (as in
+            :func:`sparse_attn.varlen_attention`); neither = dense. Intersected with causal when ``causal``.
 
     Returns:
         ``out [Tq, Hq, Dv]`` in q's dtype, or ``(out, lse)``. Query tokens in no group (and rows that
-        see no key) get output 0 and LSE ``-inf``.
+        see no key) get output 0, LSE ``-inf`` and gradient 0.
 
-    Today this runs :func:`grouped_attention_loop` (one attention call per group).
+    CUDA: one forward launch for all groups, one dQ and one dK/dV launch backward; the per-group
+    layouts, bounds and scratch offsets are built once per groups signature and cached. Elsewhere:
+    :func:`grouped_attention_loop` (one reference call per group). The LSE output carries no
+    gradient on CUDA (as in :func:`sparse_attn.attention`).
     """
-    return grouped_attention_loop(q, k, v, groups, causal=causal, scale=scale, return_lse=return_lse,
-                                  pattern=pattern)
+    if not (FORCE_KERNELS or (isinstance(q, torch.Tensor) and q.is_cuda)):
+        return grouped_attention_loop(q, k, v, groups, causal=causal, scale=scale, return_lse=return_lse,
+                                      layouts=layouts, pattern=pattern)
+    _check_packed(q, k, v)
+    check_scale(scale)
+    groups = check_groups(groups, q.shape[0], k.shape[0])
+    _check_layout_args(layouts, pattern, len(groups))
+    return _kernel_path(q, k, v, groups, causal, scale, return_lse, layouts, pattern)

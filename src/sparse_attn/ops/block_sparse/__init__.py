@@ -85,3 +85,25 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
     out, lse = block_sparse_fwd(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
                                 stacked.block_q, stacked.block_k, scale, max_q, max_k)
     return (out, lse) if return_lse else out
+
+
+def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,
+                         cu_dk=None, dk_rows=None, free_rows=None, scale: float | None = None,
+                         return_lse: bool = False):
+    """Grouped attention in one launch on validated packed ``[T, H, D]`` inputs (see
+    :func:`sparse_attn.grouped_attention`): ``stacked`` has one batch row per group; ``cu_q`` /
+    ``cu_k`` are int32 (start, end) pairs ``[2 G]`` (K/V slices may overlap, query slices may sit
+    anywhere); ``kv_lens`` (ints) the groups' key lengths; ``cu_dk`` / ``dk_rows`` the dK/dV scratch
+    layout (launch.backward; None when the K/V slices tile k exactly); ``free_rows`` (int64) the
+    query rows in no group, which the kernels never write: they get output 0 and LSE -inf here (and
+    dQ 0: launch.backward zero-fills dQ for paired bounds)."""
+    check_kernel_inputs(q, v)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    out, lse = block_sparse_fwd(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
+                                stacked.block_q, stacked.block_k, scale, max_q, max_k, 2, cu_dk, dk_rows)
+    if free_rows is not None:  # out of place: the op's own output is saved for backward
+        out = out.index_fill(0, free_rows, 0.0)
+        lse = lse.index_fill(1, free_rows, float("-inf"))
+    return (out, lse) if return_lse else out
