@@ -63,7 +63,7 @@ def _reference(q, k, v, groups, causal, layouts, do, *, lowp: bool, scale=None):
     for i, g in enumerate(groups):
         if g.q_len == 0 or g.k_len == 0:
             continue
-        lay = None if layouts is None else layouts[i]
+        lay = None if layouts is None else layouts[i].to(q.device)
         for a, b, k_end in _pieces(g, lay, causal):
             if k_end == g.k_start:  # the chunk's rows see no key
                 continue
