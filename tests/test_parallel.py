@@ -1,6 +1,8 @@
 """Zigzag llama3 context parallelism: W gloo ranks on the CPU (spawned processes) against the
-single-process full-sequence oracle, in fp64."""
+single-process full-sequence oracle, in fp64; dense [B, H, L, D] and packed varlen [T, H, D]
+batches; the kernel path under the Triton interpreter; mismatched inputs and a missing peer."""
 import datetime
+import os
 import queue as queue_mod
 import socket
 import time
@@ -13,12 +15,15 @@ import torch.multiprocessing as mp
 
 import sparse_attn
 from sparse_attn.parallel import (
+    local,
     zigzag_chunk_ids,
     zigzag_cu_seqlens,
     zigzag_gather,
     zigzag_llama3_attention,
+    zigzag_llama3_varlen_attention,
     zigzag_merge,
     zigzag_merge_varlen,
+    zigzag_plan,
     zigzag_split,
     zigzag_split_varlen,
 )
@@ -94,8 +99,86 @@ def _case_mismatch(rank, world):
     _compare(rank, world, 4, 4, causal=True)  # the group is still usable afterwards
 
 
+# ---- packed varlen batches ---------------------------------------------------------------------
+
+def _varlen_cu(world, units=(3, 0, 5, 1)):
+    """Global offsets of sequences of 2W * units tokens (an empty one included)."""
+    cu = [0]
+    for u in units:
+        cu.append(cu[-1] + 2 * world * u)
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+def _compare_varlen(rank, world, hq, hkv, causal, kv_head_chunk=None, scale=None, dtype=torch.float64, tol=TOL,
+                    units=(3, 0, 5, 1)):
+    cu = _varlen_cu(world, units)
+    g = torch.Generator().manual_seed(4321)
+    T = int(cu[-1])
+    q, k, v, dout = (torch.randn(T, h, D, dtype=torch.float64, generator=g).to(dtype) for h in (hq, hkv, hkv, hq))
+    full = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    max_len = int((cu[1:] - cu[:-1]).max())
+    out = sparse_attn.varlen_attention(*full, cu, cu, max_len, max_len, causal=causal, scale=scale)
+    out.backward(dout.double())
+
+    loc = [zigzag_split_varlen(t, cu, world, rank).detach().requires_grad_() for t in (q, k, v)]
+    out_l = zigzag_llama3_varlen_attention(*loc, cu, causal=causal, scale=scale, kv_head_chunk=kv_head_chunk)
+    assert out_l.shape == (T // world, hq, D) and out_l.is_contiguous()
+    out_l.backward(zigzag_split_varlen(dout, cu, world, rank))
+    for name, got, want in [("out", out_l, out)] + [(f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", loc, full)]:
+        torch.testing.assert_close(got.double(), zigzag_split_varlen(want.detach(), cu, world, rank), rtol=tol,
+                                   atol=tol, msg=lambda m, name=name: f"rank {rank} varlen {name}: {m}")
+
+
+def _case_varlen_causal(rank, world):
+    _compare_varlen(rank, world, 4, 2, causal=True)
+
+
+def _case_varlen_noncausal_head_chunks(rank, world):
+    _compare_varlen(rank, world, 4, 2, causal=False, kv_head_chunk=1, scale=0.4)
+
+
+def _case_varlen_one_sequence(rank, world):
+    _compare_varlen(rank, world, 2, 2, causal=True, units=(4,), kv_head_chunk=1)
+
+
+def _case_kernel_path(rank, world):
+    """The CUDA code path (kernel forward, kernel backward from the saved LSE without recompute, on
+    strided views of a packed batch, GQA) under the Triton interpreter, in fp32. Kept to one sequence
+    (2 forward + 4 backward launches): the interpreter is slow."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or world > 2:  # interpreter only; one world size is enough
+        return
+    local.FORCE_KERNELS = True
+    try:
+        _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(3,))
+    finally:
+        local.FORCE_KERNELS = False
+
+
+def _case_varlen_mismatch(rank, world):
+    cu = _varlen_cu(world)
+    T = int(cu[-1])
+    q, k, v = (torch.randn(T // world, h, D, dtype=torch.float64) for h in (4, 2, 2))
+    bad = cu.clone()
+    if rank == world - 1:
+        bad[1] += 2 * world  # same total, different split: only the offsets disagree
+    with pytest.raises(ValueError, match=rf"ranks \[{world - 1}\] disagree.*cu_seqlens_digest"):
+        zigzag_llama3_varlen_attention(q, k, v, bad)
+    if rank == world - 1:
+        q = q.float()
+    with pytest.raises(ValueError, match=rf"ranks \[{world - 1}\] disagree") as ei:
+        zigzag_llama3_varlen_attention(q, k, v, cu)
+    assert f"rank {world - 1}: q ({T // world}, 4, 8) float32" in str(ei.value)
+    assert f"rank 0: q ({T // world}, 4, 8) float64" in str(ei.value)
+    # the same wrong cu_seqlens on every rank: a local error, raised by every rank alike (no hang)
+    with pytest.raises(ValueError, match="not a multiple of 2 \\* world_size"):
+        zigzag_llama3_varlen_attention(q.double(), k, v, [0, T - 1, T])
+    _compare_varlen(rank, world, 4, 2, causal=True)  # the group is still usable afterwards
+
+
 CASES = {f.__name__.removeprefix("_case_"): f for f in
-         (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_gather, _case_mismatch)}
+         (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_gather,
+          _case_mismatch, _case_varlen_causal, _case_varlen_noncausal_head_chunks, _case_varlen_one_sequence,
+          _case_kernel_path, _case_varlen_mismatch)}
 
 
 def _worker(rank, world, port, results):
@@ -192,3 +275,100 @@ def test_varlen_helpers():
     assert torch.equal(zigzag_merge_varlen(parts, cu), x)
     with pytest.raises(ValueError, match="sequence 1"):
         zigzag_cu_seqlens(torch.tensor([0, 8, 14]), world)
+
+
+# ---- a missing peer ---------------------------------------------------------------------------
+
+PEER_TIMEOUT_S = 2
+
+
+def _silent_peer_worker(rank, world, port, results, done):
+    """Rank 0 calls in; rank 1 stays connected (until ``done``) but never calls. Rank 0 must get an
+    error naming the likely cause after the process group's timeout, not hang."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
+        if rank == 0:
+            q = torch.randn(1, 2, 8, 4)
+            t0 = time.monotonic()
+            try:
+                zigzag_llama3_attention(q, q, q)
+                results.put((rank, "returned without error"))
+            except RuntimeError as e:
+                results.put((rank, (str(e), time.monotonic() - t0)))
+        else:
+            done.wait(timeout=PEER_TIMEOUT_S + 30)
+            results.put((rank, "waited"))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, traceback.format_exc()))
+
+
+def test_missing_peer_times_out_with_a_message():
+    ctx = mp.get_context("spawn")
+    results, done = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_silent_peer_worker, args=(r, 2, port, results, done), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        deadline = time.monotonic() + 60
+        while len(got) < 2 and time.monotonic() < deadline:
+            try:
+                rank, res = results.get(timeout=1)
+                got[rank] = res
+                if rank == 0:
+                    done.set()  # rank 0 has its answer: let the silent peer go
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    assert 0 in got, f"rank 0 never reported (got {got})"
+    assert isinstance(got[0], tuple), got[0]
+    msg, waited = got[0]
+    assert "a peer did not answer" in msg and "init_process_group(timeout=...)" in msg, msg
+    assert "rank 0 of 2" in msg and "zigzag_llama3_attention" in msg, msg
+    assert waited < PEER_TIMEOUT_S + 20, f"took {waited:.1f} s for a {PEER_TIMEOUT_S} s timeout"
+
+
+# ---- the varlen plan (per-rank cu_seqlens, positions, groups) ------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_plan_matches_split(world):
+    cu = _varlen_cu(world, (3, 0, 5, 1))
+    T = int(cu[-1])
+    pos_full = torch.cat([torch.arange(int(b - a)) for a, b in zip(cu[:-1], cu[1:])])
+    seq_full = torch.cat([torch.full((int(b - a),), i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))])
+    idx_full = torch.arange(T)
+    for rank in range(world):
+        plan = zigzag_plan(cu, world, rank)
+        assert plan.cu_seqlens_local().tolist() == zigzag_cu_seqlens(cu, world).tolist()
+        assert plan.cu_seqlens_local().dtype == torch.int32 and plan.max_seqlen_local == 5 * 2
+        assert torch.equal(plan.position_ids(), zigzag_split_varlen(pos_full, cu, world, rank))
+        # every group: its local query tokens and the global keys it sees are one sequence, the keys
+        # a prefix of it ending at the group's last query token (causal)
+        idx_loc = zigzag_split_varlen(idx_full, cu, world, rank)
+        for g in plan.groups(causal=True):
+            qtok = idx_loc[g.q_start:g.q_end]
+            assert (seq_full[qtok] == seq_full[g.k_start]).all() and seq_full[g.k_end - 1] == seq_full[g.k_start]
+            assert g.k_start == cu[seq_full[g.k_start]] and g.k_end == int(qtok[-1]) + 1
+            assert torch.equal(qtok, torch.arange(int(qtok[0]), int(qtok[0]) + g.q_len))  # one contiguous chunk
+        assert sum(g.q_len for g in plan.groups(causal=False)) == T // world
+    # zigzag balances causal work: every rank computes the same number of (query, key) pairs
+    assert len({zigzag_plan(cu, world, r).pairs(True) for r in range(world)}) == 1
+
+
+def test_plan_rejects_bad_offsets():
+    with pytest.raises(ValueError, match="sequence 1 .* not a multiple of 2 \\* world_size = 4"):
+        zigzag_plan([0, 8, 14], 2, 0)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        zigzag_plan([0, 8, 4], 2, 0)
+    with pytest.raises(ValueError, match="rank"):
+        zigzag_plan([0, 8], 2, 2)

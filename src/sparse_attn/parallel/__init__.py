@@ -2,8 +2,14 @@
 
 Each sequence of length L (divisible by 2W for W ranks) is cut into 2W chunks of C = L / (2W) tokens;
 rank r holds chunks r and 2W-1-r (zigzag), so causal work is balanced across ranks. K/V are
-all-gathered (llama3 style), each local query chunk attends the prefix of the full K/V up to its own
-end, and dK/dV are reduce-scattered back in the backward pass.
+all-gathered (llama3 style) in head chunks, each local query chunk attends the prefix of the full K/V
+up to its own end, and dK/dV are reduce-scattered back in the backward pass.
+
+Dense batches ``[B, H, L, D]``: :func:`zigzag_split` then :func:`zigzag_llama3_attention`. Packed
+varlen batches ``[T, H, D]`` with global ``cu_seqlens``: :func:`zigzag_split_varlen`, then
+:func:`zigzag_llama3_varlen_attention`; :func:`zigzag_plan` gives the per-rank ``cu_seqlens_local()``,
+``max_seqlen_local`` and RoPE ``position_ids()``. Failure behaviour (mismatched shapes, missing
+peers, timeouts): see :mod:`sparse_attn.parallel.comm`.
 
 Not exported from ``sparse_attn`` itself: ``import sparse_attn.parallel``.
 """
@@ -21,9 +27,11 @@ from .comm import (
     reduce_scatter_zigzag,
     zigzag_gather,
 )
-from .zigzag import zigzag_llama3_attention
+from .plan import ZigzagPlan, zigzag_plan
+from .zigzag import zigzag_llama3_attention, zigzag_llama3_varlen_attention
 
 __all__ = [
+    "ZigzagPlan",
     "all_gather_zigzag",
     "check_consistent_shapes",
     "reduce_scatter_zigzag",
@@ -31,8 +39,10 @@ __all__ = [
     "zigzag_cu_seqlens",
     "zigzag_gather",
     "zigzag_llama3_attention",
+    "zigzag_llama3_varlen_attention",
     "zigzag_merge",
     "zigzag_merge_varlen",
+    "zigzag_plan",
     "zigzag_split",
     "zigzag_split_varlen",
 ]

@@ -1,9 +1,18 @@
 """The collectives zigzag context parallelism needs (torch.distributed, any backend).
 
-A missing or dead peer makes every collective wait until the process group's timeout
-(``init_process_group(..., timeout=datetime.timedelta(...))``), then raise; nothing here can detect it
-sooner. Shape mismatches between live ranks, by contrast, are caught up front by
-:func:`check_consistent_shapes`, which raises the same clear error on every rank.
+Failure behaviour:
+
+- Shape, dtype or option mismatches between live ranks are caught up front by
+  :func:`check_consistent_shapes` (one small all-gather), which raises the same ``ValueError`` on
+  every rank, naming the ranks and what each passed.
+- A missing or dead peer cannot be told apart from a slow one: every collective waits until the
+  process group's timeout, ``init_process_group(..., timeout=datetime.timedelta(seconds=...))``
+  (default 10 minutes for NCCL, 30 for gloo). With gloo the waiting call then raises; the input check
+  (the first collective of every call) re-raises that as a ``RuntimeError`` saying a peer did not
+  answer. With NCCL the watchdog reports ``Watchdog caught collective operation timeout ...`` and,
+  under the default ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, tears the process down; set
+  ``TORCH_NCCL_BLOCKING_WAIT=1`` to get a Python exception in the waiting call instead. Under
+  torchrun a rank that crashes makes the agent stop the others.
 """
 from __future__ import annotations
 
@@ -15,6 +24,9 @@ from .chunks import zigzag_merge, zigzag_split
 _MAX_DIMS = 6
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 _REDUCE_SCATTER_UNSUPPORTED: set = set()
+# single-tensor collectives (ranks along dim 0): torch >= 2.12 names them *_single, older ones *_tensor
+_ALL_GATHER_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_1 = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _encode(t: torch.Tensor) -> list[int]:
@@ -47,7 +59,13 @@ def check_consistent_shapes(tensors: dict, group=None, extras: dict | None = Non
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
+    try:
+        dist.all_gather(rows, mine, group=group)
+    except RuntimeError as e:  # a timeout or a dead peer: say what it most likely means
+        raise RuntimeError(f"{what}rank {dist.get_rank(group)} of {world}: a peer did not answer the cross-rank input "
+                           f"check (an all_gather): {e}. Every rank of the group must make the same call; a rank "
+                           f"that crashed, hangs or took another code path shows up here after the process group's "
+                           f"timeout (init_process_group(timeout=...)).") from e
     rows = [r.tolist() for r in rows]
     bad = [r for r in range(world) if rows[r] != rows[0]]
     if bad:
@@ -86,3 +104,87 @@ def reduce_scatter_zigzag(full: torch.Tensor, dim: int = 2, group=None) -> torch
     full = full.contiguous().clone()
     dist.all_reduce(full, group=group)
     return zigzag_split(full, world, rank, dim)
+
+
+# ---- pipelined head-chunk collectives (used by the autograd function in zigzag.py) --------------------
+
+def _merge_pieces(buf: torch.Tensor, plan) -> torch.Tensor:
+    """``buf [W, B, h, Lloc, D]`` (rank-major, as all-gathered) -> ``[B, h, L, D]`` in global order."""
+    return torch.cat([buf[r, :, :, s:s + n] for r, s, n in plan.gather_pieces()], 2)
+
+
+def _split_pieces(full: torch.Tensor, plan) -> torch.Tensor:
+    """``full [B, h, L, D]`` (global order) -> ``[W, B, h, Lloc, D]``: row r is rank r's zigzag share."""
+    send = full.new_empty((plan.world_size,) + full.shape[:2] + (plan.local_tokens,) + full.shape[3:])
+    for r, pieces in enumerate(plan.scatter_pieces()):
+        torch.cat([full[:, :, s:s + n] for s, n in pieces], 2, out=send[r])
+    return send
+
+
+class HeadChunkGather:
+    """All-gather ``tensors`` (each ``[B, H, Lloc, D]``, zigzag-local) one head range at a time, in
+    global token order. Range i+1 is already in flight (``async_op``) while the caller computes on
+    range i, so at most two ranges of gathered K/V exist at once. Every rank must walk the ranges
+    in the same order (it does: they come from shapes checked to agree)."""
+
+    def __init__(self, tensors, ranges, plan, group=None):
+        self.tensors, self.ranges, self.plan, self.group = tensors, ranges, plan, group
+        self._next = None
+
+    def _issue(self, i):
+        h0, h1 = self.ranges[i]
+        pending = []
+        for t in self.tensors:
+            src = t[:, h0:h1].contiguous()
+            buf = src.new_empty((self.plan.world_size * src.shape[0],) + src.shape[1:])  # ranks along dim 0
+            work = _ALL_GATHER_1(buf, src, group=self.group, async_op=True)
+            pending.append((src, buf.view((self.plan.world_size,) + src.shape), work))
+        return i, pending
+
+    def __getitem__(self, i):
+        cur = self._next if self._next is not None and self._next[0] == i else self._issue(i)
+        self._next = self._issue(i + 1) if i + 1 < len(self.ranges) else None
+        out = []
+        for _, buf, work in cur[1]:
+            work.wait()
+            out.append(_merge_pieces(buf, self.plan))
+        return out
+
+
+class GradReduceScatter:
+    """Sum full-sequence gradients over ranks and keep this rank's share: :meth:`push` starts the
+    reduce-scatter of one head range (asynchronously) and finishes the previous one, writing it into
+    its destinations (cast to their dtype); :meth:`flush` finishes the last. Backends without
+    ``reduce_scatter_tensor`` fall back to ``all_reduce`` + local slice (W times the traffic)."""
+
+    def __init__(self, plan, group=None):
+        self.plan, self.group, self._pending = plan, group, None
+
+    def _start(self, full):
+        send = _split_pieces(full, self.plan)
+        backend = dist.get_backend(self.group)
+        if backend not in _REDUCE_SCATTER_UNSUPPORTED:
+            out = send.new_empty(send.shape[1:])
+            flat = send.view((-1,) + send.shape[2:])  # ranks along dim 0, as every backend takes it
+            try:
+                return send, out, _REDUCE_SCATTER_1(out, flat, group=self.group, async_op=True)
+            except RuntimeError as e:  # raised locally, before any communication, identically on every rank
+                if "support" not in str(e).lower():
+                    raise
+                _REDUCE_SCATTER_UNSUPPORTED.add(backend)
+        work = dist.all_reduce(send, group=self.group, async_op=True)
+        return send, send[dist.get_rank(self.group)], work
+
+    def push(self, fulls, dsts) -> None:
+        started = [self._start(f) for f in fulls]
+        self.flush()
+        self._pending = (started, dsts)
+
+    def flush(self) -> None:
+        if self._pending is None:
+            return
+        started, dsts = self._pending
+        for (_, out, work), dst in zip(started, dsts):
+            work.wait()
+            dst.copy_(out)
+        self._pending = None

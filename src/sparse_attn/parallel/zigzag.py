@@ -1,76 +1,85 @@
-"""Zigzag llama3 context-parallel attention.
+"""Zigzag llama3 context-parallel attention, dense ``[B, H, L, D]`` and packed varlen ``[T, H, D]``.
 
-Legend: W world size, r rank, C = L / (2W) chunk length, local q/k/v hold chunks (r, 2W-1-r) of the
-sequence, ``[B, H, 2C, D]``. Query chunk c (tokens [c*C, (c+1)*C)) attends full K/V keys
-``[0, (c+1)*C)`` with bottom-right causal masking (or all L keys when not causal).
-
-TODO (varlen): packed [T, H, D] batches. :func:`zigzag_split_varlen` / :func:`zigzag_cu_seqlens`
-shard them already; the attention itself would gather K/V per head chunk as here, then run
-``sparse_attn.varlen_attention`` once per local chunk with per-sequence key prefixes.
+Legend: W world size, r rank; every sequence is cut into 2W chunks of C tokens and rank r holds
+chunks r and 2W-1-r (see plan.py). Per K/V head range: all-gather K/V (the next range already in
+flight), run the local attention of this rank's query chunks against the gathered K/V (query chunk c
+attends keys ``[0, (c+1)*C)`` of its sequence, bottom-right causal; all keys when not causal), keep
+out and LSE. Backward: re-gather K/V per head range, run the local backward (no forward recompute on
+the kernel path), sum dK/dV in fp32 and reduce-scatter them back to their owners, overlapped with
+the next range.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..api import attention
-from .chunks import zigzag_chunk_ids
-from .comm import all_gather_zigzag, check_consistent_shapes, reduce_scatter_zigzag
-
-
-def _local_attention(q, kf, vf, world, rank, causal, scale):
-    """Both local query chunks of ``q`` [B, h, 2C, D] against the gathered ``kf``/``vf`` [B, hk, L, D]."""
-    c = q.shape[2] // 2
-    outs = []
-    for half, chunk in enumerate(zigzag_chunk_ids(world, rank)):
-        end = (chunk + 1) * c if causal else kf.shape[2]
-        outs.append(attention(q[:, :, half * c:(half + 1) * c], kf[:, :, :end], vf[:, :, :end],
-                              causal=causal, scale=scale))
-    return torch.cat(outs, 2)
+from . import local
+from .comm import GradReduceScatter, HeadChunkGather, check_consistent_shapes
+from .plan import ZigzagPlan, _as_list, dense_plan, zigzag_plan
 
 
 def _head_ranges(hkv: int, step: int):
     return [(h, min(h + step, hkv)) for h in range(0, hkv, step)]
 
 
-class _ZigzagLlama3(torch.autograd.Function):
+def _acc_dtype(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _ZigzagAttention(torch.autograd.Function):
+    """q ``[B, Hq, Lloc, D]``, k/v ``[B, Hkv, Lloc, D|Dv]`` (views; a packed batch as ``[1, H, T, D]``)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, head_step):
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        g = q.shape[1] // k.shape[1]
-        out = q.new_empty(q.shape[:3] + v.shape[3:])
-        for h0, h1 in _head_ranges(k.shape[1], head_step):
-            kf = all_gather_zigzag(k[:, h0:h1], 2, group)
-            vf = all_gather_zigzag(v[:, h0:h1], 2, group)
-            out[:, h0 * g:h1 * g] = _local_attention(q[:, h0 * g:h1 * g], kf, vf, world, rank, causal, scale)
+    def forward(ctx, q, k, v, plan: ZigzagPlan, group, causal, scale, head_step, packed):
+        if packed:  # allocate [T, Hq, Dv] and hand out its [1, Hq, T, Dv] view: the caller gets a contiguous result
+            out = q.new_empty(q.shape[2], q.shape[1], v.shape[3]).transpose(0, 1)[None]
+        else:
+            out = q.new_empty(q.shape[:3] + v.shape[3:])
+        g, groups = q.shape[1] // k.shape[1], plan.groups(causal)
+        lse = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+        ranges = _head_ranges(k.shape[1], head_step) if groups else []  # no tokens: nothing to gather
+        if not groups:
+            out.zero_()
+        gather = HeadChunkGather((k, v), ranges, plan, group)
+        for i, (h0, h1) in enumerate(ranges):
+            kf, vf = gather[i]
+            qh = slice(h0 * g, h1 * g)
+            local.forward(q[:, qh], kf, vf, groups, causal, scale, out[:, qh], lse[:, qh], plan._cache)
             del kf, vf
-        ctx.save_for_backward(q, k, v)
-        ctx.args = (group, causal, scale, head_step)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (plan, group, causal, scale, head_step)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v = ctx.saved_tensors
-        group, causal, scale, head_step = ctx.args
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        g = q.shape[1] // k.shape[1]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for h0, h1 in _head_ranges(k.shape[1], head_step):
-            # recompute this head chunk's local attention with autograd: dQ stays local, dK/dV are
-            # gradients for the whole gathered sequence and get summed back to their owners
-            kf = all_gather_zigzag(k[:, h0:h1], 2, group).requires_grad_()
-            vf = all_gather_zigzag(v[:, h0:h1], 2, group).requires_grad_()
-            qh = q[:, h0 * g:h1 * g].detach().requires_grad_()
-            with torch.enable_grad():
-                o = _local_attention(qh, kf, vf, world, rank, causal, scale)
-                gq, gk, gv = torch.autograd.grad(o, (qh, kf, vf), dout[:, h0 * g:h1 * g])
-            dq[:, h0 * g:h1 * g] = gq
-            dk[:, h0:h1] = reduce_scatter_zigzag(gk, 2, group)
-            dv[:, h0:h1] = reduce_scatter_zigzag(gv, 2, group)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, group, causal, scale, head_step = ctx.args
+        g, groups = q.shape[1] // k.shape[1], plan.groups(causal)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        ranges = _head_ranges(k.shape[1], head_step) if groups else []
+        gather, scatter = HeadChunkGather((k, v), ranges, plan, group), GradReduceScatter(plan, group)
+        acc = _acc_dtype(k.dtype)
+        for i, (h0, h1) in enumerate(ranges):
+            kf, vf = gather[i]
+            dkf, dvf = kf.new_zeros(kf.shape, dtype=acc), vf.new_zeros(vf.shape, dtype=acc)
+            qh = slice(h0 * g, h1 * g)
+            local.backward(dout[:, qh], q[:, qh], kf, vf, out[:, qh], lse[:, qh], groups, causal, scale, dq[:, qh],
+                           dkf, dvf, plan._cache)
+            del kf, vf
+            scatter.push((dkf, dvf), (dk[:, h0:h1], dv[:, h0:h1]))
+        scatter.flush()
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _validate(q, k, v, kv_head_chunk):
+def _check_options(kv_head_chunk, hkv):
+    if kv_head_chunk is not None and (isinstance(kv_head_chunk, bool) or not isinstance(kv_head_chunk, int)
+                                      or kv_head_chunk < 1):
+        raise ValueError(f"kv_head_chunk must be a positive number of K/V heads (or None: all {hkv}), "
+                         f"got {kv_head_chunk!r}")
+    return hkv if kv_head_chunk is None else min(kv_head_chunk, hkv)
+
+
+def _validate_dense(q, k, v):
     """Local checks; run after the cross-rank consistency check, so they fail on every rank alike."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q/k/v must be [B, H, 2*C, D] local zigzag shares, got {tuple(q.shape)}, "
@@ -80,10 +89,17 @@ def _validate(q, k, v, kv_head_chunk):
     if q.shape[2] != k.shape[2] or q.shape[2] % 2:
         raise ValueError(f"local q has {q.shape[2]} tokens, k has {k.shape[2]}: both must hold the same two zigzag "
                          f"chunks (an even count, L / world_size)")
+    _validate_common(q, k, v)
+
+
+def _validate_common(q, k, v):
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q has head_dim {q.shape[-1]}, k has {k.shape[-1]}: they must match")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"k has {k.shape[1]} heads, q has {q.shape[1]}: Hq must be a multiple of Hkv")
-    if kv_head_chunk is not None and not 1 <= kv_head_chunk:
-        raise ValueError(f"kv_head_chunk must be a positive number of K/V heads, got {kv_head_chunk}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(f"q/k/v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
+                         f"{q.device}/{k.device}/{v.device}")
 
 
 def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *,
@@ -98,19 +114,76 @@ def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_loca
         causal: bottom-right causal over the full sequence (token i sees key j iff j <= i);
             otherwise every query sees all L keys.
         scale: softmax scale, default ``1 / sqrt(D)``.
-        kv_head_chunk: all-gather K/V this many heads at a time (peak extra memory ~
-            ``2 * B * kv_head_chunk * L * D``); default all heads at once.
+        kv_head_chunk: all-gather K/V this many heads at a time (peak extra memory ~ two chunks,
+            ``4 * B * kv_head_chunk * L * D`` elements); the gather of the next chunk overlaps the
+            attention of the current one. Default all heads at once (no overlap).
 
     Returns: ``out_local [B, Hq, 2C, Dv]``, this rank's zigzag share of the full output. Differentiable:
-    the backward re-gathers K/V, recomputes the local attention and reduce-scatters dK/dV.
+    the backward re-gathers K/V, runs the local backward and reduce-scatters dK/dV (summed in fp32).
 
     Every rank must call this with the same shapes and options; they are all-gathered and compared first,
     and a mismatch raises ``ValueError`` on every rank naming the ranks. A peer that never calls in
-    blocks the others until the process group's ``timeout`` (set it at ``init_process_group``).
+    blocks the others until the process group's ``timeout`` (see :mod:`sparse_attn.parallel.comm`).
     """
     check_consistent_shapes({"q": q_local, "k": k_local, "v": v_local}, group,
                             {"causal": int(causal), "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk},
                             what="zigzag_llama3_attention: ")
-    _validate(q_local, k_local, v_local, kv_head_chunk)
-    step = k_local.shape[1] if kv_head_chunk is None else min(kv_head_chunk, k_local.shape[1])
-    return _ZigzagLlama3.apply(q_local, k_local, v_local, group, causal, scale, step)
+    _validate_dense(q_local, k_local, v_local)
+    step = _check_options(kv_head_chunk, k_local.shape[1])
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = dense_plan(q_local.shape[2] * world, world, rank)
+    return _ZigzagAttention.apply(q_local, k_local, v_local, plan, group, causal, scale, step, False)
+
+
+def _cu_fingerprint(cu: list[int]) -> int:
+    """A deterministic 62-bit digest of the offsets, compared across ranks (any difference shows)."""
+    h = 0
+    for x in cu:
+        h = (h * 1_000_003 + x + 1) % ((1 << 61) - 1)
+    return h
+
+
+def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
+                                   cu_seqlens, *, group=None, causal: bool = True, scale: float | None = None,
+                                   kv_head_chunk: int | None = None) -> torch.Tensor:
+    """Context-parallel attention over packed variable-length sequences, each zigzag sharded.
+
+    Args:
+        q_local: ``[T / W, Hq, D]``; k_local / v_local: ``[T / W, Hkv, D]`` / ``[T / W, Hkv, Dv]``: this
+            rank's share of a packed batch of T tokens, as
+            ``sparse_attn.parallel.zigzag_split_varlen(x, cu_seqlens, W, rank)`` makes it (every
+            sequence's chunks r and 2W-1-r, in sequence order; local offsets are
+            ``zigzag_plan(cu_seqlens, W, rank).cu_seqlens_local()``).
+        cu_seqlens: the GLOBAL offsets ``[num_seqs + 1]`` of the unsharded batch (int tensor or list,
+            identical on every rank); every sequence length must be a multiple of 2W.
+        causal: causal within each sequence (token i sees key j of its own sequence iff j <= i);
+            otherwise each token sees its whole sequence. Sequences never see each other.
+        scale, kv_head_chunk, group: as :func:`zigzag_llama3_attention`.
+
+    Returns: ``out_local [T / W, Hq, Dv]``, this rank's share of the full output. Differentiable.
+    Shapes, dtypes, options and cu_seqlens are compared across ranks first (mismatch: ``ValueError``
+    on every rank).
+    """
+    cu = _as_list(cu_seqlens)
+    check_consistent_shapes({"q": q_local, "k": k_local, "v": v_local}, group,
+                            {"causal": int(causal), "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk,
+                             "num_seqs": len(cu) - 1, "total_tokens": cu[-1] if cu else -1,
+                             "cu_seqlens_digest": _cu_fingerprint(cu)},
+                            what="zigzag_llama3_varlen_attention: ")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = zigzag_plan(cu, world, rank)
+    if q_local.dim() != 3 or k_local.dim() != 3 or v_local.dim() != 3:
+        raise ValueError(f"varlen q/k/v must be packed [T / world_size, heads, head_dim] local shares, got "
+                         f"{tuple(q_local.shape)}, {tuple(k_local.shape)}, {tuple(v_local.shape)}")
+    for name, t in (("q", q_local), ("k", k_local), ("v", v_local)):
+        if t.shape[0] != plan.local_tokens:
+            raise ValueError(f"{name} has {t.shape[0]} tokens, but cu_seqlens holds {plan.total_tokens} tokens, "
+                             f"so each of the {world} ranks must hold {plan.local_tokens}: pass the global "
+                             f"cu_seqlens and the zigzag_split_varlen share")
+    if k_local.shape[1] != v_local.shape[1]:
+        raise ValueError(f"k has {k_local.shape[1]} heads, v has {v_local.shape[1]}: they must match")
+    _validate_common(q_local, k_local, v_local)
+    step = _check_options(kv_head_chunk, k_local.shape[1])
+    as4 = lambda t: t.transpose(0, 1)[None]  # noqa: E731  [T, H, D] -> [1, H, T, D] view
+    out = _ZigzagAttention.apply(as4(q_local), as4(k_local), as4(v_local), plan, group, causal, scale, step, True)
+    return out[0].transpose(0, 1)

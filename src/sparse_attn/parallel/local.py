@@ -1,0 +1,92 @@
+"""One rank's local attention: its query chunks against the gathered K/V, forward and backward.
+
+Tensors are ``[B, H, L, D]`` views along the token dim 2 (a packed ``[T, H, D]`` batch is viewed as
+``[1, H, T, D]``); ``groups`` (:class:`sparse_attn.Group`) name each query slice and the key slice it
+attends, bottom-right causal per group. Forward keeps the per-token LSE so the backward runs the
+kernels' backward directly on the re-gathered K/V, without recomputing the forward.
+
+Two paths, as everywhere in the package: CUDA tensors run the Triton kernels (one forward and one
+backward call per group, each on views, no copies); other tensors run the PyTorch reference, whose
+backward recomputes its forward under autograd. ``FORCE_KERNELS`` (tests) sends CPU tensors down the
+kernel path too, which runs under the Triton interpreter.
+
+TODO: when the grouped kernel lands (one launch for all groups, with a separate backward entry), call
+it here instead of the per-group loop; the context-parallel code above needs no change.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import api, patterns
+
+FORCE_KERNELS = False
+BLOCK = 128  # the blocks of the default dense/causal layouts (as sparse_attn.attention with layout=None)
+
+
+def use_kernels(q: torch.Tensor) -> bool:
+    return q.is_cuda or FORCE_KERNELS
+
+
+def _layout(causal: bool, lq: int, lk: int, device, cache: dict):
+    """The dense/causal kernel layout of one group shape (as ``sparse_attn.attention`` builds it for
+    ``layout=None``), held in ``cache`` (the plan's) so its kernel schedules are built once per plan."""
+    key = ("layout", causal, lq, lk, str(device))
+    if key not in cache:
+        cache[key] = (patterns.causal if causal else patterns.dense)(lq, lk, block_q=BLOCK, block_k=BLOCK,
+                                                                      device=device)
+    return cache[key]
+
+
+def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torch.Tensor, cache: dict) -> None:
+    """Write each group's attention into ``out [B, h, Lq, Dv]`` and its LSE into ``lse`` (fp32
+    ``[B, h, Lq]``); ``q [B, h, Lq, D]``, ``kf``/``vf [B, hk, Lk, D|Dv]`` (gathered, global order)."""
+    kernels = use_kernels(q)
+    if kernels:
+        from ..ops.block_sparse import attention_op
+    for g in groups:
+        qs, ks, vs = q[:, :, g.q_start:g.q_end], kf[:, :, g.k_start:g.k_end], vf[:, :, g.k_start:g.k_end]
+        if kernels:
+            o, l_ = attention_op(qs, ks, vs, _layout(causal, g.q_len, g.k_len, q.device, cache), scale=scale,
+                                 return_lse=True)
+        else:
+            o, l_ = api.attention(qs, ks, vs, causal=causal, scale=scale, return_lse=True)
+        out[:, :, g.q_start:g.q_end] = o
+        lse[:, :, g.q_start:g.q_end] = l_
+
+
+def _kernel_backward(do, q, k, v, out, lse, layout, scale):
+    from ..ops.block_sparse import layout_inputs
+    from ..ops.block_sparse.function import block_sparse_bwd
+    counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms = \
+        layout_inputs(layout, True)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return block_sparse_bwd(do, q, k, v, out, lse.contiguous(), counts, n_full, indices, mask_ids, t_counts,
+                            t_n_full, t_indices, t_mask_ids, terms, n_terms, None, None, layout.block_q,
+                            layout.block_k, scale, q.shape[2], k.shape[2])
+
+
+def _reference_backward(do, q, k, v, causal, scale):
+    with torch.enable_grad():
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        o = api.attention(qs, ks, vs, causal=causal, scale=scale)
+        return torch.autograd.grad(o, (qs, ks, vs), do)
+
+
+def backward(do, q, kf, vf, out, lse, groups, causal: bool, scale, dq: torch.Tensor, dk_acc: torch.Tensor,
+             dv_acc: torch.Tensor, cache: dict) -> None:
+    """Gradients of :func:`forward`: writes ``dq`` (same slices as ``q``) and adds each group's dK/dV
+    into ``dk_acc``/``dv_acc`` (``[B, hk, Lk, D]``, usually fp32: overlapping key slices sum there)."""
+    kernels = use_kernels(q)
+    for g in groups:
+        qsl, ksl = slice(g.q_start, g.q_end), slice(g.k_start, g.k_end)
+        args = (do[:, :, qsl], q[:, :, qsl], kf[:, :, ksl], vf[:, :, ksl])
+        if kernels:
+            gq, gk, gv = _kernel_backward(*args, out[:, :, qsl], lse[:, :, qsl],
+                                          _layout(causal, g.q_len, g.k_len, q.device, cache), scale)
+        else:
+            gq, gk, gv = _reference_backward(*args, causal, scale)
+        dq[:, :, qsl] = gq
+        dk_acc[:, :, ksl] += gk
+        dv_acc[:, :, ksl] += gv
