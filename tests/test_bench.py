@@ -258,11 +258,161 @@ def test_expand_drops_duplicate_rows():
 def test_small_suite_is_cpu_sized():
     suite = get_suite("small")
     names = {c.pattern.builder for c in suite.cases}
-    assert {"dense", "causal", "local", "streaming", "block_diagonal", "random", "bigbird"} <= names
+    assert {"dense", "causal", "local", "streaming", "block_diagonal", "random", "bigbird", "dilated",
+            "strided"} <= names
     for c in suite.cases:
-        assert set(c.providers) == {"reference", "sdpa-math", "sparse_attn"}
+        if c.pattern.name == "adaptive":  # predicts its own layout: its provider, against the naive dense one
+            assert c.providers == ("sdpa-math", "adaptive") and c.pattern.causal
+        else:
+            assert set(c.providers) == {"reference", "sdpa-math", "sparse_attn"}
         assert max(c.seq_lens) <= 1024 and c.batch == 1 and c.heads == 2 and c.head_dim == 32 and c.dtype == "fp32"
         assert set(c.modes) <= set(MODES)
+    # the report's pattern families, at small sizes: every GPU report pattern has a small namesake
+    from sparse_attn.bench.suites import report_patterns
+    small_names = {c.pattern.name for c in suite.cases}
+    assert {p.name.split("-")[0] for p in report_patterns()} | {"adaptive"} <= small_names
+
+
+# ----------------------------------------------------------------------------- the report suite
+def _report_points():
+    return expand(get_suite("report-gpu"))
+
+
+def test_report_gpu_suite_definition():
+    from sparse_attn.bench.suites import REPORT_DENSE_PROVIDERS
+    suite = get_suite("report-gpu")
+    points = _report_points()
+    assert len(points) == suite.num_rows() == 186  # no duplicate rows
+    for c in suite.cases:
+        assert (c.batch, c.heads, c.kv_heads, c.head_dim, c.dtype, c.block_q, c.block_k) == (1, 32, (32,), 128, "bf16",
+                                                                                          128, 128)
+    assert {p.provider for p in points} <= set(provider_names())
+    builders = {p.case.pattern.builder for p in points}
+    assert {"dense", "causal", "local", "streaming", "block_diagonal", "bigbird", "dilated", "strided",
+            "random"} <= builders
+    names = sorted({p.case.pattern.name for p in points})
+    fwd_lens = (4096, 8192, 16384, 32768, 65536, 131072)
+    for name in names:
+        mine = [p for p in points if p.case.pattern.name == name]
+        assert tuple(sorted({p.seq_len for p in mine if p.mode == "fwd" and p.seq_len <= 131072})) == fwd_lens
+        assert tuple(sorted({p.seq_len for p in mine if p.mode == "fwd+bwd"})) == fwd_lens[:4]
+        assert {p.mode for p in mine} == {"fwd", "fwd+bwd"}
+    dense_rows = [p for p in points if p.case.pattern.name in ("dense", "causal")]
+    assert {p.provider for p in dense_rows} == set(REPORT_DENSE_PROVIDERS) >= {"sdpa-cudnn", "sdpa-flash", "flex",
+                                                                           "sdpa-math"}
+    assert len(dense_rows) == 2 * len(REPORT_DENSE_PROVIDERS) * (6 + 4)
+    # every sparse pattern is measured by a pattern provider only (its dense baseline is the dense/causal rows)
+    for p in points:
+        if p.case.pattern.name not in ("dense", "causal"):
+            assert p.provider == ("adaptive" if p.case.pattern.name == "adaptive" else "sparse_attn")
+    random_topk = next(p.case.pattern for p in points if p.case.pattern.name.startswith("random_topk"))
+    assert dict(random_topk.kwargs)["top_k"] == 32 and random_topk.causal
+
+
+def test_report_gpu_long_rows_are_sparse_forward_only():
+    long = [p for p in _report_points() if p.seq_len > 131072]
+    assert {p.seq_len for p in long} == {262144, 524288, 1 << 20}
+    assert {p.case.pattern.builder for p in long} == {"local", "streaming"}
+    assert all(p.mode == "fwd" and p.provider == "sparse_attn" for p in long)
+    assert len(long) == 2 * 3
+    # dense attention is never attempted past 128K, by any provider
+    assert all(get_provider(p.provider).computes == "sparse" for p in long)
+
+
+def test_report_patterns_visit_about_4096_keys():
+    from sparse_attn.bench.suites import report_patterns
+    L = 32768
+    for pat in report_patterns():
+        layout = pat.build(L, heads=2)
+        keys_per_query = block_density(layout, batch=1, heads=2, causal=pat.causal) * L
+        if pat.builder == "bigbird":  # BigBird-ITC at its paper configuration: 8 blocks a row + global rows
+            assert 1024 < keys_per_query < 2048, keys_per_query
+        else:
+            assert 2048 <= keys_per_query <= 4096 + 2 * 128, (pat.name, keys_per_query)
+
+
+def test_causal_spec_builds_the_causal_variant():
+    # random top-k with causal=True picks its blocks among the visible ones: every row keeps top_k blocks
+    pat = spec("random_topk", "random", top_k=4, per_head=True, seed=0, causal=True)
+    layout = pat.build(4096, heads=2)
+    counts = layout.kv_counts.flatten().tolist()
+    assert counts == [min(4, qb + 1) for _ in range(2) for qb in range(32)]
+
+
+# ----------------------------------------------------------------------------- slices
+def test_slices_cover_every_row_exactly_once():
+    from sparse_attn.bench.slices import plan, slice_suite
+    suite = get_suite("report-gpu")
+    keys = [p.key() for p in expand(suite)]
+    for n in (1, 2, 3, 4, 7):
+        parts = plan(suite, n)
+        assert len(parts) == n and all(expand(part) for part in parts)
+        got = [p.key() for part in parts for p in expand(part)]
+        assert got == keys  # every row once, in run order (contiguous slices)
+        assert all(part.name == "report-gpu" for part in parts)
+    assert [p.key() for p in expand(slice_suite(suite, 2, 3))] == [p.key() for p in expand(plan(suite, 3)[1])]
+    with pytest.raises(ValueError, match="K/N"):
+        slice_suite(suite, 4, 3)
+    with pytest.raises(ValueError, match="cannot cut"):
+        plan(restrict(suite, patterns=["dense"], seq_lens=[4096], modes=["fwd"]), 6)  # 5 rows
+
+
+def test_report_slices_fit_a_ten_minute_command():
+    from sparse_attn.bench.slices import estimate_seconds, plan, slices_needed
+    suite = get_suite("report-gpu")
+    total = estimate_seconds(suite)
+    assert 600 < total < 1800  # ~15-20 minutes on an H100: more than one 10-minute command, bounded
+    n = slices_needed(suite, 420)
+    assert 2 <= n <= 4
+    parts = plan(suite, 4)
+    assert max(estimate_seconds(p) for p in parts) <= 420 < 540  # the recommended 4 slices: well under 9 minutes
+    # balanced: no slice is more than twice another
+    est = [estimate_seconds(p) for p in parts]
+    assert max(est) < 2 * min(est)
+
+
+def test_cost_model():
+    from sparse_attn.bench.runner import Point
+    from sparse_attn.bench.slices import call_ms, density, row_seconds, runs_out_of_memory
+    suite = get_suite("report-gpu")
+    dense_case = next(c for c in suite.cases if c.pattern.name == "dense" and c.modes == ("fwd",))
+    local_case = next(c for c in suite.cases if c.pattern.name == "local-4096" and c.modes == ("fwd",))
+    cudnn_128k = call_ms(Point(dense_case, 131072, 32, "fwd", "sdpa-cudnn"))
+    assert cudnn_128k == pytest.approx(4 * 32 * 131072**2 * 128 / 580e12 * 1e3)  # ~485 ms (measured: 463)
+    assert runs_out_of_memory(Point(dense_case, 32768, 32, "fwd", "sdpa-math"))
+    assert not runs_out_of_memory(Point(dense_case, 8192, 32, "fwd", "sdpa-math"))
+    assert row_seconds(Point(dense_case, 131072, 32, "fwd", "sdpa-math")) < 2  # fails at once
+    # past 32K the density is extrapolated (quadratic in T through 8K/16K/32K): exact for these patterns
+    for case in (local_case, next(c for c in suite.cases if c.pattern.name.startswith("strided"))):
+        built = block_density(case.pattern.build(131072), batch=1, heads=1, causal=True)
+        assert density(case.pattern, 131072) == pytest.approx(built, rel=1e-9)
+    assert density(local_case.pattern, 1 << 20) == pytest.approx(0.00402, rel=0.01)  # measured layout: 0.0040205
+    ms = [call_ms(Point(local_case, L, 32, "fwd", "sparse_attn")) for L in (32768, 131072)]
+    assert 3 < ms[1] / ms[0] < 5  # linear in T
+
+
+def test_drop_done(tmp_path):
+    from sparse_attn.bench.slices import drop_done
+    suite = restrict(get_suite("small"), patterns=["local"], seq_lens=[256, 512], modes=["fwd"])
+    points = expand(suite)
+    done = [Row(p.provider, p.case.pattern.name, p.seq_len, p.case.batch, p.case.heads, p.kv_heads,
+                p.case.head_dim, p.case.dtype, p.mode, p.case.pattern.causal, 0.5, 1.0) for p in points[:2]]
+    write_json(tmp_path / "a.json", make_header("cpu", "small"), done)
+    left, n = drop_done(suite, tmp_path)
+    assert n == 2 and [p.key() for p in expand(left)] == [p.key() for p in points[2:]]
+    assert drop_done(suite, tmp_path / "missing")[1] == 0
+
+
+# ----------------------------------------------------------------------------- adaptive provider
+def test_adaptive_provider_times_prediction_and_checks_its_flops():
+    ok = Suite("t", "", (Case(spec("adaptive", "causal", causal=True), (512,), ("adaptive",), head_dim=16),))
+    (row,) = run_suite(ok, "cpu", reps=1, progress=False)
+    assert row.error is None and row.ms > 0 and row.provider == "adaptive"
+    assert row.density == pytest.approx(block_density(patterns.causal(512), batch=1, heads=2, causal=True))
+    # a count layout the prediction does not make is refused, so effective TFLOP/s never lie
+    bad = Suite("t", "", (Case(spec("local", window=128, causal=True), (512,), ("adaptive",), head_dim=16),))
+    (row,) = run_suite(bad, "cpu", reps=1, progress=False)
+    assert row.ms is None and row.error.startswith("ValueError: adaptive: the prediction visits")
 
 
 def test_kernels_suite_definition():
@@ -285,7 +435,7 @@ def test_kernels_suite_definition():
 
 
 def test_suite_patterns_build():
-    for name in ("small", "kernels", "demo-gpu"):
+    for name in ("small", "kernels", "demo-gpu", "report-gpu"):
         for c in get_suite(name).cases:
             lay = c.pattern.build(1024, heads=c.heads)
             assert lay.q_len == 1024 and lay.heads in (1, c.heads)

@@ -153,3 +153,48 @@ def test_demo_quick(tmp_path, capsys):
     assert len(list((tmp_path / "gallery").glob("*.png"))) == 11
     assert (tmp_path / "gallery" / "gallery.md").exists()
     assert str(tmp_path / "gallery") in out
+
+
+# ----------------------------------------------------------------------------- the report suite: demo, slices
+def test_demo_suite_on_cuda_is_the_report():
+    from sparse_attn.bench import expand
+    from sparse_attn.cli.demo import demo_suite
+    assert demo_suite("cuda", quick=False).name == "report-gpu"
+    quick = demo_suite("cuda", quick=True)
+    assert quick.name == "demo-gpu"
+    assert {(p.case.pattern.name, p.seq_len) for p in expand(quick)} == {("dense", 4096), ("local", 4096)}
+    assert demo_suite("cpu", quick=False).name == "small"
+    from sparse_attn.cli.demo import accuracy_length
+    assert accuracy_length(demo_suite("cuda", quick=False), "cuda") == 8192  # accuracy rows of a GPU run: 8K, on CPU
+    assert accuracy_length(quick, "cuda") == 4096 and accuracy_length(demo_suite("cpu", False), "cpu") is None
+
+
+def test_bench_slice_runs_its_rows_only(tmp_path, capsys):
+    from sparse_attn.bench import expand, get_suite, restrict
+    from sparse_attn.bench.slices import plan
+    args = ["bench", "--device", "cpu", "--patterns", "local", "causal", "--seq-lens", "256", "--modes", "fwd",
+            "--providers", "reference", "sdpa-math", "--head-dim", "16", "--reps", "1", "--out-dir", str(tmp_path),
+            "--no-progress"]
+    assert main(args + ["--slice", "2/3"]) == 0
+    data = json.loads((tmp_path / "small-cpu-2-of-3.json").read_text())
+    assert data["header"]["slice"] == "2/3" and data["header"]["suite"] == "small"
+    suite = restrict(get_suite("small"), patterns=["local", "causal"], seq_lens=[256], modes=["fwd"],
+                     providers=["reference", "sdpa-math"], head_dim=16)
+    want = [(p.case.pattern.name, p.provider) for p in expand(plan(suite, 3)[1])]
+    assert [(r["pattern"], r["provider"]) for r in data["rows"]] == want and want
+    # running the same slice again with --skip-done over its results runs nothing
+    capsys.readouterr()
+    assert main(args + ["--slice", "2/3", "--skip-done", str(tmp_path), "--name", "again"]) == 1
+    out = capsys.readouterr().out
+    assert f"skipping {len(want)} rows" in out and "nothing to run" in out
+    assert main(args + ["--slice", "4/3"]) == 2
+    assert "1 <= K <= N" in capsys.readouterr().out
+
+
+def test_bench_plan_prints_slices(capsys):
+    assert main(["bench", "--suite", "report-gpu", "--plan", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "186 rows in 4 slices" in out and "total estimate" in out
+    for k in range(1, 5):
+        assert f"{k}/4" in out
+    assert "streaming-128+4096 L=1048576 Hkv=32 fwd sparse_attn" in out  # the last row of the last slice

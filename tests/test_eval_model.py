@@ -145,3 +145,35 @@ def test_smollm2_eval_512(tmp_path, capsys):
     assert summary["dense"]["cosine"] > 0.99999 and summary["dense"]["top1"] > 0.99
     assert summary["streaming"]["causal_sparsity"] > 0
     assert 0.9 < summary["streaming"]["cosine"] < 1.0 and summary["streaming"]["top1"] > 0.8
+
+
+def test_eval_model_gguf_option(tmp_path, capsys):
+    assert cli(["--gguf", str(tmp_path / "none.gguf"), "--lengths", "64", "--out-dir", str(tmp_path)]) == 2
+    assert "no GGUF file at" in capsys.readouterr().out
+
+
+def test_model_run_sweep_then_eval_on_tiny_model(tiny_model_dir, tmp_path, capsys):
+    """benchmarks/model_run.py (the GPU driver of the SmolLM2 targets) end to end on the CPU."""
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "model_run.py"
+    spec = importlib.util.spec_from_file_location("model_run", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--model", str(tiny_model_dir), "--device", "cpu", "--lengths", "64", "128", "--sweep-length", "128",
+                   "--sims", "0.5,2.0", "--cdfs", "0.5,1.0", "--blocks", "16", "--texts", "1", "--sweep-texts", "1",
+                   "--new-tokens", "2", "--out-dir", str(tmp_path), "--name", "tiny"])
+    assert rc == 0
+    data = json.loads((tmp_path / "tiny.json").read_text())
+    points = data["sweep"]["points"]
+    assert len(points) == 4 and {p["block"] for p in points} == {16}
+    by = {(p["simthreshd1"], p["cdfthreshd"]): p for p in points}
+    assert by[2.0, 0.5]["causal_sparsity"] == 0.0  # nothing self-similar above 2: every visible block runs
+    assert by[0.5, 0.5]["causal_sparsity"] >= by[0.5, 1.0]["causal_sparsity"]
+    assert data["sweep"]["dense_floor"]["top1"] == 1.0
+    sel = data["selection"]
+    assert by[sel["simthreshd1"], sel["cdfthreshd"]] == sel["at_sweep_length"]
+    assert sel["options"]["attention_sink"] is True and isinstance(sel["met"], bool)
+    patterns = {(s["pattern"], s["length"]) for s in data["summary"]}
+    assert patterns == {(p, L) for p in ("adaptive", "streaming", "dense (ours)") for L in (64, 128)}
+    assert (tmp_path / "tiny.png").is_file() and (tmp_path / "tiny-sweep.png").is_file()
+    assert "selected block=16" in capsys.readouterr().out

@@ -271,3 +271,40 @@ def test_meansim_cuda_matches_cpu():
     dense = sparse_attn.attention(qs, ks, vs, causal=True)
     out, layout = adaptive_attention(qs, ks, vs, causal=True, **level_params("medium"))
     assert layout.sparsity > 0.3 and metrics.cosine_similarity(out, dense) > 0.98
+
+
+# ----------------------------------------------------------------------------- attention(layout="adaptive")
+def test_attention_adaptive_string_is_meansim_then_attention():
+    q, k, v = structured_qkv(1, 4, 768, 64, kv_heads=2, seed=5)
+    for spec, params in (("adaptive", {}), ("adaptive:low", level_params("low")), ("adaptive:high", level_params("high"))):
+        out, layout = sparse_attn.attention(q, k, v, spec, causal=True, scale=0.1, return_layout=True)
+        want_layout = meansim(q, k, causal=True, scale=0.1, **params)
+        assert torch.equal(layout.to_token_mask(), want_layout.to_token_mask()), spec
+        assert torch.equal(out, sparse_attn.attention(q, k, v, want_layout, causal=True, scale=0.1))
+        assert 0.0 < layout.sparsity < 1.0
+    # options over the level; lse and layout together; the layout comes last
+    out, lse, layout = sparse_attn.attention(q, k, v, "adaptive:high", adaptive=dict(cdfthreshd=0.5, block=32),
+                                             return_lse=True, return_layout=True)
+    want = meansim(q, k, simthreshd1=level_params("high")["simthreshd1"], cdfthreshd=0.5, block=32)
+    assert (layout.block_q, layout.block_k) == (32, 32)
+    assert torch.equal(layout.to_token_mask(), want.to_token_mask())
+    assert lse.shape == q.shape[:3] and out.shape == q.shape
+    # adaptive= alone means layout="adaptive"; a plain call returns the tensor alone
+    alone = sparse_attn.attention(q, k, v, adaptive=dict(topk=0.25))
+    assert torch.equal(alone, sparse_attn.attention(q, k, v, meansim(q, k, topk=0.25)))
+    # return_layout with a given layout or none hands back what ran
+    given = sparse_attn.patterns.local(768, 128)
+    assert sparse_attn.attention(q, k, v, given, return_layout=True)[1] is given
+    assert sparse_attn.attention(q, k, v, return_layout=True)[1] is None
+
+
+def test_attention_adaptive_string_errors():
+    q, k, v = structured_qkv(1, 2, 256, 32, seed=1)
+    with pytest.raises(ValueError, match="'adaptive', 'adaptive:low', 'adaptive:medium', 'adaptive:high'"):
+        sparse_attn.attention(q, k, v, "adaptive:extreme")
+    with pytest.raises(ValueError, match="unknown layout 'local'"):
+        sparse_attn.attention(q, k, v, "local")
+    with pytest.raises(ValueError, match="unknown adaptive= option.*causal"):
+        sparse_attn.attention(q, k, v, "adaptive", adaptive=dict(causal=True))
+    with pytest.raises(TypeError, match="adaptive= options apply to layout='adaptive'"):
+        sparse_attn.attention(q, k, v, sparse_attn.patterns.dense(256), adaptive=dict(topk=0.5))

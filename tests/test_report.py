@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from sparse_attn import report
+from sparse_attn import report, report_tables
 from sparse_attn.bench import Row, get_suite, restrict
 from sparse_attn.bench.accuracy_rows import accuracy_rows, write_accuracy_json
 from sparse_attn.cli.main import main
@@ -60,7 +60,7 @@ def test_markdown_table_cells_and_oom():
     md_rnd = report.markdown_table(tables[1]).splitlines()
     assert md_rnd[2].startswith("| 2048 | 30.000 | 10.000 | 3.00x |")
     assert md_rnd[3].startswith("| 8192 | OOM | 40.000 | - |")
-    assert md_rnd[4].startswith("| 16384 | - | OOM | - |")  # no dense row at 16384
+    assert md_rnd[4].startswith("| 16384 | not run | OOM | - |")  # no dense row at 16384: not part of the run
     assert "dense via" not in md_rnd[0]
 
 
@@ -155,3 +155,155 @@ def test_suite_all_cpu_and_stress(tmp_path):
     assert data["header"]["suite"] == "all" and len(data["rows"]) == 1 and data["rows"][0]["ms"] > 0
     assert (tmp_path / "all-cpu.csv").exists()
     assert main(["bench", "--suite", "small", "--stress", "--device", "cpu", "--out-dir", str(tmp_path)]) == 2
+
+
+# ----------------------------------------------------------------------------- report-gpu run in slices, merged
+def fake_row(p) -> Row:
+    """A stand-in for a GPU measurement of point ``p`` (times by a formula; naive attention OOM from 16K)."""
+    from sparse_attn.bench import get_provider
+    c, L = p.case, p.seq_len
+    scale = (L / 4096) ** 2 * (0.5 if c.pattern.causal else 1.0) * (1.0 if p.mode == "fwd" else 3.5)
+    if get_provider(p.provider).computes == "dense" or c.pattern.name in ("dense", "causal", "adaptive"):
+        ms = {"sdpa-cudnn": 0.5, "sdpa-flash": 0.9, "flex": 0.7, "sdpa-math": 14.0}.get(p.provider, 0.6) * scale
+    else:
+        ms = 0.3 * L / 4096 * (1.0 if p.mode == "fwd" else 3.5)
+    oom = p.provider == "sdpa-math" and L >= 16384
+    return Row(p.provider, c.pattern.name, L, c.batch, c.heads, p.kv_heads, c.head_dim, c.dtype, p.mode,
+               c.pattern.causal, 0.5, None if oom else ms, None if oom else 100.0,
+               None if oom else L * 2**10, "OOM" if oom else None)
+
+
+def write_fake_slices(folder, n=4, keep=None):
+    """report-gpu cut into ``n`` slices (the real plan), each written as its GPU run would write it."""
+    from sparse_attn.bench import expand, make_header, write_json
+    from sparse_attn.bench.slices import plan
+    parts = plan(get_suite("report-gpu"), n)
+    for k, part in enumerate(parts, 1):
+        if keep is not None and k not in keep:
+            continue
+        header = dict(make_header("cpu", "report-gpu", slice=f"{k}/{n}"), gpu="NVIDIA H100 80GB HBM3", device="cuda",
+                      date=f"2026-01-01T00:0{k}:00+00:00")
+        write_json(folder / f"report-gpu-cuda-{k}-of-{n}.json", header, [fake_row(p) for p in expand(part)])
+    return parts
+
+
+def test_report_merges_slices_into_one_report(tmp_path, capsys):
+    from sparse_attn.bench import expand
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    parts = write_fake_slices(runs)
+    # slice 2 run again later (e.g. after a cut-off): its rows win
+    from sparse_attn.bench import make_header, write_json
+    again = [fake_row(p) for p in expand(parts[1])[:1]]
+    again[0].ms = 123.0
+    write_json(runs / "report-gpu-cuda-2-of-4-b.json",
+               dict(make_header("cpu", "report-gpu", slice="2/4"), date="2026-01-02T00:00:00+00:00"), again)
+    assert main(["report", "--from", str(runs), "--out-dir", str(out), "--accuracy-len", "512"]) == 0
+    merged = json.loads((out / "results.json").read_text())
+    suite_rows = expand(get_suite("report-gpu"))
+    assert len(merged["rows"]) == len(suite_rows) == 186
+    assert merged["header"]["merged"] and len(merged["header"]["slices"]) == 5
+    assert merged["header"]["gpu"] == "NVIDIA H100 80GB HBM3" and "slice" not in merged["header"]
+    by_key = {(r["pattern"], r["seq_len"], r["mode"], r["provider"]): r for r in merged["rows"]}
+    p0 = expand(parts[1])[0]
+    assert by_key[(p0.case.pattern.name, p0.seq_len, p0.mode, p0.provider)]["ms"] == 123.0
+    text = (out / "report.md").read_text()
+    assert "Incomplete" not in text and "- run in 5 slices" in text
+    assert "## Summary: speedup over dense, fwd\n" in text and "## Summary: speedup over dense, fwd+bwd" in text
+    names = sorted({p.case.pattern.name for p in suite_rows})
+    assert len(names) == 10
+    for name in names:  # a scaling table per pattern and mode
+        for mode in ("fwd", "fwd+bwd"):
+            heading = [ln for ln in text.splitlines() if ln.startswith(f"## {name}") and ln.endswith(f"bf16 {mode}")]
+            assert len(heading) == 1, (name, mode)
+    assert text.count("| T | Dense (ms) | Pattern (ms) | Speedup |") == 20
+    # 1M: dense not run (and said so, with an estimate), the pattern timed
+    local = text.split("## local-4096 (causal): B=1 H=32 Hkv=32 D=128 bf16 fwd\n", 1)[1].split("\n## ", 1)[0]
+    assert "| 1048576 | not run | 76.800 | - |" in local
+    assert "Dense attention was not run at T = 256K, 512K, 1M" in local and "estimates, not measurements" in local
+    # naive attention runs out of memory from 16K: the dense baselines say OOM there, time and memory
+    base = text.split("### non-causal: B=1 H=32 Hkv=32 D=128 bf16 fwd\n", 1)[1].split("\n### ", 1)[0]
+    assert "naive (SDPA math) (ms)" in base and "FlexAttention (ms)" in base and "SDPA flash (FA2) (ms)" in base
+    assert "| 8192 | 2.000 | 3.600 | 2.800 | 56.000 | 2.400 |" in base
+    assert "| 16384 | 8.000 | 14.400 | 11.200 | OOM | 9.600 |" in base
+    # accuracy computed on the CPU for every pattern, saved, and reused by the next merge
+    acc = json.loads((out / "accuracy.json").read_text())["accuracy"]
+    assert sorted(a["pattern"] for a in acc) == names and all(a["error"] is None for a in acc)
+    for png in ("report-runtime.png", "report-speedup.png", "report-memory.png", "report-runtime-fwdbwd.png",
+                "report-memory-fwdbwd.png", "report-accuracy.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC and f"]({png})" in text
+    mtime = (out / "accuracy.json").stat().st_mtime
+    assert main(["report", "--from", str(runs), "--out-dir", str(out)]) == 0
+    assert (out / "accuracy.json").stat().st_mtime == mtime
+    assert "computing accuracy" not in capsys.readouterr().out.split("wrote")[-1]
+
+
+def test_report_lists_missing_slices(tmp_path, capsys):
+    from sparse_attn.bench import expand
+    parts = write_fake_slices(tmp_path / "runs", keep={1, 2, 3})
+    assert main(["report", "--from", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out"),
+                 "--no-accuracy"]) == 0
+    n_missing = len(expand(parts[3]))
+    assert f"{n_missing} rows of suite report-gpu are missing" in capsys.readouterr().out
+    assert f"**Incomplete: {n_missing} rows of suite `report-gpu` are missing**" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_report_without_rows_is_an_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["report", "--from", str(tmp_path / "empty"), "--out-dir", str(tmp_path / "out")]) == 2
+    assert "no benchmark rows" in capsys.readouterr().out
+
+
+def test_not_run_note_extrapolates_and_says_so():
+    rows = [row("sdpa-cudnn", "local", 1024, 1.0, causal=True), row("sdpa-cudnn", "local", 2048, 4.0, causal=True),
+            row("sparse_attn", "local", 1024, 0.5, causal=True), row("sparse_attn", "local", 2048, 1.0, causal=True),
+            row("sparse_attn", "local", 8192, 4.0, causal=True)]
+    (t,) = report.scaling_tables(rows)
+    assert [r.dense_provider for r in t.rows] == ["sdpa-cudnn", "sdpa-cudnn", None]
+    note = report_tables.not_run_note(t)
+    # 4 ms at 2K x (8K/2K)^2 = 64 ms; the pattern 4 ms: 16x; fp32 scores 1*2*8192^2*4 bytes
+    assert "not run at T = 8K" in note and "(T/2K)²" in note and "about 0.1 s" in note and "about 16x less" in note
+    assert "not measurements" in note
+    assert report_tables.not_run_note(report.scaling_tables(rows[:4])[0]) is None
+
+
+def test_speedup_matrix_and_baselines():
+    rows = synthetic_rows() + [row("flex", "dense", 1024, 3.0), row("sdpa-math", "dense", 1024, 6.0),
+                               row("sparse_attn", "dense", 1024, 2.5)]
+    tables = report.scaling_tables(rows)
+    cols, cells = report_tables.speedup_matrix(tables, "fwd")
+    assert cols == ["pattern", "1K", "2K", "4K", "8K", "16K"]
+    assert cells[0] == ["local (causal)", "4.00x", "", "25.00x", "", ""]
+    assert cells[1] == ["random", "", "3.00x", "", "dense OOM", "OOM"]
+    assert cells[2] == ["dense", "2.40x", "", "", "", ""]
+    bts = report_tables.baseline_tables(rows)
+    non_causal = next(b for b in bts if not b.causal)
+    assert non_causal.providers == ["flex", "sdpa-math", "sparse_attn"]
+    cols, cells = report_tables.baseline_grid(non_causal, "ms")
+    assert cols == ["T", "FlexAttention (ms)", "naive (SDPA math) (ms)", "sparse_attn (ms)"]
+    assert cells[0] == ["1024", "3.000", "6.000", "2.500"]
+    assert ["8192", "not run", "OOM", "not run"] in cells
+    _, mem = report_tables.baseline_grid(non_causal, "mem")
+    assert ["8192", "not run", "OOM", "not run"] in mem
+
+
+def test_merge_results_script_writes_readme_section(tmp_path):
+    import importlib.util
+    from pathlib import Path
+    spec_ = importlib.util.spec_from_file_location(
+        "merge_results", Path(__file__).resolve().parent.parent / "benchmarks" / "merge_results.py")
+    mr = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mr)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{mr.REPORT_BEGIN}\nold\n{mr.REPORT_END}\noutro\n")
+    write_fake_slices(tmp_path / "runs", keep={1, 2, 3, 4})
+    from sparse_attn.cli.report import build_report
+    _, _, merged, missing = build_report([tmp_path / "runs"], tmp_path / "out", accuracy_len=None)
+    assert missing == []
+    section = mr.report_section(merged)
+    assert "[benchmarks/results/report-h100/report.md](benchmarks/results/report-h100/report.md)" in section
+    assert "| local-4096 (causal) |" in section and "| not run |" in section
+    assert mr.write_readme_section(mr.REPORT_BEGIN, mr.REPORT_END, section, readme)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{mr.REPORT_END}\noutro\n") and "old" not in text
+    assert section in text
+    assert not mr.write_readme_section("<!-- nope -->", mr.REPORT_END, "x", readme)

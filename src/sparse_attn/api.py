@@ -40,8 +40,10 @@ def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
     return builder(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
-              causal: bool = False, scale: float | None = None, return_lse: bool = False):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | str | None = None, *,
+              causal: bool = False, scale: float | None = None, return_lse: bool = False,
+              quant: str | None = None, quant_granularity: str = "per_warp", smooth_k: bool = True,
+              adaptive: dict | None = None, return_layout: bool = False):
     """Block-sparse attention.
 
     Args:
@@ -49,12 +51,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             GQA/MQA when ``Hq`` is a multiple of ``Hkv`` (K/V are never repeated in memory).
         layout: which ``block_q x block_k`` blocks each query block visits
             (:class:`sparse_attn.BlockLayout`, built for exactly ``(Lq, Lk)``, batch in {1, B},
-            heads in {1, Hq}); None attends every key.
+            heads in {1, Hq}); None attends every key; ``"adaptive"`` or ``"adaptive:low|medium|high"``
+            predicts one from these q/k (:func:`sparse_attn.predict.meansim`, with this call's
+            ``causal`` and ``scale``).
         causal: also mask keys after the query, bottom-right aligned: query i sees key j iff
             ``j <= i + Lk - Lq`` (FlashAttention's convention for ``Lq != Lk``).
         scale: softmax scale; default ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp (natural log) of the scaled, masked scores,
             fp32 ``[B, Hq, Lq]``.
+        quant: ``None`` (fp16/bf16 products), ``"int8"`` (Q.K in INT8, P.V in q's dtype) or
+            ``"int8-fp8"`` (also P.V in FP8 e4m3; GPUs with compute capability 8.9+). Head dim a
+            multiple of 16. Gradients flow through the fp16/bf16 path (sparse_attn.quantized).
+        quant_granularity: Q/K scale groups, ``"per_block"``, ``"per_warp"`` or ``"per_thread"``
+            (sparse_attn.ops.sage.granularity).
+        smooth_k: subtract K's per-head mean over tokens before quantizing (exact under softmax).
+        adaptive: meansim options for ``layout="adaptive"`` (``simthreshd1``, ``cdfthreshd``,
+            ``topk``, ``block_q``/``block_k``/``block``, ``attention_sink``), over the level's.
+        return_layout: also return the layout that ran (predicted, given, or None), last:
+            ``(out, layout)`` or ``(out, lse, layout)``; ``layout.sparsity`` is the fraction skipped.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that may see no key
@@ -62,8 +76,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     """
     check_qkv(q, k, v)
     check_scale(scale)
+    if isinstance(layout, str) or adaptive is not None:
+        from .predict.adaptive import predicted_layout
+        layout = predicted_layout(layout, q, k, causal=causal, scale=scale, options=adaptive)
+    if return_layout:  # this same call (every keyword forwarded) without return_layout, then the layout
+        out = attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse, quant=quant,
+                        quant_granularity=quant_granularity, smooth_k=smooth_k)
+        return (*out, layout) if return_lse else (out, layout)
     if layout is not None:
         layout = check_layout(layout, q, k)
+    if quant is not None:
+        from . import quantized
+        return quantized.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse, quant=quant,
+                                   granularity=quant_granularity, smooth_k=smooth_k)
     if not _use_kernels(q):
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
     from .ops.block_sparse import attention_op
@@ -85,7 +110,8 @@ def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) ->
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                      layouts=None, pattern=None, causal: bool = False, scale: float | None = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, quant: str | None = None, quant_granularity: str = "per_warp",
+                     smooth_k: bool = True):
     """Block-sparse attention over packed variable-length sequences.
 
     Args:
@@ -98,6 +124,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             ``lambda lq, lk: patterns.local(lq, 256, kv_len=lk)``); neither = dense.
         causal: bottom-right aligned per sequence (query i of a sequence sees key j iff
             ``j <= i + kv_len - q_len``), combined with the layout by intersection.
+        quant, quant_granularity, smooth_k: 8-bit attention as in :func:`attention` (K's mean is
+            taken over all packed tokens of a head: still one constant per query row).
 
     Returns: out ``[Tq, Hq, D]`` (and lse fp32 ``[Hq, Tq]``).
     """
@@ -112,6 +140,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if len(q_lens) != len(k_lens):
         raise ValueError(f"cu_seqlens_q has {len(q_lens)} sequences, cu_seqlens_k has {len(k_lens)}")
     plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device)
+    if quant is not None:
+        from . import quantized
+        hp_call = functools.partial(varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    layouts=layouts, pattern=pattern, causal=causal, scale=scale)
+        return quantized.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan,
+                                          scale=scale, return_lse=return_lse, quant=quant,
+                                          granularity=quant_granularity, smooth_k=smooth_k, hp_call=hp_call)
     if not _use_kernels(q):
         return _varlen_reference(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), plan.per_seq, scale,
                                  return_lse)

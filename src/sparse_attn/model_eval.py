@@ -73,7 +73,19 @@ def smollm2_checkpoint(cache_dir: Path | None = None, log: Callable[[str], None]
     target = Path(cache_dir or cache_root()) / SMOLLM2
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
-    gguf_path = smollm2_gguf()
+    return gguf_checkpoint(smollm2_gguf(), target, log)
+
+
+def gguf_checkpoint(gguf_path: Path, target: Path | None = None, log: Callable[[str], None] = print) -> Path:
+    """A transformers checkpoint (fp32 safetensors + tokenizer, both read from the GGUF's own metadata:
+    no network) of the causal LM in ``gguf_path``, converted once into ``target`` (default
+    ``cache_root()/gguf-<file stem>``) and reused while it exists."""
+    gguf_path = Path(gguf_path).expanduser()
+    if not gguf_path.is_file():
+        raise ModelUnavailable(f"no GGUF file at {gguf_path}")
+    target = Path(target or cache_root() / f"gguf-{gguf_path.stem}")
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
     for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
         if importlib.util.find_spec(module) is None:
             raise ModelUnavailable(f"converting the SmolLM2 GGUF needs the {pip_name!r} package: pip install {pip_name}")
@@ -94,7 +106,10 @@ def smollm2_checkpoint(cache_dir: Path | None = None, log: Callable[[str], None]
     return target
 
 
-def resolve_model_path(model: str, cache_dir: Path | None = None, log: Callable[[str], None] = print) -> Path:
+def resolve_model_path(model: str, cache_dir: Path | None = None, log: Callable[[str], None] = print,
+                       gguf: Path | None = None) -> Path:
+    if gguf is not None:
+        return gguf_checkpoint(gguf, Path(cache_dir) / f"gguf-{Path(gguf).stem}" if cache_dir else None, log)
     if model.lower() == SMOLLM2:
         return smollm2_checkpoint(cache_dir, log)
     path = Path(model).expanduser()
@@ -105,10 +120,11 @@ def resolve_model_path(model: str, cache_dir: Path | None = None, log: Callable[
 
 
 def load_model(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, cache_dir: Path | None = None,
-               log: Callable[[str], None] = print):
-    """(model in eval mode on ``device``, tokenizer, checkpoint path). Local files only."""
+               log: Callable[[str], None] = print, gguf: Path | None = None):
+    """(model in eval mode on ``device``, tokenizer, checkpoint path). Local files only; ``gguf``
+    (a GGUF file path) replaces ``model``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = resolve_model_path(model, cache_dir, log)
+    path = resolve_model_path(model, cache_dir, log, gguf)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     try:
         lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, attn_implementation="sdpa")
@@ -370,6 +386,7 @@ __all__ = [
     "logits_metrics",
     "plot_summary",
     "run_model",
+    "gguf_checkpoint",
     "smollm2_checkpoint",
     "smollm2_gguf",
     "stdlib_texts",

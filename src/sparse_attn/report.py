@@ -4,35 +4,42 @@
     header, rows, acc = load_results(["out/bench/demo-cpu.json", "out/bench/accuracy-cpu.json"])
     write_report("out", header, rows, acc)       # out/report.md + out/report-*.png
 
-or ``python -m sparse_attn.report out/bench/*.json --out-dir out``.
+or ``python -m sparse_attn.report out/bench/*.json --out-dir out``; a suite run in slices (one JSON
+file each) is merged by :func:`merge_results` (``sparse-attn report --from DIR``).
 
-For every pattern (and every distinct B/H/Hkv/D/dtype/mode config of it) a scaling table
-``T | Dense (ms) | Pattern (ms) | Speedup | TFLOP/s | Peak mem (MiB)``: *Pattern* is the
-``sparse_attn`` provider's row, *Dense* the best available dense SDPA row at the same key (first
-of :data:`DENSE_PREFERENCE` that has a time; causal-dense for a causal pattern), Speedup = dense
-ms / pattern ms. Failed rows show their error ("OOM"). Accuracy rows (see
-:mod:`sparse_attn.bench.accuracy_rows`) are joined by pattern name. Everything from rows to
-markdown / figures is a pure function (:func:`scaling_tables`, :func:`render_markdown`,
-:func:`plot_*`), so it is testable without running a benchmark.
+report.md holds: a summary (speedup over dense, pattern x T, per mode); the dense baselines side
+by side (time and peak memory, OOM shown); for every pattern and config a scaling table
+``T | Dense (ms) | Pattern (ms) | Speedup | density | TFLOP/s | Peak mem (MiB) | Dense peak (MiB)``
+(:mod:`sparse_attn.report_tables` says how each number is chosen); accuracy against dense; the plots
+(:mod:`sparse_attn.report_plots`: runtime, speedup, memory vs T per mode, accuracy vs sparsity) and a
+link to the pattern gallery. Everything from rows to markdown / figures is a pure function, so it is
+testable without running a benchmark.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bench.results import Row
+from .report_plots import plot_accuracy, plot_memory, plot_runtime, plot_speedup
+from .report_tables import (DENSE_PREFERENCE, PATTERN_PROVIDERS, ScalingRow, ScalingTable, baseline_grid,
+                            baseline_tables, best_dense, config_text, configs_by_mode, main_config,
+                            markdown_grid, markdown_table, not_run_note, scaling_tables, speedup_matrix,
+                            speedup_text, t_text, table_cells, table_columns, table_title)
 
-PATTERN_PROVIDER = "sparse_attn"
-DENSE_PREFERENCE = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math")
 CPU_NOTE = ("**CPU run: this is the PyTorch reference path at small sizes (correctness-sized), "
             "not kernel performance.** Timings below say nothing about the Triton kernels on a GPU.")
-CONFIG_FIELDS = ("batch", "heads", "kv_heads", "head_dim", "dtype", "mode")
+PATTERN_NOTES = {
+    "adaptive": ("Adaptive predicts its layout from q/k on every call (`predict.meansim`, level `medium`); "
+                 "the time includes the prediction. On these random inputs no block is self-similar, so the "
+                 "prediction keeps every causal block: this row shows what predicting costs on top of causal "
+                 "attention, not the sparsity found on a real model's activations (`sparse-attn eval-model`)."),
+}
 
 
-# ----------------------------------------------------------------------------- loading
+# ----------------------------------------------------------------------------- loading and merging
 def load_results(paths) -> tuple[dict, list[Row], list[dict]]:
     """(first header, all bench rows, all accuracy dicts) of JSON files holding ``rows`` and/or
     ``accuracy`` (bench results and :func:`~sparse_attn.bench.accuracy_rows.write_accuracy_json`)."""
@@ -48,137 +55,60 @@ def load_results(paths) -> tuple[dict, list[Row], list[dict]]:
     return header, rows, acc
 
 
+def _slice_index(header: dict) -> int:
+    try:
+        return int(str(header.get("slice", "0/0")).split("/")[0])
+    except ValueError:
+        return 0
+
+
+def merge_results(paths) -> tuple[dict, list[Row], list[dict]]:
+    """Merge the JSON files of one suite run in slices (and its accuracy file).
+
+    Files are taken in (slice index, date) order; a row measured in several files (a re-run slice)
+    is taken from the last one, in the position it first had; accuracy rows likewise by pattern.
+    The header is the first bench file's, with ``slices``: one entry per bench file (file, slice,
+    date, rows, gpu) and ``merged: True``."""
+    loaded = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        loaded.append((Path(p), data.get("header") or {}, data))
+    loaded.sort(key=lambda x: (_slice_index(x[1]), str(x[1].get("date", ""))))
+    rows: dict[tuple, Row] = {}
+    acc: dict[str, dict] = {}
+    header: dict = {}
+    slices = []
+    for path, h, data in loaded:
+        bench = [Row(**r) for r in data.get("rows", [])]
+        if bench:
+            if not header:
+                header = {k: v for k, v in h.items() if k != "slice"}
+            slices.append({"file": path.name, "slice": h.get("slice"), "date": h.get("date"),
+                           "rows": len(bench), "gpu": h.get("gpu")})
+        for r in bench:
+            rows[r.key() + (r.provider,)] = r
+        for a in data.get("accuracy", []):
+            acc[a["pattern"]] = a
+    header.update(slices=slices, merged=True)
+    return header, list(rows.values()), list(acc.values())
+
+
+def missing_rows(header: dict, rows: list[Row]) -> list[str]:
+    """Labels of the rows of the header's suite (when it is a registered suite) that ``rows`` lack."""
+    from .bench import SUITES, expand, get_suite
+    if header.get("suite") not in SUITES:
+        return []
+    have = {r.key() + (r.provider,) for r in rows}
+    skipped = set(header.get("skipped_providers") or {})
+    return [p.label() for p in expand(get_suite(header["suite"]))
+            if p.key() not in have and p.provider not in skipped]
+
+
 def is_cpu(header: dict, rows: list[Row] | None = None) -> bool:
     return header.get("gpu") == "cpu" or str(header.get("device", "")).startswith("cpu")
 
 
-# ----------------------------------------------------------------------------- tables
-@dataclass
-class ScalingRow:
-    seq_len: int
-    dense_ms: float | None
-    pattern_ms: float | None
-    speedup: float | None
-    tflops: float | None
-    peak_mem_bytes: int | None
-    density: float | None
-    dense_provider: str | None = None
-    dense_error: str | None = None
-    pattern_error: str | None = None
-    dense_peak_mem_bytes: int | None = None
-
-
-@dataclass
-class ScalingTable:
-    pattern: str
-    causal: bool
-    config: dict
-    rows: list[ScalingRow] = field(default_factory=list)
-
-    def dense_providers(self) -> list[str]:
-        return list(dict.fromkeys(r.dense_provider for r in self.rows if r.dense_provider))
-
-
-def _dense_key(r: Row) -> tuple:
-    """Dense rows do not depend on the pattern's layout, only on the shapes and causality."""
-    return (r.seq_len, r.batch, r.heads, r.kv_heads, r.head_dim, r.dtype, r.mode, r.causal)
-
-
-def best_dense(rows: list[Row]) -> dict[tuple, Row]:
-    """key (of :func:`_dense_key`, plus pattern) -> the preferred dense row: first of
-    :data:`DENSE_PREFERENCE` with a time; else the first such row with an error (so OOM shows)."""
-    by: dict[tuple, dict[str, Row]] = {}
-    for r in rows:
-        if r.provider in DENSE_PREFERENCE:
-            by.setdefault(_dense_key(r), {}).setdefault(r.provider, r)
-    out = {}
-    for key, provs in by.items():
-        ordered = [provs[p] for p in DENSE_PREFERENCE if p in provs]
-        timed = [r for r in ordered if r.ms]
-        out[key] = timed[0] if timed else ordered[0]
-    return out
-
-
-def scaling_tables(rows: list[Row], pattern_provider: str = PATTERN_PROVIDER) -> list[ScalingTable]:
-    """One :class:`ScalingTable` per (pattern, config), in first-seen order, rows sorted by T."""
-    dense = best_dense(rows)
-    tables: dict[tuple, ScalingTable] = {}
-    for r in rows:
-        if r.provider != pattern_provider:
-            continue
-        cfg = {f: getattr(r, f) for f in CONFIG_FIELDS}
-        tkey = (r.pattern, r.causal) + tuple(cfg.values())
-        t = tables.setdefault(tkey, ScalingTable(r.pattern, r.causal, cfg))
-        d = dense.get(_dense_key(r))
-        dms = d.ms if d is not None else None
-        sp = dms / r.ms if dms and r.ms else None
-        t.rows.append(ScalingRow(r.seq_len, dms, r.ms, sp, r.tflops, r.peak_mem_bytes, r.density,
-                                 d.provider if d is not None else None, d.error if d is not None else None,
-                                 r.error, d.peak_mem_bytes if d is not None else None))
-    for t in tables.values():
-        t.rows.sort(key=lambda x: x.seq_len)
-    return list(tables.values())
-
-
-def _ms(x: float | None, err: str | None) -> str:
-    if x is not None:
-        return f"{x:.3f}"
-    return "OOM" if err == "OOM" else ("error" if err else "-")
-
-
-def _mib(x: int | None) -> str:
-    return "-" if x is None else f"{x / 2**20:.1f}"
-
-
-def _tf(x: float | None) -> str:
-    return "-" if x is None else (f"{x:.3f}" if x < 1 else f"{x:.1f}")
-
-
-def speedup_text(s: float | None) -> str:
-    return "-" if s is None else f"{s:.2f}x"
-
-
-def table_columns(t: ScalingTable) -> list[str]:
-    cols = ["T", "Dense (ms)", "Pattern (ms)", "Speedup", "density", "TFLOP/s"]
-    if not any(r.tflops is not None for r in t.rows):
-        cols.remove("TFLOP/s")
-    if any(r.peak_mem_bytes is not None or r.dense_peak_mem_bytes is not None for r in t.rows):
-        cols += ["Peak mem (MiB)", "Dense peak (MiB)"]
-    if len(t.dense_providers()) > 1:
-        cols.append("dense via")
-    return cols
-
-
-def table_cells(t: ScalingTable) -> list[list[str]]:
-    cols = table_columns(t)
-    out = []
-    for r in t.rows:
-        cell = {"T": str(r.seq_len), "Dense (ms)": _ms(r.dense_ms, r.dense_error),
-                "Pattern (ms)": _ms(r.pattern_ms, r.pattern_error), "Speedup": speedup_text(r.speedup),
-                "density": "-" if r.density is None else f"{r.density:.3f}", "TFLOP/s": _tf(r.tflops),
-                "Peak mem (MiB)": "OOM" if r.pattern_error == "OOM" else _mib(r.peak_mem_bytes),
-                "Dense peak (MiB)": "OOM" if r.dense_error == "OOM" else _mib(r.dense_peak_mem_bytes),
-                "dense via": r.dense_provider or "-"}
-        out.append([cell[c] for c in cols])
-    return out
-
-
-def config_text(cfg: dict) -> str:
-    return (f"B={cfg['batch']} H={cfg['heads']} Hkv={cfg['kv_heads']} D={cfg['head_dim']} "
-            f"{cfg['dtype']} {cfg['mode']}")
-
-
-def table_title(t: ScalingTable) -> str:
-    return f"{t.pattern}{' (causal)' if t.causal else ''}: {config_text(t.config)}"
-
-
-def markdown_table(t: ScalingTable) -> str:
-    cols = table_columns(t)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(c) + " |" for c in table_cells(t)]
-    return "\n".join(lines)
-
-
+# ----------------------------------------------------------------------------- markdown
 def accuracy_by_pattern(acc: list[dict]) -> dict[str, dict]:
     return {a["pattern"]: a for a in acc}
 
@@ -202,57 +132,112 @@ def header_lines(header: dict, rows: list[Row]) -> list[str]:
                  + (f", cpu {header['cpu']}" if header.get("cpu") and is_cpu(header) else ""))
     lines.append(f"- torch {header.get('torch', '?')}, triton {header.get('triton') or 'not installed'}")
     lines.append(f"- date: {header.get('date', '?')}; suite: {header.get('suite', '?')}")
+    slices = header.get("slices") or []
+    if len(slices) > 1:
+        dates = sorted(str(s.get("date")) for s in slices if s.get("date"))
+        lines.append(f"- run in {len(slices)} slices ({dates[0] if dates else '?'} to {dates[-1] if dates else '?'}), "
+                     f"{sum(s.get('rows', 0) for s in slices)} rows")
     return lines
 
 
+LEGEND = ("Pattern = provider `sparse_attn` (`adaptive` for the adaptive pattern); Dense = the best available "
+          f"dense SDPA provider at the same T and mode (first of {', '.join(DENSE_PREFERENCE)} that ran; "
+          "causal-dense for causal patterns). Speedup = Dense ms / Pattern ms. TFLOP/s are effective (blocks "
+          "the layout visits). Peak memory is the extra memory one call allocates beyond its inputs. Failed "
+          "rows show their error (OOM); `not run` = not part of the suite at that length.")
+
+
+def summary_section(tables: list[ScalingTable]) -> list[str]:
+    out = []
+    for cfg in configs_by_mode(tables):
+        cols, cells = speedup_matrix(tables, cfg["mode"])
+        if len(cells) < 2:
+            continue
+        out += [f"## Summary: speedup over dense, {cfg['mode']}", "",
+                f"{config_text(cfg)}; dense = SDPA (causal-dense for causal patterns).", "",
+                markdown_grid(cols, cells, align_first_left=True), ""]
+    return out
+
+
+def baselines_section(rows: list[Row]) -> list[str]:
+    bts = baseline_tables(rows)
+    if not bts:
+        return []
+    intro = ("Every dense provider on the same inputs: SDPA backends, FlexAttention and sparse_attn given the "
+             "dense (or causal) layout, and naive attention (SDPA math: the full score matrix in memory).")
+    out = ["## Dense baselines", "", intro, ""]
+    for bt in bts:
+        out += [f"### {bt.title()}", "", markdown_grid(*baseline_grid(bt, "ms")), ""]
+        if any(r.peak_mem_bytes is not None for by in bt.cells.values() for r in by.values()):
+            out += ["Peak extra memory:", "", markdown_grid(*baseline_grid(bt, "mem")), ""]
+    return out
+
+
+def pattern_section(t: ScalingTable, acc_line: str | None) -> list[str]:
+    out = [f"## {table_title(t)}", ""]
+    dp = t.dense_providers()
+    if len(dp) == 1:
+        out += [f"Dense baseline: `{dp[0]}`{' (causal-dense)' if t.causal else ''}.", ""]
+    if t.pattern in PATTERN_NOTES:
+        out += [PATTERN_NOTES[t.pattern], ""]
+    out += [markdown_table(t), ""]
+    note = not_run_note(t)
+    if note:
+        out += [note, ""]
+    errs = sorted({r.pattern_error for r in t.rows if r.pattern_error and r.pattern_error != "OOM"})
+    out += [f"- pattern error: `{e}`" for e in errs] + ([""] if errs else [])
+    if acc_line:
+        out += [acc_line, ""]
+    return out
+
+
+def accuracy_section(acc: list[dict]) -> list[str]:
+    out = ["## Accuracy vs dense", "",
+           ("`sparse_attn.attention(q, k, v, layout)` against dense attention (fp32 reference; "
+            "causal-dense for causal patterns), random inputs."), "",
+           "| pattern | T | sparsity | cosine | relative L1 |", "|---|---:|---:|---:|---:|"]
+    for a in acc:
+        if a.get("error"):
+            out.append(f"| {a['pattern']} | {a['seq_len']} | - | error | {a['error']} |")
+        else:
+            out.append(f"| {a['pattern']} | {a['seq_len']} | {_num(a.get('sparsity'), '.3f')} | "
+                       f"{_num(a.get('cosine'), '.4f')} | {_num(a.get('relative_l1'), '.4f')} |")
+    return out + [""]
+
+
 def render_markdown(header: dict, rows: list[Row], acc: list[dict] | None = None,
-                    images: dict[str, str] | None = None) -> str:
-    """The whole report as markdown (``images``: title -> relative path, embedded at the end)."""
+                    images: dict[str, str] | None = None, gallery: str | None = None,
+                    missing: list[str] | None = None) -> str:
+    """The whole report as markdown (``images``: title -> relative path, embedded at the end;
+    ``gallery``: a link to the pattern gallery; ``missing``: labels of rows the run lacks)."""
     acc_by = accuracy_by_pattern(acc or [])
     tables = scaling_tables(rows)
     out = ["# sparse_attn long-context benchmark report", ""]
     out += header_lines(header, rows)
-    legend = ("Pattern = provider `sparse_attn`; Dense = the best available dense SDPA provider at the same "
-              f"T and mode (first of {', '.join(DENSE_PREFERENCE)} that ran; causal-dense for causal "
-              "patterns). Speedup = Dense ms / Pattern ms. TFLOP/s are effective (blocks the layout visits). "
-              "Failed rows show their error (OOM).")
-    out += ["", legend, ""]
+    out += ["", LEGEND, ""]
+    if missing:
+        out += [(f"**Incomplete: {len(missing)} rows of suite `{header.get('suite')}` are missing** "
+                 f"(e.g. {'; '.join(missing[:3])})."), ""]
     if not tables:
-        out += ["_No `sparse_attn` rows in the results._", ""]
-    done_acc = set()
+        out += [f"_No rows of a pattern provider ({', '.join(PATTERN_PROVIDERS)}) in the results._", ""]
+    out += summary_section(tables) + baselines_section(rows)
+    done_acc: set[str] = set()
     for t in tables:
-        out += [f"## {table_title(t)}", ""]
-        dp = t.dense_providers()
-        if len(dp) == 1:
-            out += [f"Dense baseline: `{dp[0]}`{' (causal-dense)' if t.causal else ''}.", ""]
-        out += [markdown_table(t), ""]
-        errs = sorted({r.pattern_error for r in t.rows if r.pattern_error and r.pattern_error != "OOM"})
-        for e in errs:
-            out += [f"- pattern error: `{e}`"]
-        if errs:
-            out.append("")
-        if t.pattern in acc_by and t.pattern not in done_acc:
-            out += [accuracy_line(acc_by[t.pattern]), ""]
-            done_acc.add(t.pattern)
+        line = accuracy_line(acc_by[t.pattern]) if t.pattern in acc_by and t.pattern not in done_acc else None
+        done_acc.add(t.pattern)
+        out += pattern_section(t, line)
     if acc:
-        out += ["## Accuracy vs dense", "",
-                ("`sparse_attn.attention(q, k, v, layout)` against dense attention (fp32 reference; "
-                 "causal-dense for causal patterns), random inputs."), "",
-                "| pattern | T | sparsity | cosine | relative L1 |", "|---|---:|---:|---:|---:|"]
-        for a in acc:
-            if a.get("error"):
-                out.append(f"| {a['pattern']} | {a['seq_len']} | - | error | {a['error']} |")
-            else:
-                out.append(f"| {a['pattern']} | {a['seq_len']} | {_num(a.get('sparsity'), '.3f')} | "
-                           f"{_num(a.get('cosine'), '.4f')} | {_num(a.get('relative_l1'), '.4f')} |")
-        out.append("")
+        out += accuracy_section(acc)
     if images:
         out += ["## Plots", ""]
         for title, rel in images.items():
             out += [f"![{title}]({rel})", ""]
+    if gallery:
+        out += ["## Pattern gallery", "", f"What each pattern family looks like: [{gallery}]({gallery}).", ""]
     return "\n".join(out)
 
 
+# ----------------------------------------------------------------------------- terminal
 def rich_tables(rows: list[Row], acc: list[dict] | None = None) -> list:
     """The scaling tables as rich Tables (for the terminal)."""
     from rich.table import Table
@@ -270,186 +255,70 @@ def rich_tables(rows: list[Row], acc: list[dict] | None = None) -> list:
     return out
 
 
-# ----------------------------------------------------------------------------- plots
-def _main_config(tables: list[ScalingTable]) -> dict | None:
-    """The config the plots show: the first fwd one (else the first)."""
-    if not tables:
-        return None
-    fwd = [t for t in tables if t.config["mode"] == "fwd"]
-    return (fwd or tables)[0].config
-
-
-def _plot_tables(rows: list[Row]) -> list[ScalingTable]:
+def rich_summary(rows: list[Row]) -> list:
+    """The speedup matrices as rich Tables (the run's summary)."""
+    from rich.table import Table
+    from rich.text import Text
     tables = scaling_tables(rows)
-    cfg = _main_config(tables)
-    return [t for t in tables if t.config == cfg]
-
-
-def _dense_lines(tables: list[ScalingTable], attr: str) -> dict[str, list[tuple[int, object, str | None]]]:
-    """'dense SDPA' / 'dense SDPA (causal)' -> [(T, value, error)] from the tables' dense columns."""
-    out: dict[str, dict[int, tuple]] = {}
-    for t in tables:
-        label = "dense SDPA (causal)" if t.causal else "dense SDPA"
-        for r in t.rows:
-            out.setdefault(label, {}).setdefault(r.seq_len, (r.seq_len, getattr(r, attr), r.dense_error))
-    return {k: sorted(v.values()) for k, v in out.items()}
-
-
-def _new_fig(title: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    return fig, ax
-
-
-def _save(fig, path) -> Path:
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
-    for ax in fig.axes:
-        if ax.get_xscale() == "log":
-            ax.xaxis.set_major_formatter(ScalarFormatter())
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _no_data(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
-
-
-def _finish_vs_length(fig, ax, path, *, has_data: bool, ylabel: str, empty_msg: str, log_y: bool = False) -> Path:
-    """Common ending of the plots against sequence length: log2 x axis (and log y), legend, labels."""
-    if has_data:
-        ax.set_xscale("log", base=2)
-        if log_y:
-            ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    else:
-        _no_data(ax, empty_msg)
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel(ylabel)
-    return _save(fig, path)
-
-
-def plot_runtime(rows: list[Row], path, title_suffix: str = "") -> Path:
-    """Runtime vs T, log-log: one line per pattern (sparse_attn) plus the dense baseline(s)."""
-    tables = _plot_tables(rows)
-    fig, ax = _new_fig(f"runtime vs sequence length{title_suffix}")
-    any_line = False
-    for label, pts in _dense_lines(tables, "dense_ms").items():
-        pts = [(L, v) for L, v, _ in pts if v]
-        if pts:
-            ax.plot(*zip(*pts), "k--" if "causal" in label else "k-", lw=2, marker="s", label=label)
-            any_line = True
-    for t in tables:
-        pts = [(r.seq_len, r.pattern_ms) for r in t.rows if r.pattern_ms]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=t.pattern)
-            any_line = True
-    return _finish_vs_length(fig, ax, path, has_data=any_line, ylabel="ms", empty_msg="no timed rows", log_y=True)
-
-
-def plot_speedup(rows: list[Row], path, title_suffix: str = "") -> Path:
-    """Speedup over dense vs T, one line per pattern; 1x marked."""
-    tables = _plot_tables(rows)
-    fig, ax = _new_fig(f"speedup over dense vs sequence length{title_suffix}")
-    any_line = False
-    for t in tables:
-        pts = [(r.seq_len, r.speedup) for r in t.rows if r.speedup]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=t.pattern)
-            any_line = True
-    ax.axhline(1.0, color="k", lw=1, ls=":")
-    return _finish_vs_length(fig, ax, path, has_data=any_line, ylabel="dense ms / pattern ms",
-                             empty_msg="no speedups (no dense or no pattern timings)")
-
-
-def plot_memory(rows: list[Row], path, title_suffix: str = "") -> Path:
-    """Peak extra memory vs T; rows that ran out of memory are points at the top, labelled OOM."""
-    tables = _plot_tables(rows)
-    fig, ax = _new_fig(f"peak memory vs sequence length{title_suffix}")
-    series: list[tuple[str, list, list, str]] = []  # label, [(T, MiB)], [T of OOM], style
-    for label, pts in _dense_lines(tables, "dense_peak_mem_bytes").items():
-        series.append((label, [(L, v / 2**20) for L, v, _ in pts if v is not None],
-                       [L for L, _, e in pts if e == "OOM"], "k--" if "causal" in label else "k-"))
-    for t in tables:
-        series.append((t.pattern, [(r.seq_len, r.peak_mem_bytes / 2**20) for r in t.rows
-                                   if r.peak_mem_bytes is not None],
-                       [r.seq_len for r in t.rows if r.pattern_error == "OOM"], "-"))
-    values = [v for _, pts, _, _ in series for _, v in pts]
-    ooms = [L for _, _, o, _ in series for L in o]
-    if values or ooms:
-        top = max(values) * 2 if values else 1.0
-        for label, pts, oom, style in series:
-            color = None
-            if pts:
-                (line,) = ax.plot(*zip(*pts), style, marker="o", label=label)
-                color = line.get_color()
-            if oom:
-                ax.scatter(oom, [top] * len(oom), marker="x", s=60, color=color or "red",
-                           label=None if pts else label, zorder=5)
-                for L in oom:
-                    ax.annotate("OOM", (L, top), textcoords="offset points", xytext=(0, 6), ha="center",
-                                fontsize=8, color=color or "red")
-    return _finish_vs_length(fig, ax, path, has_data=bool(values or ooms), ylabel="peak extra memory (MiB)",
-                             empty_msg="no peak memory measured (CPU runs do not record it)",
-                             log_y=bool(values) and min(values) > 0)
-
-
-def plot_accuracy(acc: list[dict], path) -> Path:
-    """Cosine vs dense against sparsity, one labelled point per pattern."""
-    fig, ax = _new_fig("accuracy vs sparsity (cosine similarity to dense)")
-    pts = [a for a in acc if not a.get("error") and a.get("cosine") is not None and a.get("sparsity") is not None]
-    if pts:
-        for a in pts:
-            ax.scatter([a["sparsity"]], [a["cosine"]], s=40)
-            ax.annotate(f"{a['pattern']} (T={a['seq_len']})", (a["sparsity"], a["cosine"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set_xlim(-0.05, 1.05)
-    else:
-        _no_data(ax, "no accuracy rows")
-    ax.set_xlabel("sparsity (1 - visited block fraction)")
-    ax.set_ylabel("cosine similarity to dense")
-    return _save(fig, path)
-
-
-# ----------------------------------------------------------------------------- all together
-PLOTS = (("runtime vs T", "report-runtime.png"), ("speedup vs T", "report-speedup.png"),
-         ("peak memory vs T", "report-memory.png"), ("accuracy vs sparsity", "report-accuracy.png"))
-
-
-def write_report(out_dir, header: dict, rows: list[Row], acc: list[dict] | None = None,
-                 name: str = "report.md") -> tuple[Path, list[Path]]:
-    """Write OUT_DIR/report.md and the four PNGs next to it; returns (markdown path, png paths)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tables = scaling_tables(rows)
-    cfg = _main_config(tables)
-    suffix = f"\n({config_text(cfg)}{', CPU reference path' if is_cpu(header) else ''})" if cfg else ""
-    pngs = [plot_runtime(rows, out_dir / PLOTS[0][1], suffix), plot_speedup(rows, out_dir / PLOTS[1][1], suffix),
-            plot_memory(rows, out_dir / PLOTS[2][1], suffix)]
-    if acc:
-        pngs.append(plot_accuracy(acc, out_dir / PLOTS[3][1]))
-    images = {title: fn for title, fn in PLOTS if (out_dir / fn) in pngs}
-    md = out_dir / name
-    md.write_text(render_markdown(header, rows, acc, images))
-    return md, pngs
+    out = []
+    for cfg in configs_by_mode(tables):
+        cols, cells = speedup_matrix(tables, cfg["mode"])
+        rt = Table(title=f"speedup over dense: {config_text(cfg)}")
+        for i, c in enumerate(cols):
+            rt.add_column(c, justify="left" if i == 0 else "right")
+        for line in cells:
+            rt.add_row(*(Text(c) for c in line))
+        out.append(rt)
+    return out
 
 
 def print_tables(rows: list[Row], acc: list[dict] | None = None, con=None, header: dict | None = None) -> None:
+    """Every scaling table, then the summary (speedup matrices)."""
     if con is None:
         from rich.console import Console
         con = Console()
     if header is not None and is_cpu(header):
         con.print("[bold yellow]CPU run: PyTorch reference path at small sizes, not kernel performance[/bold yellow]")
-    for t in rich_tables(rows, acc):
+    for t in rich_tables(rows, acc) + rich_summary(rows):
         con.print(t)
+
+
+# ----------------------------------------------------------------------------- files
+PLOTS = (("runtime vs T", "report-runtime.png"), ("speedup vs T", "report-speedup.png"),
+         ("peak memory vs T", "report-memory.png"), ("accuracy vs sparsity", "report-accuracy.png"))
+
+
+def _mode_slug(mode: str) -> str:
+    return mode.replace("+", "")
+
+
+def write_report(out_dir, header: dict, rows: list[Row], acc: list[dict] | None = None,
+                 name: str = "report.md", gallery: str | None = None,
+                 missing: list[str] | None = None) -> tuple[Path, list[Path]]:
+    """Write OUT_DIR/report.md and its PNGs next to it; returns (markdown path, png paths).
+
+    The main config (the first forward one) gets report-runtime/-speedup/-memory.png; every other
+    mode report-runtime-MODE.png etc. (``fwd+bwd`` -> ``fwdbwd``); accuracy rows report-accuracy.png."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tables = scaling_tables(rows)
+    main = main_config(tables)
+    cpu = ", CPU reference path" if is_cpu(header) else ""
+    pngs: list[Path] = []
+    images: dict[str, str] = {}
+    for cfg in configs_by_mode(tables) or [None]:
+        suffix = f"\n({config_text(cfg)}{cpu})" if cfg else ""
+        tag = "" if cfg is None or cfg == main else f"-{_mode_slug(cfg['mode'])}"
+        for (title, fn), plot in zip(PLOTS[:3], (plot_runtime, plot_speedup, plot_memory)):
+            path = plot(rows, out_dir / fn.replace(".png", f"{tag}.png"), suffix, config=cfg)
+            pngs.append(path)
+            images[title + (f" ({cfg['mode']})" if tag else "")] = path.name
+    if acc:
+        pngs.append(plot_accuracy(acc, out_dir / PLOTS[3][1]))
+        images[PLOTS[3][0]] = PLOTS[3][1]
+    md = out_dir / name
+    md.write_text(render_markdown(header, rows, acc, images, gallery=gallery, missing=missing))
+    return md, pngs
 
 
 def main(argv=None) -> int:
@@ -464,6 +333,11 @@ def main(argv=None) -> int:
     print(f"wrote {md} and {len(pngs)} plots")
     return 0
 
+
+__all__ = ["load_results", "merge_results", "missing_rows", "is_cpu", "render_markdown", "rich_tables",
+           "rich_summary", "print_tables", "write_report", "PLOTS", "ScalingRow", "ScalingTable", "best_dense",
+           "scaling_tables", "markdown_table", "speedup_text", "t_text", "plot_runtime", "plot_speedup",
+           "plot_memory", "plot_accuracy"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

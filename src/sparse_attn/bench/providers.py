@@ -3,6 +3,7 @@
     sparse_attn      sparse_attn.attention, the public API: the Triton kernels on CUDA, the PyTorch
                      reference path elsewhere (so on the CPU it times the reference plus input checks)
     reference        sparse_attn.reference.attention, the fp32 PyTorch twin, without input checks
+    adaptive         predict.meansim(q, k) then sparse_attn.attention, both timed (see adaptive_provider)
     flex             torch FlexAttention with ``patterns.to_flex(layout)``; torch.compile'd on CUDA,
                      eager (unfused, materialises the scores) on the CPU
     sdpa-flash       torch SDPA restricted to one backend via torch.nn.attention.sdpa_kernel.
@@ -10,6 +11,13 @@
     sdpa-efficient   the layout: they are the baseline a sparse pattern has to beat. GQA uses
     sdpa-math        ``enable_gqa=True`` where the backend takes it, else K/V are repeated inside
                      the timed call (what a model without GQA support pays).
+    grouped-2        dense (causal-dense) attention of batch 1 computed as two query groups, each over
+    grouped-loop-2   the K/V prefix it may see (the zigzag-llama3 shape): sparse_attn.grouped_attention
+                     in one launch, or grouped_attention_loop (one call per group); they ignore the layout
+    sparse_attn-int8       sparse_attn.attention(quant="int8" / "int8-fp8"): the 8-bit path (INT8 Q.K,
+    sparse_attn-int8-fp8   bf16/fp16 or FP8 P.V); int8-fp8 needs compute capability 8.9+ on CUDA
+    sageattention    PyPI sageattention 1.0.6 (Triton INT8), DENSE like the SDPA rows; unavailable when
+                     the package is not installed
 
 Note ``is_causal`` in SDPA is top-left aligned; the suites only use ``Lq == Lk`` where it agrees
 with sparse_attn's bottom-right convention.
@@ -37,6 +45,38 @@ def sparse_attn_provider(q, k, v, layout, causal):
 def reference_provider(q, k, v, layout, causal):
     from sparse_attn import reference
     return lambda: reference.attention(q, k, v, layout, causal=causal)
+
+
+ADAPTIVE_LEVEL = "medium"
+
+
+@register_provider("adaptive", description="predict.meansim on q/k, then sparse_attn.attention (both timed)")
+def adaptive_provider(q, k, v, layout, causal):
+    """Adaptive sparsity as a user runs it: every call predicts the layout from these q/k
+    (``predict.meansim`` at the ``medium`` level) and attends over it, so the prediction is timed.
+
+    ``layout`` is the case's FLOP-count layout: the runner counts effective FLOPs and density from it,
+    so the prediction on these inputs must visit exactly its blocks (checked once, untimed; a
+    ValueError otherwise, which the runner records on the row). On ``torch.randn`` inputs no block
+    is self-similar and the prediction keeps every visible block: the count layout is dense/causal.
+    """
+    import sparse_attn
+    from sparse_attn.predict import level_params, meansim
+
+    from .flops import visited_blocks
+    params = level_params(ADAPTIVE_LEVEL)
+    B, H = q.shape[0], q.shape[1]
+    predicted = meansim(q, k, causal=causal, block_q=layout.block_q, block_k=layout.block_k, **params)
+    got = visited_blocks(predicted, batch=B, heads=H, causal=causal)
+    want = visited_blocks(layout, batch=B, heads=H, causal=causal)
+    if got != want:
+        raise ValueError(f"adaptive: the prediction visits {got} blocks, the case's count layout {want}: "
+                         f"its effective FLOPs would be wrong; give the case the layout the prediction makes")
+
+    def forward():
+        pred = meansim(q, k, causal=causal, block_q=layout.block_q, block_k=layout.block_k, **params)
+        return sparse_attn.attention(q, k, v, pred, causal=causal)
+    return forward
 
 
 # ----------------------------------------------------------------------------- SDPA backends (dense)
@@ -127,6 +167,12 @@ def with_causal(layout, causal: bool):
 def _flex_fn(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
     if device_type == "cuda":
+        # dynamic=False compiles once per shape; past dynamo's recompile limit (8) it would silently run
+        # the unfused eager flex instead, so a suite with many lengths (report-gpu) raises the limit.
+        import torch._dynamo.config as dynamo_config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
         return torch.compile(flex_attention, dynamic=False)
     return flex_attention
 
@@ -182,4 +228,94 @@ def flex_provider(q, k, v, layout, causal):
     return forward
 
 
-__all__ = ["always", "needs_cuda", "flex_available", "with_causal"]
+# ----------------------------------------------------------------------------- 8-bit attention
+def _fp8_available(device) -> tuple[bool, str]:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True, f"the PyTorch emulation of the 8-bit path on {device.type} (ops/sage/reference.py)"
+    ok, why = needs_cuda(device)
+    if not ok:
+        return ok, why
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return False, f"FP8 P.V needs compute capability 8.9+, {torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}"
+    return True, "Triton 8-bit kernels, FP8 P.V"
+
+
+def _quant_builder(quant: str):
+    def build(q, k, v, layout, causal):
+        import sparse_attn
+        return lambda: sparse_attn.attention(q, k, v, layout, causal=causal, quant=quant)
+    return build
+
+
+for _quant, _available in (("int8", always), ("int8-fp8", _fp8_available)):
+    register_provider(f"sparse_attn-{_quant}", available=_available,
+                      description=f"sparse_attn.attention(quant={_quant!r}, per_warp scales, smoothed K); "
+                                  "Triton on CUDA, PyTorch emulation elsewhere")(_quant_builder(_quant))
+
+
+SAGEATTENTION_VERSION = "1.0.6"
+
+
+def sageattention_available(device) -> tuple[bool, str]:
+    """The PyPI ``sageattention`` package (1.0.6: Triton, INT8 Q.K, FP16 P.V) imports and the device is CUDA."""
+    try:
+        import sageattention  # noqa: F401
+        from importlib.metadata import version
+        installed = version("sageattention")
+    except Exception as e:  # noqa: BLE001 - ImportError, or triton failing inside its import
+        return False, (f"the sageattention package is not importable ({type(e).__name__}: {e}); "
+                       f"pip install sageattention=={SAGEATTENTION_VERSION}")
+    ok, why = needs_cuda(device)
+    if not ok:
+        return ok, why
+    note = "" if installed == SAGEATTENTION_VERSION else f" (the suites were written for {SAGEATTENTION_VERSION})"
+    return True, f"sageattention {installed}{note}"
+
+
+@register_provider("sageattention", available=sageattention_available, computes="dense",
+                   description=f"PyPI sageattention {SAGEATTENTION_VERSION} sageattn (Triton INT8 Q.K, FP16 P.V), "
+                               "dense or causal-dense whatever the layout")
+def sageattention_provider(q, k, v, layout, causal):
+    """``sageattn(q, k, v, tensor_layout="HND", is_causal=causal)`` (smoothed K, per-block scales).
+
+    sageattn subtracts K's mean from ``k`` IN PLACE on every call, so it gets its own copy of K (made
+    here, untimed; the subtraction inside each call is its cost and stays timed) and the shared inputs
+    the other providers see are left alone. Its head dim must be 64, 96 or 128."""
+    from sageattention import sageattn
+    own_k = k.detach().clone()
+    return lambda: sageattn(q, own_k, v, tensor_layout="HND", is_causal=causal)
+
+
+# ----------------------------------------------------------------------------- grouped (issue 6)
+def prefix_groups(lq: int, lk: int, causal: bool, n: int = 2) -> list:
+    """``n`` query groups of ``[Lq]`` whose results together are (causal-)dense attention: group
+    ``[a, e)`` attends keys ``[0, e + Lk - Lq)`` (causal, bottom-right aligned) or all keys."""
+    from sparse_attn import Group
+    cuts = [lq * i // n for i in range(n + 1)]
+    return [Group(a, e, 0, max(0, min(lk, e + lk - lq)) if causal else lk) for a, e in zip(cuts, cuts[1:])]
+
+
+def _grouped_builder(loop: bool):
+    def build(q, k, v, layout, causal):
+        import sparse_attn
+        from sparse_attn.grouped import grouped_attention_loop
+        if q.shape[0] != 1:
+            raise ValueError(f"grouped providers take batch 1 (packed tokens), got batch {q.shape[0]}")
+        fn = grouped_attention_loop if loop else sparse_attn.grouped_attention
+        groups = prefix_groups(q.shape[2], k.shape[2], causal)
+        # [1, H, L, D] -> packed [L, H, D] views (no copy); the result back as [1, H, L, D]
+        return lambda: fn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), groups,
+                          causal=causal).transpose(0, 1)[None]
+    return build
+
+
+register_provider("grouped-2", computes="dense",
+                  description="(causal-)dense attention as 2 query groups over K/V prefixes, one launch "
+                              "(sparse_attn.grouped_attention)")(_grouped_builder(loop=False))
+register_provider("grouped-loop-2", computes="dense",
+                  description="(causal-)dense attention as 2 query groups over K/V prefixes, one call per "
+                              "group (grouped_attention_loop)")(_grouped_builder(loop=True))
+
+__all__ = ["always", "needs_cuda", "flex_available", "with_causal", "prefix_groups"]

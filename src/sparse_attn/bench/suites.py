@@ -5,12 +5,19 @@ at every combination of its ``seq_lens x kv_heads x modes x providers``, with fi
 heads, head dim and dtype. ``causal=True`` marks a causal pattern: the sparse providers get
 ``causal=True`` and the dense SDPA baselines run causal-dense.
 
-    small     CPU-friendly: L 256..1024, B=1, H=2, D=32, fp32; reference, sdpa-math, sparse_attn
-    demo-gpu  what ``sparse-attn demo`` runs on a GPU: bf16, B=1, H=16, D=128, L 4K..16K, forward
+    small      CPU-friendly: L 256..1024, B=1, H=2, D=32, fp32; reference, sdpa-math, sparse_attn;
+               the report's pattern families at small sizes (what ``sparse-attn demo`` runs on a CPU)
+    demo-gpu   a quick GPU look: bf16, B=1, H=16, D=128, L 4K..16K, forward (``sparse-attn demo --quick``)
+    report-gpu the long-context report (``sparse-attn demo`` on a GPU): see :func:`_report_gpu`
     kernels   the H100 suite of the kernels issue: bf16, B=1, H=32 (Hkv 32 and 8), D=128;
               sparse patterns at 8K/32K/128K, dense and causal at 16K-64K, all forward, plus
               fwd+bwd at 16K/32K; providers sparse_attn, flex, sdpa-cudnn, sdpa-flash
-    all       (device-dependent, :func:`suite_all`) small on the CPU; kernels + demo-gpu on CUDA
+    sage       the 8-bit issue's H100 suite (:func:`_sage`); on a CPU ``--suite sage`` runs its tiny
+               stand-in ``sage-tiny`` (:func:`suite_for_device`)
+    all       (device-dependent, :func:`suite_all`) small on the CPU; kernels + demo-gpu + report-gpu on CUDA
+
+A pattern whose ``provider`` computes its own layout from the inputs (``adaptive``) still names a
+builder: the layout the FLOPs and density are counted from (see the provider's docstring).
 """
 from __future__ import annotations
 
@@ -31,7 +38,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 class PatternSpec:
     """A named pattern: ``patterns.<builder>(seq_len, **kwargs)``, OR'd with ``union`` specs.
 
-    ``per_head=True`` passes ``heads=H`` (per-head patterns: random, bigbird).
+    ``per_head=True`` passes ``heads=H`` (per-head patterns: random, bigbird). ``causal=True`` marks a
+    causal pattern (the runner passes ``causal=True`` to the providers) and, where the builder takes a
+    ``causal`` argument (random, strided, dilated, ...), builds its causal variant.
     """
 
     name: str
@@ -53,6 +62,8 @@ class PatternSpec:
         for name, value in (("block_q", block_q), ("block_k", block_k), ("device", device)):
             if name in params:
                 kw.setdefault(name, value)
+        if self.causal and "causal" in params:
+            kw.setdefault("causal", True)
         layout = fn(seq_len, **kw)
         for other in self.union:
             layout = layout | other.build(seq_len, heads=heads, block_q=block_q, block_k=block_k, device=device)
@@ -92,6 +103,12 @@ class Suite:
         return sum(c.num_rows() for c in self.cases)
 
 
+# The adaptive pattern predicts its layout from q/k inside the timed call (provider "adaptive"); on the
+# runner's torch.randn inputs no block is self-similar, so it keeps every causal block: its FLOPs and
+# density are those of the causal layout (the provider checks this), and its row shows the prediction's cost.
+ADAPTIVE = spec("adaptive", "causal", causal=True)
+
+
 # ----------------------------------------------------------------------------- small (CPU)
 def _small() -> Suite:
     providers = ("reference", "sdpa-math", "sparse_attn")
@@ -103,8 +120,12 @@ def _small() -> Suite:
         spec("block_diagonal", block_size=256),
         spec("random", density=0.3, per_head=True, seed=0),
         spec("bigbird", num_global_blocks=1, window_blocks=1, num_random_blocks=1, per_head=True, seed=0),
+        spec("dilated", window_blocks=2, dilation=2, causal=True),
+        spec("strided", stride=4, local_blocks=1, causal=True),
+        spec("random_topk", "random", top_k=2, per_head=True, seed=0, causal=True),
     ]
     cases = [Case(p, seq_lens=(256, 512, 1024), providers=providers) for p in pats]
+    cases.append(Case(ADAPTIVE, seq_lens=(256, 512, 1024), providers=("sdpa-math", "adaptive")))
     cases.append(Case(spec("local", window=256, causal=True), seq_lens=(512,), providers=providers,
                       modes=("fwd+bwd",)))
     return Suite("small", "CPU-friendly: L 256-1024, B=1, H=2, D=32, fp32; reference / sdpa-math / sparse_attn",
@@ -142,18 +163,120 @@ def _kernels() -> Suite:
                  "sparse 8K-128K, dense 16K-64K, fwd+bwd 16K-32K", tuple(cases))
 
 
-SUITES = {"small": _small, "demo-gpu": _demo_gpu, "kernels": _kernels}
+# ----------------------------------------------------------------------------- the report (H100)
+REPORT_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+REPORT_FWDBWD_LENGTHS = (4096, 8192, 16384, 32768)
+REPORT_LONG_LENGTHS = (262144, 524288, 1048576)
+REPORT_DENSE_PROVIDERS = ("sparse_attn", "sdpa-cudnn", "sdpa-flash", "flex", "sdpa-math")
+
+
+def report_patterns() -> list[PatternSpec]:
+    """The sparse patterns of the report, each visiting about 4096 keys per query at long lengths
+    (BigBird-ITC at its paper configuration visits fewer)."""
+    return [
+        spec("local-4096", "local", window=4096, causal=True),
+        spec("streaming-128+4096", "streaming", window=4096, num_sink=128, causal=True),
+        spec("block_diagonal-4096", "block_diagonal", block_size=4096),
+        spec("bigbird", num_global_blocks=2, window_blocks=3, num_random_blocks=3, per_head=True, seed=0),
+        spec("dilated-32x2", "dilated", window_blocks=32, dilation=2, causal=True),
+        spec("strided-32+16", "strided", stride=32, local_blocks=16, causal=True),
+        spec("random_topk-32", "random", top_k=32, per_head=True, seed=0, causal=True),
+    ]
+
+
+def _report_gpu() -> Suite:
+    """The long-context report: bf16, B=1, H=32 (Hkv 32), D=128, blocks 128x128.
+
+    dense, causal   providers sparse_attn, sdpa-cudnn, sdpa-flash, flex, sdpa-math (naive: it materialises
+                    fp32 scores, 8 GiB at 8K and 32 GiB at 16K; where it runs out of memory the row
+                    is recorded as OOM, not fatal);
+                    L 4K-128K forward, 4K-32K forward+backward
+    7 patterns      (:func:`report_patterns`) + adaptive: sparse_attn (adaptive: its own provider);
+                    the same lengths and modes
+    local, streaming  256K, 512K, 1M: forward, sparse_attn only; dense attention is not attempted there
+                    (cuDNN would take ~30 s per forward at 1M; naive attention would need 128 TiB of scores)
+
+    The dense baselines run once per (T, mode, causal) in the dense/causal cases; the report compares
+    every pattern with them (causal patterns with causal-dense). Forward+backward stops at 32K so that
+    the whole suite stays around 15-20 minutes on an H100 (:mod:`sparse_attn.bench.slices` estimates it
+    row by row and cuts it into slices for machines that limit one command's time).
+    """
+    common = dict(heads=32, kv_heads=(32,), head_dim=128, dtype="bf16")
+    cases = []
+    for modes, lens in ((("fwd",), REPORT_LENGTHS), (("fwd+bwd",), REPORT_FWDBWD_LENGTHS)):
+        cases += [Case(p, seq_lens=lens, providers=REPORT_DENSE_PROVIDERS, modes=modes, **common)
+                  for p in (spec("dense"), spec("causal", causal=True))]
+        cases += [Case(p, seq_lens=lens, providers=("sparse_attn",), modes=modes, **common)
+                  for p in report_patterns()]
+        cases.append(Case(ADAPTIVE, seq_lens=lens, providers=("adaptive",), modes=modes, **common))
+    cases += [Case(p, seq_lens=REPORT_LONG_LENGTHS, providers=("sparse_attn",), **common)
+              for p in report_patterns()[:2]]
+    return Suite("report-gpu", "long-context report: bf16, B=1, H=32, D=128; dense baselines, 7 patterns + "
+                 "adaptive at 4K-128K fwd / 4K-32K fwd+bwd; local and streaming to 1M (fwd)", tuple(cases))
+
+
+SUITES = {"small": _small, "demo-gpu": _demo_gpu, "kernels": _kernels, "report-gpu": _report_gpu}
+
+
+# ----------------------------------------------------------------------------- sage (8-bit, H100)
+SAGE_DENSE_PROVIDERS = ("sparse_attn", "sparse_attn-int8", "sparse_attn-int8-fp8", "sageattention", "sdpa-cudnn")
+SAGE_SPARSE_PROVIDERS = ("sparse_attn", "sparse_attn-int8", "sparse_attn-int8-fp8", "flex")
+
+
+def _sage_cases(dense_lens, window: int, window_lens, random_lens, **common) -> tuple[Case, ...]:
+    cases = [Case(spec("dense"), seq_lens=dense_lens, providers=SAGE_DENSE_PROVIDERS, **common),
+             Case(spec(f"local-{window}", "local", window=window, causal=True), seq_lens=window_lens,
+                  providers=SAGE_SPARSE_PROVIDERS, **common)]
+    cases += [Case(spec(f"random-{d}", "random", density=d, per_head=True, seed=0), seq_lens=random_lens,
+                   providers=SAGE_SPARSE_PROVIDERS, **common) for d in (0.1, 0.25, 0.5)]
+    return tuple(cases)
+
+
+def _sage() -> Suite:
+    """The 8-bit issue's H100 suite: bf16 inputs, B=1, H=32, D=128, forward, blocks 128x128.
+
+    dense 16K/32K/64K        sparse_attn (bf16), sparse_attn-int8, sparse_attn-int8-fp8, sageattention
+                             (PyPI 1.0.6), sdpa-cudnn
+    local-4096 (causal)      32K and 128K; random 0.1/0.25/0.5 at 32K: sparse_attn, sparse_attn-int8,
+                             sparse_attn-int8-fp8, flex
+    Every provider of a pattern gets the bf16 rows' FLOP count, so effective TOPS ratios are time ratios.
+    """
+    return Suite("sage", "8-bit attention on an H100: bf16 inputs, B=1, H=32, D=128, forward; dense 16K-64K vs "
+                 "sageattention / cuDNN; local-4096 32K+128K, random 0.1-0.5 at 32K vs flex",
+                 _sage_cases((16384, 32768, 65536), 4096, (32768, 131072), (32768,), heads=32, kv_heads=(32,),
+                             head_dim=128, dtype="bf16"))
+
+
+def _sage_cpu() -> Suite:
+    """What ``--suite sage`` runs on a CPU: the same providers and pattern families at tiny sizes
+    (fp32, B=1, H=2, D=64, L 256/512, window 128), the 8-bit rows being the PyTorch emulation."""
+    return Suite("sage-tiny", "CPU stand-in for 'sage': fp32, B=1, H=2, D=64, L 256-512, window 128; the 8-bit "
+                 "rows time the PyTorch emulation, not the kernels",
+                 _sage_cases((256, 512), 128, (512,), (512,), heads=2, kv_heads=(2,), head_dim=64, dtype="fp32"))
+
+
+SUITES["sage"] = _sage
+# suites too large for a CPU that have a tiny stand-in there (see suite_for_device)
+CPU_STAND_INS = {"sage": _sage_cpu}
+
+
+def suite_for_device(name: str, device) -> Suite:
+    """``get_suite(name)``, or on a non-CUDA device its tiny stand-in where it has one (``sage`` ->
+    ``sage-tiny``)."""
+    if torch.device(device).type != "cuda" and name in CPU_STAND_INS:
+        return CPU_STAND_INS[name]()
+    return get_suite(name)
 
 
 ALL = "all"
 
 
 def suite_all(device, *, stress: bool = False) -> Suite:
-    """Every suite that fits ``device``: the CPU gets 'small'; CUDA 'kernels' + 'demo-gpu'.
+    """Every suite that fits ``device``: the CPU gets 'small'; CUDA 'kernels' + 'demo-gpu' + 'report-gpu'.
 
     ``stress=True`` extends every case with two longer lengths (2x and 4x its longest), to find
     where each provider runs out of memory (failed rows are recorded as "OOM", not fatal)."""
-    names = ("kernels", "demo-gpu") if torch.device(device).type == "cuda" else ("small",)
+    names = ("kernels", "demo-gpu", "report-gpu") if torch.device(device).type == "cuda" else ("small",)
     cases = tuple(c for n in names for c in get_suite(n).cases)
     if stress:
         cases = tuple(replace(c, seq_lens=tuple(dict.fromkeys(c.seq_lens + (2 * max(c.seq_lens),
@@ -170,13 +293,16 @@ def get_suite(name: str) -> Suite:
 
 
 def _match(spec_: PatternSpec, wanted) -> bool:
+    """``spec_.name`` matches a shell glob ``w`` or is a variant ``w-...`` of it (``local`` matches
+    ``local-4096``, not ``adaptive`` whose FLOP-count builder is ``causal``)."""
     from fnmatch import fnmatch
-    return any(fnmatch(spec_.name, w) or fnmatch(spec_.builder, w) for w in wanted)
+    return any(fnmatch(spec_.name, w) or fnmatch(spec_.name, w + "-*") for w in wanted)
 
 
 def restrict(suite: Suite, *, providers=None, patterns=None, seq_lens=None, modes=None, dtype=None,
              batch=None, heads=None, kv_heads=None, head_dim=None) -> Suite:
-    """The suite with cases selected by pattern (name or builder, shell globs) and every other
+    """The suite with cases selected by pattern (names, shell globs; a family name also selects its
+    variants ``NAME-...``) and every other
     given field replacing the suite's own (providers, seq_lens, modes, dtype, batch, heads,
     kv_heads, head_dim). Rows that become duplicates are run once (see runner)."""
     out = []

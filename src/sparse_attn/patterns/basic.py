@@ -21,8 +21,9 @@ def _rows(seq_len, kv_len, block_q, block_k, device, causal: bool) -> BlockLayou
         hi = torch.clamp(diagonal_block(qb, q_len, kv_len, block_q, block_k), max=nk - 1)
     q_e, k_e = ranges_to_entries(qb, torch.zeros_like(qb), hi)
     zeros = torch.zeros_like(q_e)
-    return layout_from_entries(zeros, zeros, q_e, k_e, batch=1, heads=1, q_len=q_len, kv_len=kv_len,
-                               block_q=block_q, block_k=block_k, causal=causal)
+    layout = layout_from_entries(zeros, zeros, q_e, k_e, batch=1, heads=1, q_len=q_len, kv_len=kv_len,
+                                 block_q=block_q, block_k=block_k, causal=causal)
+    return mark_causal(layout) if causal else layout
 
 
 def dense(seq_len: int, kv_len: int | None = None, *, block_q: int = 128, block_k: int = 128,
@@ -47,8 +48,22 @@ def causal(seq_len: int, kv_len: int | None = None, *, block_q: int = 128, block
     return _rows(seq_len, kv_len, block_q, block_k, device, causal=True)
 
 
+_CUT = "causal_cut"  # key in BlockLayout._derived: the layout already equals its causal cut
+
+
 def causal_cut(layout: BlockLayout) -> BlockLayout:
     """``layout`` restricted to causal (bottom-right aligned), token-exact: ``layout & causal(...)``
-    with the layout's own lengths, blocks and device. What ``attention(..., causal=True)`` runs."""
-    return layout & causal(layout.q_len, layout.kv_len, block_q=layout.block_q, block_k=layout.block_k,
-                           device=layout.device)
+    with the layout's own lengths, blocks and device. What ``attention(..., causal=True)`` runs.
+    A layout marked by :func:`mark_causal` is returned as it is."""
+    if layout._derived.get(_CUT):
+        return layout
+    return mark_causal(layout & causal(layout.q_len, layout.kv_len, block_q=layout.block_q,
+                                       block_k=layout.block_k, device=layout.device))
+
+
+def mark_causal(layout: BlockLayout) -> BlockLayout:
+    """Record that ``layout`` already equals its causal cut (a builder that cut it token-exactly
+    itself, e.g. ``predict.meansim(causal=True)``), so :func:`causal_cut` skips the intersection.
+    The mark lives on this object only (copies, ``to``, ``expand`` do not carry it). Returns the layout."""
+    layout._derived[_CUT] = True
+    return layout

@@ -24,6 +24,39 @@ def level_params(level: str) -> dict[str, float]:
     return {"simthreshd1": sim, "cdfthreshd": cdf}
 
 
+MEANSIM_OPTIONS = ("simthreshd1", "cdfthreshd", "topk", "block_q", "block_k", "block", "attention_sink")
+LAYOUT_CHOICES = ("adaptive",) + tuple(f"adaptive:{level}" for level in SPARSE_LEVELS)
+
+
+def predicted_layout(spec, q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+                     options: dict | None = None):
+    """The layout ``sparse_attn.attention(q, k, v, layout=spec, adaptive=options)`` runs.
+
+    spec: ``"adaptive"`` (meansim's defaults, = ``"adaptive:medium"``) or ``"adaptive:<level>"``
+        with a level of :data:`SPARSE_LEVELS`; None with ``options`` means ``"adaptive"``.
+    options: :func:`meansim` keywords (``simthreshd1``, ``cdfthreshd``, ``topk``, ``block_q``,
+        ``block_k``, ``block``, ``attention_sink``), applied over the level's thresholds.
+    causal / scale: the attention's own; ``scale`` is also the temperature of the pooled scores.
+    Returns a :class:`~sparse_attn.BlockLayout` (batch B, heads Hq); ``.sparsity`` is the fraction skipped.
+    """
+    if spec is None:
+        spec = "adaptive"
+    if not isinstance(spec, str):
+        raise TypeError(f"adaptive= options apply to layout='adaptive' (or 'adaptive:<level>'), not to a given "
+                        f"{type(spec).__name__}: drop adaptive= or pass layout='adaptive'")
+    name, _, level = spec.partition(":")
+    if name != "adaptive" or (level and level not in SPARSE_LEVELS):
+        raise ValueError(f"unknown layout {spec!r}: give a BlockLayout, None (dense), or one of "
+                         f"{', '.join(repr(c) for c in LAYOUT_CHOICES)}")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(MEANSIM_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown adaptive= option(s) {', '.join(unknown)}: choose from {', '.join(MEANSIM_OPTIONS)} "
+                         "(causal and scale come from attention's own arguments)")
+    kwargs = {**(level_params(level) if level else {}), **options}
+    return meansim(q, k, causal=causal, scale=scale, **kwargs)
+
+
 def adaptive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                        scale: float | None = None, return_layout: bool = True, **meansim_kwargs):
     """Attention over the blocks :func:`~sparse_attn.predict.meansim` predicts for these q/k.

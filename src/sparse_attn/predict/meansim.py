@@ -27,10 +27,14 @@ The rule, per (batch b, query head h), with ``g = Hq // Hkv`` and kv head ``h //
      ``ceil(topk * N)`` ranks, ``N`` = number of visible key blocks of the row.
 6. Layout. Kept blocks are full; with ``causal`` the layout is intersected (``&``) with
    ``sparse_attn.patterns.causal(Lq, Lk)``, so diagonal blocks get the token-exact causal
-   element mask (``j <= p``) and blocks wholly below the diagonal stay full (computed per entry
-   in closed form by ``patterns._common.layout_from_entries``, which equals that intersection).
+   element mask (``j <= p``) and blocks wholly below the diagonal stay full (computed on the
+   block grid in closed form by :func:`sparse_attn.predict.pack.layout_from_keep`, which equals
+   that intersection and marks the layout as its own causal cut).
 
-The block mask is dense in blocks, ``O(B * Hq * Qb * Kb)`` memory (never per token).
+The block mask is dense in blocks, ``O(B * Hq * Qb * Kb)`` memory (never per token), and so is the
+layout (``max_k = Kb``: rows are packed in place). Nothing reads a value back to the host when the
+thresholds are plain numbers: on CUDA the pooling is one Triton kernel (``ops/block_pool``) and the
+layout arrives with the kernels' schedule, so a fresh prediction adds no host sync to attention.
 
 Differences from SpargeAttn's ``get_block_map_meansim``: self-similarity there is the mean
 pairwise cosine of the block's tokens (``|mean of unit vectors|^2``), here the mean cosine to
@@ -46,9 +50,8 @@ from typing import Sequence
 import torch
 
 from ..layout import BlockLayout, check_block_size
-from ..patterns._common import layout_from_entries
-
-_CHUNK_ELEMS = 1 << 25  # elements converted to the work dtype at once while pooling (bounds temporaries)
+from ..ops.block_pool import block_pool_sim
+from .pack import layout_from_keep
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -73,9 +76,16 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int,
 
 
 def _per_head(name: str, value, heads: int, device, dtype, lo=None, hi=None) -> torch.Tensor:
-    """A float or a sequence/tensor of ``heads`` values -> ``[1, heads, 1]`` (checked against (lo, hi])."""
+    """A float or a sequence/tensor of ``heads`` values -> ``[1, heads, 1]`` (checked against (lo, hi]).
+    A plain number is checked on the host and filled on the device (no copy, no sync)."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number or {heads} per-head numbers, got {value!r}")
+    if isinstance(value, (int, float)):
+        if math.isnan(value):
+            raise ValueError(f"{name} must not be NaN, got {value!r}")
+        if lo is not None and not lo < value <= hi:
+            raise ValueError(f"{name} must be in ({lo}, {hi}], got {value!r}")
+        return torch.full((1, heads, 1), float(value), dtype=dtype, device=device)
     t = torch.as_tensor(value, dtype=torch.float64).flatten()
     if t.numel() == 1:
         t = t.expand(heads)
@@ -100,35 +110,6 @@ def _blocks(block_q: int, block_k: int, block) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- the steps
-def block_pool_sim(x: torch.Tensor, block: int, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block of ``block`` tokens (the tail block over its valid tokens only):
-    pooled mean ``[B, H, nb, D]`` and mean cosine of the tokens to that mean ``[B, H, nb]`` (``work`` dtype).
-    """
-    B, H, L, D = x.shape
-    nb = math.ceil(L / block)
-    pooled = torch.zeros(B, H, nb, D, dtype=work, device=x.device)
-    sim = torch.zeros(B, H, nb, dtype=work, device=x.device)
-    if nb == 0:
-        return pooled, sim
-    n = torch.clamp(L - torch.arange(nb, device=x.device) * block, max=block).to(work)  # valid tokens per block
-    per_head = max(1, nb * block * D)
-    step = max(1, _CHUNK_ELEMS // per_head)
-    flat_x = x.reshape(B * H, L, D)
-    pooled_f, sim_f = pooled.view(B * H, nb, D), sim.view(B * H, nb)
-    for s in range(0, B * H, step):
-        xs = flat_x[s:s + step].to(work)
-        if nb * block != L:  # zero-pad the tail: zeros add nothing to sums, norms or dots
-            xs = torch.nn.functional.pad(xs, (0, 0, 0, nb * block - L))
-        xs = xs.view(-1, nb, block, D)
-        mean = xs.sum(2) / n[:, None]                                      # [c, nb, D]
-        dots = torch.einsum("cnsd,cnd->cns", xs, mean)                     # [c, nb, block]
-        norms = torch.linalg.vector_norm(xs, dim=-1) * torch.linalg.vector_norm(mean, dim=-1)[..., None]
-        cos = torch.where(norms > 0, dots / torch.where(norms > 0, norms, 1), 0)  # padded rows: 0
-        pooled_f[s:s + step] = mean
-        sim_f[s:s + step] = cos.sum(-1) / n
-    return pooled, sim
-
-
 def visible_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, device):
     """(visible bool ``[Qb, Kb]``, diagonal block int64 ``[Qb]``) as in step 3 of the module docstring."""
     nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_k)
@@ -221,9 +202,8 @@ def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[f
     with torch.no_grad():
         mq, sq = block_pool_sim(q.detach(), block_q, work)          # [B, Hq, Qb, D], [B, Hq, Qb]
         mk, sk = block_pool_sim(k.detach(), block_k, work)          # [B, Hkv, Kb, D], [B, Hkv, Kb]
-        nk = mk.shape[2]
-        mk = mk.repeat_interleave(group, dim=1)                     # [B, Hq, Kb, D] (blocks only)
-        sk = sk.repeat_interleave(group, dim=1)                     # [B, Hq, Kb]
+        nq, nk = mq.shape[2], mk.shape[2]
+        sk = sk[:, :, None].expand(B, Hkv, group, nk).reshape(B, Hq, nk)  # [B, Hq, Kb]
         q_similar = sq >= sim_thr                                   # [B, Hq, Qb]
         k_similar = sk >= sim_thr                                   # [B, Hq, Kb]
         vis, diag = visible_blocks(Lq, Lk, block_q, block_k, causal, dev)  # [Qb, Kb], [Qb]
@@ -234,11 +214,10 @@ def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[f
         if attention_sink:
             always = always | (kbs == 0)
         cand = vis & k_similar[..., None, :]
-        scores = torch.einsum("bhqd,bhkd->bhqk", mq, mk) * scale    # [B, Hq, Qb, Kb]
+        scores = torch.einsum("bhgqd,bhkd->bhgqk", mq.view(B, Hkv, group, nq, D), mk)  # GQA without a repeat
+        scores = scores.reshape(B, Hq, nq, nk) * scale              # [B, Hq, Qb, Kb]
         ranked = select_ranked(scores, cand, cdfthreshd=cdf_t, topk=topk_t, n_visible=vis.sum(-1))
         keep = (ranked | always) & vis
-    # == BlockLayout.from_block_mask(keep) & patterns.causal(Lq, Lk) under causal, in closed form per entry
-    # (no per-token classification, few host syncs: this runs on every forward)
-    b, h, qb, kb = keep.nonzero(as_tuple=True)
-    return layout_from_entries(b, h, qb, kb, batch=B, heads=Hq, q_len=Lq, kv_len=Lk, block_q=block_q,
-                               block_k=block_k, causal=causal)
+    # == BlockLayout.from_block_mask(keep) & patterns.causal(Lq, Lk) under causal, packed in place with no
+    # host sync (this runs on every forward); on CUDA the kernels' schedule comes with it
+    return layout_from_keep(keep, q_len=Lq, kv_len=Lk, block_q=block_q, block_k=block_k, causal=causal)

@@ -1,0 +1,190 @@
+"""``sparse-attn sage-test``: the Sparse SageAttention test suite for the 8-bit path (JSON + markdown)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ._common import console, default_device, tokens
+
+DESCRIPTION = """Sparse SageAttention test suite: sparse_attn.attention(..., quant="int8" | "int8-fp8") on
+block-sparse layouts given as SageAttention block indices [B, H, q_blocks, top_k] (q block 64, k block
+128, -1 padded; converted by sparse_attn.patterns.from_block_index), checked against the fp16/bf16
+attention on the SAME layout.
+
+  --test-correctness  runs (dense, block indices, odd length, GQA with Lq < Lk), output shape/dtype,
+                      finite, inputs not modified, no memory growth over repeated calls (CUDA),
+                      invalid block indices rejected with an error naming the index and the valid
+                      range, accuracy on normal inputs and on keys with a per-channel offset and
+                      outlier channels
+  --test-patterns     random, local, strided, block_diagonal block indices at each top-k ratio
+  --benchmark-perf    dense vs random top-k 8-bit attention: ms, speedup, blocks skipped, peak memory,
+                      effective TOPS, and the bf16 attention on the same layout
+                      (B=4, H=32, D=128, L 1K-32K, top-k ratios 0.25/0.5/0.75 on CUDA)
+With no test flag: correctness + patterns. Accuracy passes at cosine >= 0.999 and relative L1 <= 0.02;
+int8-fp8 usually misses the L1 bar (e4m3 rounding of P and V, ~3%) and is reported as failing.
+
+On a CPU the 8-bit path is the PyTorch emulation (ops/sage/reference.py) and every size is tiny
+(B=1, H=2, D=64, L <= 512; --stress: up to 2K): a functional check, not a performance statement.
+On CUDA checks use B=2, H=8, D=128, L=4096 (--stress: H=32, L=32K; benchmark up to 64K).
+Writes OUT/sage_test.json and OUT/sage_test.md; exit code 1 when a check fails, 2 on bad options."""
+
+
+def add_parser(sub) -> None:
+    from ..ops.sage.granularity import GRANULARITY, QUANT_MODES
+    from ..sage_suite import TOP_K_RATIOS
+    p = sub.add_parser("sage-test", help="Sparse SageAttention suite: 8-bit attention on block indices (pass/fail)",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = p.add_argument_group("what to run (default: --test-correctness --test-patterns)")
+    t.add_argument("--test-correctness", action="store_true", help="runs, shapes, memory, index validation, accuracy")
+    t.add_argument("--test-patterns", action="store_true", help="accuracy on random/local/strided/block_diagonal")
+    t.add_argument("--benchmark-perf", action="store_true", help="dense vs sparse timing, speedup, memory")
+    t.add_argument("--stress", action="store_true", help="larger configurations (longer L, more heads)")
+    p.add_argument("--quant", choices=list(QUANT_MODES),
+                   help="8-bit mode (default: int8-fp8 on CUDA with compute capability 8.9+, else int8)")
+    p.add_argument("--quant-gran", choices=list(GRANULARITY), default="per_warp",
+                   help="Q/K scale groups (default per_warp)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="input dtype (default bf16)")
+    p.add_argument("--seq-lens", nargs="+", type=tokens, metavar="L",
+                   help="benchmark lengths instead of the defaults (e.g. 4k 16k)")
+    p.add_argument("--top-k-ratios", nargs="+", type=float, default=list(TOP_K_RATIOS), metavar="R",
+                   help="fractions of key blocks per row, for patterns and benchmark (default 0.25 0.5 0.75)")
+    p.add_argument("--reps", type=int, help="timed repetitions per measurement (default: ~200 ms worth, >= 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of inputs and random block indices (default 0)")
+    p.add_argument("--out", type=Path, default=Path("out/sage-test"), help="output folder (default out/sage-test)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _sections(args) -> tuple[bool, bool, bool]:
+    if not (args.test_correctness or args.test_patterns or args.benchmark_perf):
+        return True, True, False
+    return args.test_correctness, args.test_patterns, args.benchmark_perf
+
+
+def _check_options(args, device: str, quant: str) -> str | None:
+    """The error text of an unusable option combination, else None."""
+    import torch
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return "--device cuda but torch.cuda.is_available() is False"
+        if quant == "int8-fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+            return (f"--quant int8-fp8 needs FP8 tensor cores (compute capability 8.9+); "
+                    f"{torch.cuda.get_device_name(device)} has none: use --quant int8")
+    if any(not 0.0 < r <= 1.0 for r in args.top_k_ratios):
+        return f"--top-k-ratios must lie in (0, 1], got {args.top_k_ratios}"
+    if args.seq_lens and min(args.seq_lens) < 1:
+        return f"--seq-lens must be positive, got {args.seq_lens}"
+    return None
+
+
+def make_header(args, device: str, quant: str, sizes, dtype_name: str) -> dict:
+    import dataclasses
+    from ..bench import make_header as bench_header
+    from ..sage_suite import BLOCK_K, BLOCK_Q, MAX_L1, MIN_COSINE
+    header = bench_header(device, "sage-test", quant=quant, granularity=args.quant_gran, dtype=dtype_name,
+                          sizes=dataclasses.asdict(sizes), block_q=BLOCK_Q, block_k=BLOCK_K, seed=args.seed,
+                          top_k_ratios=list(args.top_k_ratios), thresholds={"min_cosine": MIN_COSINE, "max_l1": MAX_L1},
+                          stress=args.stress)
+    if not device.startswith("cuda"):
+        header["note"] = ("CPU: tiny sizes and the PyTorch emulation of the 8-bit path; timings are CPU "
+                          "reference timings, not kernel performance")
+    return header
+
+
+def summary_tables(checks, bench, con) -> None:
+    from rich.table import Table
+    from rich.text import Text
+    from ..sage_suite import status
+    if checks:
+        t = Table(title="checks (8-bit vs fp16/bf16 on the same layout)")
+        for col in ("section", "check", "result", "cosine", "rel. L1", "detail"):
+            t.add_column(col, justify="right" if col in ("cosine", "rel. L1") else "left")
+        for c in checks:
+            colour = {"pass": "green", "FAIL": "red"}.get(status(c), "yellow")
+            t.add_row(c.section, c.name, Text(status(c), style=colour),
+                      "" if c.cosine is None else f"{c.cosine:.5f}",
+                      "" if c.relative_l1 is None else f"{c.relative_l1:.4f}", Text(c.detail[:120]))
+        con.print(t)
+    if bench:
+        t = Table(title="benchmark: 8-bit attention, dense vs random top-k block indices (median ms)")
+        cols = ("L", "top-k", "dense ms", "sparse ms", "speedup", "blocks skipped", "peak MiB d/s", "sparse TOPS",
+                "bf16 sparse ms", "8-bit vs bf16")
+        for col in cols:
+            t.add_column(col, justify="right")
+        for r in bench:
+            if r.get("error"):
+                t.add_row(str(r["seq_len"]), f"{r['ratio']:g}", Text(f"error: {r['error']}"[:80], style="red"))
+                continue
+            peaks = "-" if r["dense_peak_bytes"] is None else \
+                f"{r['dense_peak_bytes'] / 2**20:.0f}/{r['sparse_peak_bytes'] / 2**20:.0f}"
+            t.add_row(str(r["seq_len"]), f"{r['ratio']:g} ({r['top_k']}/{r['k_blocks']})", f"{r['dense_ms']:.3f}",
+                      f"{r['sparse_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['block_savings']:.1%}", peaks,
+                      f"{r['sparse_tops']:.3g}", f"{r['bf16_sparse_ms']:.3f}", f"{r['speedup_vs_bf16']:.2f}x")
+        con.print(t)
+
+
+def run_steps(steps, *, desc: str, progress: bool) -> list:
+    """Run ``(label, fn)`` steps under a progress bar; flatten what they return."""
+    from tqdm.auto import tqdm
+    out = []
+    bar = tqdm(steps, desc=desc, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    for label, fn in bar:
+        bar.set_postfix_str(label, refresh=False)
+        got = fn()
+        out.extend(got if isinstance(got, list) else [got])
+    bar.close()
+    return out
+
+
+def run(args) -> int:
+    import torch
+    from .. import sage_suite as ss
+    con = console()
+    t0 = time.perf_counter()
+    device = args.device or default_device()
+    quant = args.quant or ss.default_quant(device)
+    err = _check_options(args, device, quant)
+    if err:
+        con.print(f"[red]{err}[/red]")
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    sizes = ss.sizes_for(device, args.stress)
+    qz = ss.Quant(quant, args.quant_gran)
+    correctness, pats, perf = _sections(args)
+    header = make_header(args, device, quant, sizes, args.dtype)
+    con.rule(f"sage-test: quant={quant}, {args.quant_gran}, {args.dtype}, on {header['gpu']} ({device})")
+    if header.get("note"):
+        con.print(f"[yellow]{header['note']}[/yellow]")
+    con.print(f"sizes {sizes.name}: checks B={sizes.batch} H={sizes.heads} L={sizes.seq_len} D={sizes.head_dim}"
+              + (f"; benchmark B={sizes.bench_batch} H={sizes.bench_heads} L={list(args.seq_lens or sizes.bench_lens)}"
+                 if perf else ""))
+    common = dict(dtype=dtype, device=device, seed=args.seed)
+    progress = not args.no_progress
+    checks, bench = [], []
+    if correctness:
+        checks += run_steps(ss.correctness_steps(qz, sizes, **common), desc="correctness", progress=progress)
+    if pats:
+        checks += run_steps(ss.pattern_steps(qz, sizes, args.top_k_ratios, **common), desc="patterns",
+                            progress=progress)
+    if perf:
+        bench = run_steps(ss.benchmark_steps(qz, sizes, args.top_k_ratios, args.seq_lens, reps=args.reps, **common),
+                          desc="benchmark", progress=progress)
+    header["seconds"] = time.perf_counter() - t0
+    out = Path(args.out)
+    json_path = ss.write_json(out / "sage_test.json", header, checks, bench)
+    md_path = ss.write_markdown(out / "sage_test.md", header, checks, bench)
+    summary_tables(checks, bench, con)
+    failed = [c for c in checks if c.passed is False]
+    bench_errors = [r for r in bench if r.get("error")]
+    if bench_errors:
+        con.print(f"[yellow]{len(bench_errors)} benchmark rows failed (see the error column)[/yellow]")
+    con.print(f"wrote {md_path} and {json_path}")
+    colour = "red" if failed else "green"
+    con.rule(f"[{colour}]{ss.tally(checks)}[/{colour}] in {header['seconds']:.1f} s")
+    for c in failed:
+        con.print(f"[red]FAILED[/red] {c.section}: {c.name}: {c.detail}")
+    return 1 if failed else 0
+
