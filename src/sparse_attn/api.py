@@ -1,7 +1,6 @@
 """Public entry points: validate, pick a path, call an op."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 
@@ -10,6 +9,7 @@ import torch
 from . import patterns, reference
 from .layout import BlockLayout
 from .patterns import causal_cut
+from .plan_cache import PlanCache
 from .validation import check_layout, check_qkv, check_scale
 
 DEFAULT_BLOCK = 128
@@ -155,8 +155,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                plan.kv_lens, scale=scale, return_lse=return_lse)
 
 
-_VARLEN_PLANS: "collections.OrderedDict" = collections.OrderedDict()
-_VARLEN_PLANS_MAX = 16
+_VARLEN_PLANS = PlanCache(16)
 
 
 def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, device):
@@ -166,20 +165,15 @@ def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, 
     from . import varlen
     key = (tuple(q_lens), tuple(k_lens), causal, heads, max_q, max_k, str(device), id(pattern),
            None if layouts is None else tuple(id(lay) for lay in layouts))
-    plan = _VARLEN_PLANS.get(key)
-    if plan is None:
+
+    def build():
         per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal, heads=heads)
         stacked = kv_lens = None
         if torch.device(device).type == "cuda":
             stacked = varlen.stack([lay.to(device) for lay in per_seq], max_q, max_k, heads)
             kv_lens = tuple(k_lens)
-        plan = _VarlenPlan((pattern, layouts), per_seq, stacked, kv_lens)
-        _VARLEN_PLANS[key] = plan
-        if len(_VARLEN_PLANS) > _VARLEN_PLANS_MAX:
-            _VARLEN_PLANS.popitem(last=False)
-    else:
-        _VARLEN_PLANS.move_to_end(key)
-    return plan
+        return _VarlenPlan((pattern, layouts), per_seq, stacked, kv_lens)
+    return _VARLEN_PLANS.get(key, build)
 
 
 @dataclasses.dataclass

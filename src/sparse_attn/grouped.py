@@ -19,7 +19,6 @@ reference on the CPU), which stays public as the reference and as a benchmark pr
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .layout import BlockLayout
+from .plan_cache import PlanCache
 from .validation import check_qkv, check_scale
 
 PatternFn = Callable[[int, int], BlockLayout]
@@ -205,8 +205,7 @@ class GroupedPlan:
     free_rows: torch.Tensor | None  # int64: query rows in no run group (output 0, LSE -inf), None if none
 
 
-_PLANS: "collections.OrderedDict" = collections.OrderedDict()
-_PLANS_MAX = 16
+_PLANS = PlanCache(16)
 
 
 def grouped_plan(groups: Sequence[Group], tq: int, tk: int, *, layouts=None, pattern: PatternFn | None = None,
@@ -217,15 +216,7 @@ def grouped_plan(groups: Sequence[Group], tq: int, tk: int, *, layouts=None, pat
     device = torch.device(device)
     key = (tuple(dataclasses.astuple(g) for g in groups), tq, tk, causal, heads, str(device), id(pattern),
            None if layouts is None else tuple(id(lay) for lay in layouts))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _build_plan(list(groups), tq, tk, layouts, pattern, causal, heads, device)
-        _PLANS[key] = plan
-        if len(_PLANS) > _PLANS_MAX:
-            _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(key)
-    return plan
+    return _PLANS.get(key, lambda: _build_plan(list(groups), tq, tk, layouts, pattern, causal, heads, device))
 
 
 def _build_plan(groups, tq, tk, layouts, pattern, causal, heads, device) -> GroupedPlan:

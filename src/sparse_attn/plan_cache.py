@@ -1,0 +1,31 @@
+"""A small LRU cache for per-shape plans (varlen and grouped attention build theirs once per batch
+signature, so a training loop does not rebuild them every step)."""
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Hashable
+
+
+class PlanCache:
+    """The ``max_size`` most recently used plans, keyed by any hashable signature."""
+
+    def __init__(self, max_size: int = 16):
+        self.max_size = max_size
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], object]):
+        """The plan for ``key``, built with ``build()`` on a miss (the oldest entry is then dropped)."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build()
+            if len(self._plans) > self.max_size:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        self._plans.clear()
