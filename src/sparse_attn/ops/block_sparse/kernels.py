@@ -191,20 +191,23 @@ def fwd_kernel(
 
     qk_scale = sm_scale * LOG2E
     P_SCALE: tl.constexpr = 448.0 if QUANT == 2 else 1.0
-    ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
-    ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
-    if USE_TMA and QUANT != 0:
-        # one descriptor over all K-scale rows (row stride padded to 16 bytes by the launcher)
-        desc_ks = tl.make_tensor_descriptor(K_SCALE, shape=[ks_row + 1, k0 + k_len], strides=[stride_ksh, 1],
-                                            block_shape=[1, BLOCK_N])
-    else:
-        desc_ks = K_SCALE
     if QUANT != 0:
+        ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
+        ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
+        if USE_TMA:
+            # one descriptor over all K-scale rows (row stride padded to 16 bytes by the launcher)
+            desc_ks = tl.make_tensor_descriptor(K_SCALE, shape=[ks_row + 1, k0 + k_len], strides=[stride_ksh, 1],
+                                                block_shape=[1, BLOCK_N])
+        else:
+            desc_ks = K_SCALE
         # per-row Q scale folded with the softmax scale; the scores then arrive in log2 units
         b_rs = tl.load(Q_SCALE + i_b.to(tl.int64) * stride_qsb + i_h.to(tl.int64) * stride_qsh + q0 + o_m,
                        mask=m_m, other=0.0) * qk_scale
         qk_scale = 1.0
-    else:
+    else:  # unused placeholders: _scores takes the plain q.k product
+        ks_base = 0
+        ks_row = 0
+        desc_ks = K_SCALE
         b_rs = qk_scale
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
