@@ -64,6 +64,24 @@ def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Where a (query tile, batch * head) program of the forward / dQ grid stands: its ids, its
+    sequence's bounds, and the offsets of its layout row (counts at p_cnt, slots from p_row). The
+    caller returns early when i_m * BLOCK_M >= q_len (a helper cannot end its caller)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    i_hk = i_h // G
+    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
+    qb = (i_m * BLOCK_M) // BLOCK_Q
+    p_cnt = i_b * stride_cb + i_h * stride_ch + qb
+    p_row = i_b * stride_ib + i_h * stride_ih + qb * stride_iq
+    return i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row
+
+
+@triton.jit
 def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn, stride_vd,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   USE_TMA: tl.constexpr, BOUND: tl.constexpr, V_TRANS: tl.constexpr):
@@ -149,21 +167,15 @@ def fwd_kernel(
 ):
     """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT."""
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    i_hk = i_h // G
-    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
+    i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
+        CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        BLOCK_Q, BLOCK_M, IS_VARLEN)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
-    qb = (i_m * BLOCK_M) // BLOCK_Q
-    p_cnt = i_b * stride_cb + i_h * stride_ch + qb
     count = tl.load(COUNTS + p_cnt)
     n_full = tl.load(N_FULL + p_cnt)
-    p_row = i_b * stride_ib + i_h * stride_ih + qb * stride_iq
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, D_PAD)
@@ -387,21 +399,15 @@ def bwd_dq_kernel(
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Grid (query tiles, B * H), visiting the same schedule as the forward."""
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    i_hk = i_h // G
-    q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
+    i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
+        CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        BLOCK_Q, BLOCK_M, IS_VARLEN)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
-    qb = (i_m * BLOCK_M) // BLOCK_Q
-    p_cnt = i_b * stride_cb + i_h * stride_ch + qb
     count = tl.load(COUNTS + p_cnt)
     n_full = tl.load(N_FULL + p_cnt)
-    p_row = i_b * stride_ib + i_h * stride_ih + qb * stride_iq
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, D_PAD)
     m_m = o_m < q_len

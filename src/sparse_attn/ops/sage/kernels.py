@@ -2,7 +2,7 @@
 forward kernel with its QUANT flag). @triton.jit only.
 
 Symbol legend
-    i_t, i_bh    program's row tile and (batch, head)       o_m, o_d   row / head-dim offsets
+    i_b, i_h     program's batch and head (the grid is (row tiles, B * H))   o_m, o_d   row / head-dim offsets
     b_*          on-chip blocks                              m_*        masks
     SPAN, PERIOD a scale group: rows of one SPAN-row span that are equal modulo PERIOD
                  (PERIOD 1: SPAN contiguous rows; SageAttention's per-block / per-warp groups;
@@ -12,6 +12,13 @@ import triton
 import triton.language as tl
 
 INT8_MAX = tl.constexpr(127.0)
+
+
+@triton.jit
+def _row_tile(H, TILE: tl.constexpr, D_PAD: tl.constexpr):
+    """(batch, head, row offsets, head-dim offsets) of a (row tile, batch * head) program."""
+    i_bh = tl.program_id(1)
+    return i_bh // H, i_bh % H, tl.program_id(0) * TILE + tl.arange(0, TILE), tl.arange(0, D_PAD)
 
 
 @triton.jit
@@ -27,12 +34,7 @@ def quant_rows_kernel(
 ):
     """Grid (row tiles, B * H). int8 rows of X (minus MEAN [.., D] when SMOOTH) with one fp32 scale
     per group, written per row to SCALE (token stride 1) so the attention kernel needs no group logic."""
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    o_m = i_t * TILE + tl.arange(0, TILE)
-    o_d = tl.arange(0, D_PAD)
+    i_b, i_h, o_m, o_d = _row_tile(H, TILE, D_PAD)
     m_m = o_m < L
     m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
     p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh + o_m.to(tl.int64)[:, None] * stride_xm + o_d[None, :]
@@ -62,12 +64,7 @@ def quant_v_fp8_kernel(
 ):
     """Grid (row tiles, B * H). V / SCALE (one scale per channel) as FP8 e4m3, stored transposed
     [.., D, L] (token stride 1) so P.V reads V K-major, as FP8 tensor-core MMAs want it."""
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    o_m = i_t * TILE + tl.arange(0, TILE)
-    o_d = tl.arange(0, D_PAD)
+    i_b, i_h, o_m, o_d = _row_tile(H, TILE, D_PAD)
     m_md = (o_m < L)[:, None] & (o_d < HEAD_DIM)[None, :]
     p_v = V + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh + o_m.to(tl.int64)[:, None] * stride_vm + o_d[None, :]
     b_v = tl.load(p_v, mask=m_md, other=0.0).to(tl.float32)  # [TILE, D]
