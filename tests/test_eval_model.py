@@ -117,6 +117,8 @@ def test_stdlib_texts_are_real_and_deterministic():
     assert [n for n, _ in a] == [n for n, _ in b] and len(a) == 3
     assert all(len(ids) >= 4000 and torch.equal(ids, other) for (_, ids), (_, other) in zip(a, b))
     assert a[0][0].endswith(".py")
+    held_out = me.stdlib_texts(tok, 2, 4000, skip=3)  # the model run's calibration texts: disjoint, next in order
+    assert [n for n, _ in held_out] == [n for n, _ in me.stdlib_texts(tok, 5, 4000)][3:]
 
 
 def test_layers_option():

@@ -141,18 +141,23 @@ def _stdlib_files() -> list[Path]:
     return preferred + rest
 
 
-def stdlib_texts(tokenizer, n: int, min_tokens: int) -> list[tuple[str, torch.Tensor]]:
+def stdlib_texts(tokenizer, n: int, min_tokens: int, skip: int = 0) -> list[tuple[str, torch.Tensor]]:
     """``n`` (name, token ids [T]) pairs from standard-library source files holding at least
-    ``min_tokens`` tokens, deterministic for a given Python and tokenizer."""
+    ``min_tokens`` tokens, deterministic for a given Python and tokenizer; the first ``skip`` such
+    files are passed over (a calibration set disjoint from an evaluation set)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in _stdlib_files():
         ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
         if len(ids) >= min_tokens:
+            if skip:
+                skip -= 1
+                continue
             out.append((str(path.relative_to(root)), torch.tensor(ids, dtype=torch.long)))
         if len(out) == n:
             return out
-    raise ValueError(f"found only {len(out)} standard-library files with >= {min_tokens} tokens (asked for {n})")
+    raise ValueError(f"found only {len(out)} standard-library files with >= {min_tokens} tokens after the skipped "
+                     f"ones (asked for {n})")
 
 
 # ---------------------------------------------------------------------- metrics
@@ -250,13 +255,13 @@ class PatternRun:
 
 
 def evaluate(model, tokenizer, runs: list[PatternRun], lengths: list[int], n_texts: int = 3, new_tokens: int = 32,
-             on_step: Callable[[str], None] | None = None) -> dict:
+             on_step: Callable[[str], None] | None = None, skip_texts: int = 0) -> dict:
     """Every (length, text): one dense run (the model's own attention) and one run per pattern
     through the sparse_attn integration. Returns ``{"texts", "rows", "summary"}`` (rows per text,
-    summary averaged over texts per (pattern, length))."""
+    summary averaged over texts per (pattern, length)). ``skip_texts``: see :func:`stdlib_texts`."""
     from .integrations.transformers import disable, enable
     device = next(model.parameters()).device
-    texts = stdlib_texts(tokenizer, n_texts, max(lengths))
+    texts = stdlib_texts(tokenizer, n_texts, max(lengths), skip=skip_texts)
     rows = []
     for length in lengths:
         for name, ids in texts:

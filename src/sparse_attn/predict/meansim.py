@@ -34,7 +34,9 @@ The rule, per (batch b, query head h), with ``g = Hq // Hkv`` and kv head ``h //
 The block mask is dense in blocks, ``O(B * Hq * Qb * Kb)`` memory (never per token), and so is the
 layout (``max_k = Kb``: rows are packed in place). Nothing reads a value back to the host when the
 thresholds are plain numbers: on CUDA the pooling is one Triton kernel (``ops/block_pool``) and the
-layout arrives with the kernels' schedule, so a fresh prediction adds no host sync to attention.
+layout arrives with the kernels' schedule, so a fresh prediction adds no host sync to attention. Steps 3-6
+and the packing run as one more Triton kernel on CUDA (``ops/block_select``, rows up to 4096 key
+blocks; its twin is :func:`select_ranked` + :func:`~sparse_attn.predict.pack.layout_from_keep`).
 
 Differences from SpargeAttn's ``get_block_map_meansim``: self-similarity there is the mean
 pairwise cosine of the block's tokens (``|mean of unit vectors|^2``), here the mean cosine to
@@ -50,8 +52,9 @@ from typing import Sequence
 import torch
 
 from ..layout import BlockLayout, check_block_size
+from ..ops import block_select
 from ..ops.block_pool import block_pool_sim
-from .pack import layout_from_keep
+from .pack import causal_masks, layout_from_keep, layout_from_packed
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -203,21 +206,44 @@ def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[f
         mq, sq = block_pool_sim(q.detach(), block_q, work)          # [B, Hq, Qb, D], [B, Hq, Qb]
         mk, sk = block_pool_sim(k.detach(), block_k, work)          # [B, Hkv, Kb, D], [B, Hkv, Kb]
         nq, nk = mq.shape[2], mk.shape[2]
-        sk = sk[:, :, None].expand(B, Hkv, group, nk).reshape(B, Hq, nk)  # [B, Hq, Kb]
-        q_similar = sq >= sim_thr                                   # [B, Hq, Qb]
-        k_similar = sk >= sim_thr                                   # [B, Hq, Kb]
-        vis, diag = visible_blocks(Lq, Lk, block_q, block_k, causal, dev)  # [Qb, Kb], [Qb]
-        always = ~q_similar[..., :, None] | ~k_similar[..., None, :]      # [B, Hq, Qb, Kb]
-        kbs = torch.arange(nk, device=dev)
-        if causal:
-            always = always | (kbs[None, :] == diag[:, None])
-        if attention_sink:
-            always = always | (kbs == 0)
-        cand = vis & k_similar[..., None, :]
-        scores = torch.einsum("bhgqd,bhkd->bhgqk", mq.view(B, Hkv, group, nq, D), mk)  # GQA without a repeat
-        scores = scores.reshape(B, Hq, nq, nk) * scale              # [B, Hq, Qb, Kb]
-        ranked = select_ranked(scores, cand, cdfthreshd=cdf_t, topk=topk_t, n_visible=vis.sum(-1))
-        keep = (ranked | always) & vis
+        raw = torch.einsum("bhgqd,bhkd->bhgqk", mq.view(B, Hkv, group, nq, D), mk)  # GQA without a repeat
+        return rank_and_pack(raw.reshape(B, Hq, nq, nk), sq, sk, sim_thr, cdf_t, topk_t, q_len=Lq, kv_len=Lk,
+                             block_q=block_q, block_k=block_k, scale=scale, causal=causal, sink=attention_sink,
+                             kernel=q.is_cuda and work == torch.float32 and block_select.fits(nk))
+
+
+def rank_and_pack(raw: torch.Tensor, sq: torch.Tensor, sk: torch.Tensor, sim_thr: torch.Tensor,
+                  cdf_t: torch.Tensor | None, topk_t: torch.Tensor | None, *, q_len: int, kv_len: int, block_q: int,
+                  block_k: int, scale: float, causal: bool, sink: bool, kernel: bool) -> BlockLayout:
+    """Steps 3-6 and the packing, from the pooled statistics.
+
+    raw ``[B, Hq, Qb, Kb]`` (pooled q . pooled k, unscaled), sq ``[B, Hq, Qb]``, sk ``[B, Hkv, Kb]``;
+    sim_thr and exactly one of cdf_t / topk_t ``[1, Hq, 1]``. ``kernel``: one Triton program per
+    query-block row (``ops/block_select``, fp32, CUDA or the interpreter) instead of the PyTorch ops
+    below, its twin.
+    """
+    B, Hq, nq, nk = raw.shape
+    Hkv, dev = sk.shape[1], raw.device
+    if kernel:
+        counts, indices, mask_ids, n_full = block_select.select_pack(
+            raw, sq, sk, sim_thr.view(Hq), (topk_t if topk_t is not None else cdf_t).view(Hq),
+            topk=topk_t is not None, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k, scale=scale,
+            causal=causal, sink=sink, has_mask=causal and bool(causal_masks(q_len, kv_len, block_q, block_k)))
+        return layout_from_packed(counts, indices, mask_ids, n_full, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                                  block_k=block_k, causal=causal)
+    sk = sk[:, :, None].expand(B, Hkv, Hq // Hkv, nk).reshape(B, Hq, nk)  # [B, Hq, Kb]
+    q_similar = sq >= sim_thr                                   # [B, Hq, Qb]
+    k_similar = sk >= sim_thr                                   # [B, Hq, Kb]
+    vis, diag = visible_blocks(q_len, kv_len, block_q, block_k, causal, dev)  # [Qb, Kb], [Qb]
+    always = ~q_similar[..., :, None] | ~k_similar[..., None, :]      # [B, Hq, Qb, Kb]
+    kbs = torch.arange(nk, device=dev)
+    if causal:
+        always = always | (kbs[None, :] == diag[:, None])
+    if sink:
+        always = always | (kbs == 0)
+    cand = vis & k_similar[..., None, :]
+    ranked = select_ranked(raw * scale, cand, cdfthreshd=cdf_t, topk=topk_t, n_visible=vis.sum(-1))
+    keep = (ranked | always) & vis
     # == BlockLayout.from_block_mask(keep) & patterns.causal(Lq, Lk) under causal, packed in place with no
     # host sync (this runs on every forward); on CUDA the kernels' schedule comes with it
-    return layout_from_keep(keep, q_len=Lq, kv_len=Lk, block_q=block_q, block_k=block_k, causal=causal)
+    return layout_from_keep(keep, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k, causal=causal)

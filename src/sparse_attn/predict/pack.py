@@ -78,8 +78,7 @@ def layout_from_keep(keep: torch.Tensor, *, q_len: int, kv_len: int, block_q: in
     if causal:
         visible, partial = causal_grid(q_len, kv_len, block_q, block_k, dev)
         keep = keep & visible
-        if _any_partial(q_len, kv_len, block_q, block_k):
-            masks = (CAUSAL,)
+        masks = causal_masks(q_len, kv_len, block_q, block_k)
     if nk == 0:
         counts = torch.zeros(B, H, nq, dtype=torch.int32, device=dev)
         indices = torch.zeros(B, H, nq, 0, dtype=torch.int32, device=dev)
@@ -96,13 +95,37 @@ def layout_from_keep(keep: torch.Tensor, *, q_len: int, kv_len: int, block_q: in
                 -1, slot, torch.where(keep & partial, 0, -1).to(torch.int32))
         else:
             mask_ids = torch.full_like(csum, -1)
-    layout = BlockLayout(block_q, block_k, q_len, kv_len, counts, indices, mask_ids, masks)
-    layout._validated = True  # sorted, unique, in range by construction
-    layout._table = _mask_table(bool(masks), dev)
-    if causal:
-        mark_causal(layout)
+    layout = _packed_layout(counts, indices, mask_ids, masks, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                            block_k=block_k, causal=causal)
     if schedule if schedule is not None else keep.is_cuda:
         _seed_schedule(layout, keep, partial if masks else None)
+    return layout
+
+
+def causal_masks(q_len: int, kv_len: int, block_q: int, block_k: int) -> tuple:
+    """The masks tuple of a packed causal layout: the causal mask when some block crosses the diagonal."""
+    return (CAUSAL,) if _any_partial(q_len, kv_len, block_q, block_k) else ()
+
+
+def layout_from_packed(counts: torch.Tensor, indices: torch.Tensor, mask_ids: torch.Tensor, n_full: torch.Tensor,
+                       *, q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> BlockLayout:
+    """A BlockLayout from rows already packed as :func:`layout_from_keep` packs them (``ops/block_select``
+    writes them so), with the schedule seeded from ``n_full`` (int32 ``[B, H, Qb]``, leading slots that need
+    no mask). Mask id 0 means the causal mask, present when :func:`causal_masks` says so."""
+    masks = causal_masks(q_len, kv_len, block_q, block_k) if causal else ()
+    layout = _packed_layout(counts, indices, mask_ids, masks, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                            block_k=block_k, causal=causal)
+    from ..ops.block_sparse.schedule import seed_ordered
+    seed_ordered(layout, n_full)
+    return layout
+
+
+def _packed_layout(counts, indices, mask_ids, masks, *, q_len, kv_len, block_q, block_k, causal) -> BlockLayout:
+    layout = BlockLayout(block_q, block_k, q_len, kv_len, counts, indices, mask_ids, masks)
+    layout._validated = True  # sorted, unique, in range by construction
+    layout._table = _mask_table(bool(masks), counts.device)
+    if causal:
+        mark_causal(layout)
     return layout
 
 

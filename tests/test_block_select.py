@@ -1,0 +1,77 @@
+"""The adaptive predictor's rank-select-pack kernel (ops/block_select) against its PyTorch twin.
+
+Both branches of ``predict.meansim.rank_and_pack`` run from the same pooled statistics, so every
+difference is the kernel's: the kept blocks, their packed order, the causal mask ids and the seeded
+schedule must all be equal. Inputs are random fp32, where a row's CDF mass landing within rounding
+of its threshold (the one place summation order could matter) has probability ~1e-6 per row; the
+seeds are fixed.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sparse_attn import viz
+from sparse_attn.accuracy import structured_qkv
+from sparse_attn.ops.block_pool import block_pool_sim
+from sparse_attn.ops.block_sparse.schedule import _build, schedule
+from sparse_attn.predict.meansim import _per_head, rank_and_pack
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="runs the Triton kernel: in the interpreter (no GPU) or on CUDA")
+
+CASES = [  # B, Hq, Hkv, Lq, Lk, block_q, block_k
+    (1, 2, 2, 256, 256, 16, 16), (2, 4, 2, 200, 333, 32, 16), (1, 2, 1, 333, 150, 16, 32),
+    (1, 2, 1, 64, 1000, 32, 64), (1, 2, 2, 17, 17, 16, 16)]
+RULES = {  # (simthreshd1, cdfthreshd, topk, attention_sink); lists: per-head values, cycled over the heads
+    "cdf0.9": (0.6, 0.9, None, False), "cdf0.5-sink": (0.5, 0.5, None, True), "topk0.3": (0.6, None, 0.3, False),
+    "cdf1": (0.6, 1.0, None, False), "per-head": ([0.2, 0.9], [0.7, 0.95], None, False),
+    "topk-per-head": (0.4, None, [0.1, 0.6], True)}
+
+
+def _both(case, rule, causal, device):
+    B, Hq, Hkv, Lq, Lk, bq, bk = case
+    sim, cdf, topk, sink = ((v * Hq)[:Hq] if isinstance(v, list) else v for v in RULES[rule])  # per head: cycled
+    q, k, _ = structured_qkv(B, Hq, max(Lq, Lk), 32, kv_heads=Hkv, dtype=torch.float32, device=device)
+    q, k = q[:, :, :Lq], k[:, :, :Lk]
+    mq, sq = block_pool_sim(q, bq, torch.float32)
+    mk, sk = block_pool_sim(k, bk, torch.float32)
+    raw = torch.einsum("bhgqd,bhkd->bhgqk", mq.view(B, Hkv, Hq // Hkv, mq.shape[2], 32), mk)
+    raw = raw.reshape(B, Hq, mq.shape[2], mk.shape[2])
+    sim_t = _per_head("simthreshd1", sim, Hq, device, torch.float32)
+    cdf_t = None if cdf is None else _per_head("cdfthreshd", cdf, Hq, device, torch.float32, 0.0, 1.0)
+    topk_t = None if topk is None else _per_head("topk", topk, Hq, device, torch.float32, 0.0, 1.0)
+    kw = dict(q_len=Lq, kv_len=Lk, block_q=bq, block_k=bk, scale=32 ** -0.5, causal=causal, sink=sink)
+    kernel = rank_and_pack(raw, sq, sk, sim_t, cdf_t, topk_t, kernel=True, **kw)
+    twin = rank_and_pack(raw.cpu(), sq.cpu(), sk.cpu(), sim_t.cpu(), None if cdf_t is None else cdf_t.cpu(),
+                         None if topk_t is None else topk_t.cpu(), kernel=False, **kw)
+    return kernel, twin
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}x{}_Lq{}Lk{}_b{}x{}".format(*c))
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_select_pack_kernel_equals_twin(case, rule, causal):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel, twin = _both(case, rule, causal, device)
+    kernel = kernel.to("cpu")
+    assert torch.equal(viz.block_states(kernel), viz.block_states(twin))
+    assert torch.equal(kernel.kv_counts, twin.kv_counts)
+    assert torch.equal(kernel.kv_indices, twin.kv_indices)
+    assert torch.equal(kernel.kv_mask_ids, twin.kv_mask_ids)
+    assert kernel.masks == twin.masks
+    built = _build(twin, None, True)
+    assert torch.equal(schedule(kernel).n_full.cpu(), built.n_full)
+    if rule != "cdf1" and twin.max_k >= 8:  # rows long enough that the rule prunes: the case tests ranking
+        assert 0.0 < twin.sparsity < 1.0
+
+
+def test_select_pack_rejects_rows_longer_than_it_ranks():
+    from sparse_attn.ops.block_select import MAX_KEY_BLOCKS, fits, select_pack
+    assert fits(MAX_KEY_BLOCKS) and not fits(MAX_KEY_BLOCKS + 1) and not fits(0)
+    z = torch.zeros(1, 1, 1, MAX_KEY_BLOCKS + 1)
+    with pytest.raises(ValueError, match="key blocks"):
+        select_pack(z, z[..., 0], z[0], torch.ones(1), torch.ones(1), topk=False, q_len=16, kv_len=16, block_q=16,
+                    block_k=16, scale=1.0, causal=False, sink=False, has_mask=False)
