@@ -22,7 +22,7 @@ def signature(fn, consts):
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
-        elif name == "sm_scale":
+        elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
         elif name.startswith("stride") or name in ("H", "G", "HKV", "Lq", "Lk", "SEQ_STEP"):
             sig[name] = "i32"
@@ -43,10 +43,13 @@ def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
-                                 CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0)
+                                 CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
+    for n_terms, tma in itertools.product((0, 2), (False, True)):
+        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
+                                 CONTIGUOUS=True, USE_TMA=tma, QUANT=0, PV_SKIP=True)
     for quant, tma, bn in itertools.product((1, 2), (False, True), (64, 128)):
         yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
-                                 USE_TMA=tma, QUANT=quant)
+                                 USE_TMA=tma, QUANT=quant, PV_SKIP=False)
     for fn in (K.bwd_dkdv_kernel, K.bwd_dq_kernel):
         for n_terms, varlen in itertools.product((0, 2), (False, True)):
             yield fn, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
@@ -56,7 +59,8 @@ def main():
     target = GPUTarget("cuda", 90, 32)
     failed = 0
     for fn, consts in variants():
-        flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N")}
+        flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N",
+                                                                 "PV_SKIP")}
         try:
             c = triton.compile(ASTSource(fn, signature(fn, consts), constexprs=consts), target=target,
                                options=dict(num_warps=8, num_stages=3))

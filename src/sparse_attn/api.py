@@ -43,7 +43,7 @@ def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | str | None = None, *,
               causal: bool = False, scale: float | None = None, return_lse: bool = False,
               quant: str | None = None, quant_granularity: str = "per_warp", smooth_k: bool = True,
-              adaptive: dict | None = None, return_layout: bool = False):
+              adaptive: dict | None = None, return_layout: bool = False, pv_threshold: float | None = None):
     """Block-sparse attention.
 
     Args:
@@ -69,6 +69,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             ``topk``, ``block_q``/``block_k``/``block``, ``attention_sink``), over the level's.
         return_layout: also return the layout that ran (predicted, given, or None), last:
             ``(out, layout)`` or ``(out, lse, layout)``; ``layout.sparsity`` is the fraction skipped.
+        pv_threshold: in (0, 1), inference only (CUDA kernels, no grad, no quant): inside the kernel,
+            a key tile whose probabilities are all below it for every query row of the tile,
+            relative to the row's running max, is dropped (no exp, no P.V), as if the layout had
+            left it out for those rows (SpargeAttn's second stage, ``pvthreshd``, as a probability).
+            Each dropped probability is < pv_threshold of its row's total.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that may see no key
@@ -76,12 +81,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     """
     check_qkv(q, k, v)
     check_scale(scale)
+    if pv_threshold is not None:
+        _check_pv_threshold(pv_threshold, q, k, v, quant)
     if isinstance(layout, str) or adaptive is not None:
         from .predict.adaptive import predicted_layout
         layout = predicted_layout(layout, q, k, causal=causal, scale=scale, options=adaptive)
     if return_layout:  # this same call (every keyword forwarded) without return_layout, then the layout
         out = attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse, quant=quant,
-                        quant_granularity=quant_granularity, smooth_k=smooth_k)
+                        quant_granularity=quant_granularity, smooth_k=smooth_k, pv_threshold=pv_threshold)
         return (*out, layout) if return_lse else (out, layout)
     if layout is not None:
         layout = check_layout(layout, q, k)
@@ -93,7 +100,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
     from .ops.block_sparse import attention_op
     kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)
-    return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse)
+    return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse, pv_threshold=pv_threshold or 0.0)
+
+
+def _check_pv_threshold(value, q, k, v, quant) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"pv_threshold must be a number in (0, 1) (a probability), got {value!r}")
+    if quant is not None:
+        raise ValueError("pv_threshold runs in the fp16/bf16 kernels; drop quant= or pv_threshold=")
+    if not _use_kernels(q):
+        raise ValueError(f"pv_threshold runs inside the CUDA kernels (the skip is decided per kernel tile); "
+                         f"got inputs on {q.device}: leave it None there")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError("pv_threshold is for inference: the output drops tiles that exact gradients need; run under "
+                         "torch.no_grad() or drop pv_threshold=")
 
 
 def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) -> BlockLayout:

@@ -63,14 +63,17 @@ def prepare(layout: BlockLayout, backward: bool = True) -> BlockLayout:
     return layout
 
 
-def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, return_lse: bool = False):
-    """Run the kernels on validated ``[B, H, L, D]`` inputs with a validated layout on q's device."""
+def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, return_lse: bool = False,
+                 pv_threshold: float = 0.0):
+    """Run the kernels on validated ``[B, H, L, D]`` inputs with a validated layout on q's device
+    (``pv_threshold`` > 0: drop negligible tiles, forward only; see ``sparse_attn.attention``)."""
     check_kernel_inputs(q, v)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out, lse = block_sparse_fwd(q, k, v, *layout_inputs(layout, needs_grad), None, None,
-                                layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2])
+                                layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
+                                pv_threshold=float(pv_threshold))
     return (out, lse) if return_lse else out
 
 

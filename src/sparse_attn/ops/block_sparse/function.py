@@ -20,16 +20,18 @@ def block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Te
                      t_mask_ids: Optional[Tensor], terms: Tensor, n_terms: int, cu_q: Optional[Tensor],
                      cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float, max_q: int,
                      max_k: int, seq_step: int = 1, cu_dk: Optional[Tensor] = None,
-                     dk_rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                     dk_rows: Optional[Tensor] = None, pv_threshold: float = 0.0) -> tuple[Tensor, Tensor]:
     """Forward; the ``t_*`` tensors (and ``cu_dk`` / ``dk_rows``, see launch.backward) only ride
-    along for backward. ``seq_step`` 2: ``cu_q`` / ``cu_k`` are (start, end) pairs per sequence."""
+    along for backward. ``seq_step`` 2: ``cu_q`` / ``cu_k`` are (start, end) pairs per sequence.
+    ``pv_threshold`` > 0 skips negligible tiles (launch.forward); forward only."""
     return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
-                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step)
+                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold=pv_threshold)
 
 
 @block_sparse_fwd.register_fake
 def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
-      terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None, dk_rows=None):
+      terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None, dk_rows=None,
+      pv_threshold=0.0):
     if cu_q is not None:
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     else:
@@ -56,25 +58,29 @@ def _(do, q, k, v, *args):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
-     terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows) = inputs
+     terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows,
+     pv_threshold) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                           t_mask_ids, terms, cu_q, cu_k, cu_dk, dk_rows)
-    ctx.meta = (n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step)
+    ctx.meta = (n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold)
 
 
 def _backward(ctx, do, dlse):
     """Gradients of q, k, v. The LSE output is not differentiable (its gradient is ignored)."""
     (q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids, terms,
      cu_q, cu_k, cu_dk, dk_rows) = ctx.saved_tensors
-    n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step = ctx.meta
+    n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold = ctx.meta
+    if pv_threshold > 0:  # the api refuses it with grad enabled; this guards direct op callers
+        raise RuntimeError("sparse_attn: pv_threshold is a forward-only (inference) option: the output dropped tiles "
+                           "that exact gradients would need")
     if t_counts is None:
         raise RuntimeError("sparse_attn: backward needs the layout's transpose, which is passed only when an input "
                            "requires grad at forward time; call attention() with grad enabled")
     dq, dk, dv = block_sparse_bwd(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,
                                   t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale,
                                   max_q, max_k, seq_step, cu_dk, dk_rows)
-    return (dq, dk, dv) + (None,) * 22
+    return (dq, dk, dv) + (None,) * 23
 
 
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)

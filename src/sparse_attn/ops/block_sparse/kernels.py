@@ -129,28 +129,42 @@ def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_le
 
 
 @triton.jit
-def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, MAY_BE_EMPTY: tl.constexpr, P_SCALE: tl.constexpr):
+def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, pv_log2, MAY_BE_EMPTY: tl.constexpr, P_SCALE: tl.constexpr,
+                  PV_SKIP: tl.constexpr):
     """One online-softmax update with raw scores b_s [BM, BN]; b_m is the running max in log2 units.
     MAY_BE_EMPTY: rows may have seen only -inf so far (masked tiles), which must not give NaN.
     P_SCALE: probabilities are multiplied by it before the cast for P.V (448 spreads [0, 1] over FP8
-    e4m3's range); the caller divides it out at the end."""
-    m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
+    e4m3's range); the caller divides it out at the end.
+    PV_SKIP: a tile whose every probability, relative to its row's running max, is below
+    ``2**pv_log2`` is dropped (no exp, no P.V): as if the layout had left it out for these rows. Such a
+    tile never raises a row max, so the running state is unchanged."""
+    b_rmax = tl.max(b_s, 1) * qk_scale
+    m_new = tl.maximum(b_m, b_rmax)
     if MAY_BE_EMPTY:
         m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
     else:
         m_use = m_new
-    b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])  # one FMA per score
-    alpha = tl.math.exp2(b_m - m_use)
-    b_l = b_l * alpha + tl.sum(b_p, 1)
-    b_acc = tl.dot((b_p * P_SCALE).to(b_v.dtype), b_v, b_acc * alpha[:, None])
-    return m_new, b_l, b_acc
+    if PV_SKIP:
+        if tl.max(b_rmax - m_use, 0) >= pv_log2:
+            b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])
+            alpha = tl.math.exp2(b_m - m_use)
+            b_l = b_l * alpha + tl.sum(b_p, 1)
+            b_acc = tl.dot((b_p * P_SCALE).to(b_v.dtype), b_v, b_acc * alpha[:, None])
+            b_m = m_new
+    else:
+        b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])  # one FMA per score
+        alpha = tl.math.exp2(b_m - m_use)
+        b_l = b_l * alpha + tl.sum(b_p, 1)
+        b_acc = tl.dot((b_p * P_SCALE).to(b_v.dtype), b_v, b_acc * alpha[:, None])
+        b_m = m_new
+    return b_m, b_l, b_acc
 
 
 @triton.jit
 def fwd_kernel(
     Q, K, V, O, LSE,
     COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE,
-    sm_scale,
+    sm_scale, pv_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -163,10 +177,11 @@ def fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_TMA: tl.constexpr, QUANT: tl.constexpr,
+    USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr,
 ):
     """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
-    Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT."""
+    Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
+    PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step)."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -235,7 +250,7 @@ def fwd_kernel(
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
         b_s = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
-        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, False, P_SCALE)
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, pv_log2, False, P_SCALE, PV_SKIP)
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
         slot = it // SUB
@@ -249,7 +264,7 @@ def fwd_kernel(
             mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:
                 b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
-        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, True, P_SCALE)
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, pv_log2, True, P_SCALE, PV_SKIP)
 
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]

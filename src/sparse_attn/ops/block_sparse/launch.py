@@ -6,6 +6,7 @@ varlen inputs are packed ``[T, H, D]`` with ``cu_seqlens`` (int32 [B + 1]).
 from __future__ import annotations
 
 import inspect
+import math
 import os
 
 import torch
@@ -180,13 +181,15 @@ def _v_strides(v: torch.Tensor, varlen: bool, v_trans: bool) -> tuple:
 
 def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
             cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
-            scales: tuple | None = None, quant: int = 0, out_dtype: torch.dtype | None = None):
+            scales: tuple | None = None, quant: int = 0, out_dtype: torch.dtype | None = None,
+            pv_threshold: float = 0.0):
     """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen). The layout arrives as its
     schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked.
 
     8-bit inputs (``quant`` 1 or 2, see kernels.py): q/k int8, ``scales = (q_scale, k_scale, v_scale)``
     (fp32 per row ``[B, H, L]`` / ``[H, T]``, and per V channel ``[B, Hkv, D]`` / ``[Hkv, D]``), v
-    in out_dtype (quant 1) or FP8 transposed (quant 2); ``out_dtype`` is the output's dtype."""
+    in out_dtype (quant 1) or FP8 transposed (quant 2); ``out_dtype`` is the output's dtype.
+    ``pv_threshold`` in (0, 1): skip K/V tiles whose probabilities are all below it (0: off)."""
     varlen = cu_q is not None
     v_trans = quant == 2
     if varlen:
@@ -210,17 +213,18 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     variant = FWD_VARIANT if _tma_ok(q, k, v) and not (quant and varlen) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
-    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT"), variant)
+    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP"),
+                  variant)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
-        sm_scale,
+        sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
         *l_strides, *_layout_strides(counts, indices),
         *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_scale_strides(v_scale, varlen),
         H, H // hkv, Lq, Lk, seq_step,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
-        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant)
+        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0)
     return out, lse
 
 
