@@ -22,7 +22,7 @@ interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and n
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _two_halves(L=128, D=32, H=2, dtype=torch.float32):
+def _two_halves(L=128, D=32, H=2, dtype=torch.float32 if DEVICE == "cpu" else torch.float16):
     g = torch.Generator().manual_seed(3)
     u = torch.zeros(D)
     u[0] = 1.0
@@ -48,10 +48,11 @@ def test_negligible_tiles_are_dropped_and_others_kept():
     out, lse = attention_op(q, k, v, dense, pv_threshold=1e-12, return_lse=True)
     first = BlockLayout.from_block_mask(torch.arange(L // 16)[None, :].expand(L // 16, -1) < L // 32,
                                         block_q=16, block_k=16, q_len=L, kv_len=L).to(DEVICE)
-    want, want_lse = reference.attention(q, k, v.nan_to_num(), first, return_lse=True)
+    want, want_lse = reference.attention(q.float(), k.float(), v.float().nan_to_num(), first, return_lse=True)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if q.dtype == torch.float32 else 3e-3  # fp16 on the GPU: its rounding of P and the output
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, want_lse, rtol=tol, atol=tol)
     kept = attention_op(q, k, v, dense, pv_threshold=1e-40)   # below e^-80: nothing is negligible
     assert torch.isnan(kept).all(dim=-1).any()
 
