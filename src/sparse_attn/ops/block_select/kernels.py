@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _order_bits(x):
     """fp32 -> int64 in [0, 2**32) ordered as the floats are (-inf lowest)."""
