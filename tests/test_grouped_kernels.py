@@ -14,7 +14,7 @@ import sparse_attn
 from sparse_attn import Group, grouped, patterns, reference
 from sparse_attn.grouped import grouped_plan, groups_from_cu_seqlens
 from sparse_attn.layout import LayoutError
-from sparse_attn.testing import assert_close_to_oracle
+from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle
 
 _no_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                      reason="interpreter tests run only without a GPU")
@@ -86,12 +86,7 @@ def _check(q, k, v, groups, *, causal=True, pattern=None, layouts=None, bwd=True
     free = _free(groups, q.shape[0])
     assert torch.equal(out[free], torch.zeros_like(out[free]))  # never written by the kernel: filled
     if bwd:
-        do = torch.randn_like(out)
-        out.backward(do)
-        o_or.backward(do.double())
-        o_lp.backward(do)
-        for name, a, b, c in zip(("dq", "dk", "dv"), (q, k, v), oracle, lowp):
-            assert_close_to_oracle(a.grad, c.grad, b.grad, name=name)
+        assert_grads_close_to_oracle((out, o_lp, o_or), torch.randn_like(out), (q, k, v), lowp, oracle)
         assert torch.equal(q.grad[free], torch.zeros_like(q.grad[free]))  # dQ rows in no group: exactly 0
     return out, lse
 

@@ -11,7 +11,7 @@ import sparse_attn
 from sparse_attn import reference
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
-from sparse_attn.testing import assert_close_to_oracle
+from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -50,12 +50,7 @@ def _check_fwd_bwd(layout, q, k, v, bwd=True):
     fin = torch.isfinite(lse_or)
     assert (lse[fin].double() - lse_or[fin]).abs().max() < 1e-2
     if bwd:
-        do = torch.randn_like(out)
-        out.backward(do)
-        o_or.backward(do.double())
-        o_lp.backward(do)
-        for name, a, b, c in zip(("dq", "dk", "dv"), (q, k, v), oracle, lowp):
-            assert_close_to_oracle(a.grad, c.grad, b.grad, name=name)
+        assert_grads_close_to_oracle((out, o_lp, o_or), torch.randn_like(out), (q, k, v), lowp, oracle)
 
 
 @pytest.mark.parametrize("kind,lq,lk,bq,bk,hq,hkv", [

@@ -155,6 +155,19 @@ def assert_close_to_oracle(out: torch.Tensor, ref_same_dtype: torch.Tensor, orac
         raise AssertionError(f"{name} ({out.dtype}) too far from the fp64 oracle:\n  " + "\n  ".join(lines))
 
 
+def assert_grads_close_to_oracle(outs: tuple, do: torch.Tensor, inputs: tuple, lowp: tuple, oracle: tuple,
+                                 **kwargs) -> None:
+    """Rule 3 for the gradients: backpropagate ``do`` through ``outs = (kernel out, same-dtype
+    reference out, fp64 oracle out)`` and check dq, dk, dv of ``inputs`` (the kernel's q, k, v) against
+    the oracle's, next to the same-dtype reference's (``lowp``). ``kwargs`` go to assert_close_to_oracle."""
+    out, o_lp, o_or = outs
+    out.backward(do)
+    o_or.backward(do.double())
+    o_lp.backward(do)
+    for name, a, b, c in zip(("dq", "dk", "dv"), inputs, oracle, lowp):
+        assert_close_to_oracle(a.grad, c.grad, b.grad, name=name, **kwargs)
+
+
 # ----------------------------------------------------------------------------- inputs
 def random_qkv(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, dtype=torch.float32, device="cpu",
                scale: float = 1.0, seed: int | None = None, *, Dv: int | None = None,

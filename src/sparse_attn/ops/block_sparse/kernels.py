@@ -145,13 +145,10 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, pv_log2, MAY_BE_EMPTY: tl
     else:
         m_use = m_new
     if PV_SKIP:
-        if tl.max(b_rmax - m_use, 0) >= pv_log2:
-            b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])
-            alpha = tl.math.exp2(b_m - m_use)
-            b_l = b_l * alpha + tl.sum(b_p, 1)
-            b_acc = tl.dot((b_p * P_SCALE).to(b_v.dtype), b_v, b_acc * alpha[:, None])
-            b_m = m_new
+        update = tl.max(b_rmax - m_use, 0) >= pv_log2
     else:
+        update = True  # a constant: the branch below compiles away
+    if update:
         b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])  # one FMA per score
         alpha = tl.math.exp2(b_m - m_use)
         b_l = b_l * alpha + tl.sum(b_p, 1)
