@@ -14,7 +14,7 @@ from sparse_attn.ops.block_sparse import kernels as K
 
 POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
                 "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK"}
-SCALES_F32 = {"LSE", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE"}
+SCALES_F32 = {"LSE", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE", "DQA"}
 
 
 def signature(fn, consts):
@@ -24,7 +24,7 @@ def signature(fn, consts):
             sig[name] = "constexpr"
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
-        elif name.startswith("stride") or name in ("H", "G", "HKV", "Lq", "Lk", "SEQ_STEP"):
+        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
@@ -50,9 +50,13 @@ def variants():
     for quant, tma, bn in itertools.product((1, 2), (False, True), (64, 128)):
         yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=tma, QUANT=quant, PV_SKIP=False)
-    for fn in (K.bwd_dkdv_kernel, K.bwd_dq_kernel):
-        for n_terms, varlen in itertools.product((0, 2), (False, True)):
-            yield fn, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
+    for n_terms, varlen, (fused, dq_tma) in itertools.product((0, 2), (False, True),
+                                                               ((False, False), (True, False), (True, True))):
+        yield K.bwd_dkdv_kernel, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, FUSED_DQ=fused,
+                                      DQ_TMA=dq_tma)
+    for n_terms, varlen in itertools.product((0, 2), (False, True)):
+        yield K.bwd_dq_kernel, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
+    yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64)
 
 
 def main():
@@ -60,7 +64,7 @@ def main():
     failed = 0
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N",
-                                                                 "PV_SKIP")}
+                                                                 "PV_SKIP", "FUSED_DQ", "DQ_TMA")}
         try:
             c = triton.compile(ASTSource(fn, signature(fn, consts), constexprs=consts), target=target,
                                options=dict(num_warps=8, num_stages=3))

@@ -1,4 +1,4 @@
-"""Block-sparse FlashAttention kernels (forward, backward dK/dV, backward dQ). @triton.jit only.
+"""Block-sparse FlashAttention kernels (forward, backward delta, dK/dV and dQ). @triton.jit only.
 
 Symbol legend
     i_m, i_n   program's query / key tile       i_b, i_h, i_hk   batch, query head, kv head
@@ -276,10 +276,35 @@ def fwd_kernel(
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, q_base, do_base, l_base, start_m, q_len, offset,
-               o_d, pos_k, stride_qm, stride_dom, stride_lm, qk_scale, TERMS, mid,
-               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr):
-    """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products)."""
+def bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                     stride_lb, stride_lh, stride_lm, H, L,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Grid (token tiles, B * H): delta = rowsum(O * dO) in fp32, the softmax-gradient term both
+    backward kernels subtract. One read of O and dO (the PyTorch expression made three fp32 copies)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, D_PAD)
+    m_m = o_m < L
+    m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
+    b_o = tl.load(O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + o_m.to(tl.int64)[:, None] * stride_om
+                  + o_d[None, :], mask=m_md, other=0.0)
+    b_do = tl.load(DO + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh
+                   + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), axis=1)
+    tl.store(DELTA + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_m * stride_lm, b_delta, mask=m_m)
+
+
+@triton.jit
+def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len,
+               offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, stride_dqm, qk_scale, sm_scale, TERMS, mid,
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr,
+               FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr):
+    """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products).
+    FUSED_DQ: also add the tile's dQ share, sm_scale * dS @ K, into the fp32 accumulator DQA (TMA
+    reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     m_m = o_m < q_len
     m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
@@ -294,14 +319,21 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, q_base, do_base, l_base,
         if mid >= 0:
             b_pt = tl.where(_allowed((o_m + offset)[None, :], pos_k, TERMS, mid, N_TERMS), b_pt, 0.0)
     b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
-    b_dst = b_pt * (tl.dot(b_v, tl.trans(b_do)) - b_delta[None, :])  # [BN, BM]
-    b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk)
+    b_dst = (b_pt * (tl.dot(b_v, tl.trans(b_do)) - b_delta[None, :])).to(b_q.dtype)  # [BN, BM]
+    b_dk = tl.dot(b_dst, b_q, b_dk)
+    if FUSED_DQ:
+        b_dq = tl.dot(tl.trans(b_dst), b_k) * sm_scale  # [BM, D]
+        if DQ_TMA:
+            desc_dq.atomic_add([start_m, 0], b_dq)
+        else:
+            tl.atomic_add(DQA + dq_base + o_m.to(tl.int64)[:, None] * stride_dqm + o_d[None, :], b_dq, mask=m_md,
+                          sem="relaxed")
     return b_dk, b_dv
 
 
 @triton.jit
 def bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQA,
     T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K, CU_DK,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
@@ -311,17 +343,21 @@ def bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_dqab, stride_dqah, stride_dqam,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     HKV, G, Lq, Lk, SEQ_STEP,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
-    share it and over the transposed layout's query blocks, so no atomics are needed. Varlen: dK/dV
+    share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
     rows of sequence b start at CU_DK[b * SEQ_STEP] (CU_K itself, or a scratch buffer's offsets
-    when key slices overlap)."""
+    when key slices overlap). FUSED_DQ: dQ is accumulated here too, into the zeroed fp32 DQA (same
+    row layout as Q), by atomic adds, and the dQ kernel is not run (FA2/FA3's schedule: five
+    matmuls per block pair instead of seven)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
@@ -352,18 +388,26 @@ def bwd_dkdv_kernel(
         q_base = i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + q0.to(tl.int64) * stride_qm
         do_base = i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + q0.to(tl.int64) * stride_dom
         l_base = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + q0.to(tl.int64) * stride_lm
+        dq_base = i_b.to(tl.int64) * stride_dqab + i_h.to(tl.int64) * stride_dqah + q0.to(tl.int64) * stride_dqam
+        if DQ_TMA:  # this head's rows of the sequence; the reduce-add clips rows past q_len
+            desc_dq = tl.make_tensor_descriptor(DQA + dq_base, shape=[q_len, HEAD_DIM], strides=[stride_dqam, 1],
+                                                block_shape=[BLOCK_M, D_PAD])
+        else:
+            desc_dq = DQA
         for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
             start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, q_base, do_base, l_base, start_m, q_len,
-                                    offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, qk_scale, TERMS, 0,
-                                    BLOCK_M, HEAD_DIM, N_TERMS, False)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_dq, q_base, do_base, l_base,
+                                    dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm,
+                                    stride_dqam, qk_scale, sm_scale, TERMS, 0,
+                                    BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA)
         for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
             slot = it // SUB
             start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
             mid = tl.load(T_MASK_IDS + p_row + slot)
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, q_base, do_base, l_base, start_m, q_len,
-                                    offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, qk_scale, TERMS, mid,
-                                    BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_dq, q_base, do_base, l_base,
+                                    dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm,
+                                    stride_dqam, qk_scale, sm_scale, TERMS, mid,
+                                    BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0, FUSED_DQ, DQ_TMA)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)

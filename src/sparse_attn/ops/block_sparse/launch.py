@@ -23,6 +23,17 @@ AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
 FWD_VARIANT = os.environ.get("SPARSE_ATTN_FWD", "tma")
 # benchmarks only: visit even contiguous runs through per-tile index loads (the bookkeeping cost)
 FORCE_INDEXED = False
+# backward schedule: "fused" (one kernel: dQ accumulated by fp32 atomic adds next to dK/dV, five matmuls
+# per block pair; dQ's summation order, so its last bits, vary run to run) or "split" (a second kernel
+# recomputes P for dQ: seven matmuls, deterministic). SPARSE_ATTN_BWD=split for bitwise-reproducible dQ.
+# Fused measured 2.5-6.5% faster on H100 (bwd-fused-h100.json). "fused-ptr" (benchmarks): fused with
+# per-element atomics instead of TMA reduce-adds.
+BWD_VARIANT = os.environ.get("SPARSE_ATTN_BWD", "fused")
+if BWD_VARIANT not in ("fused", "split", "fused-ptr"):
+    raise ValueError(f"SPARSE_ATTN_BWD must be 'fused' or 'split' (or 'fused-ptr'), got {BWD_VARIANT!r}")
+# benchmarks only (benchmarks/bwd_probe.py): kind ("dkdv" / "dkdv-fused" / "dq") -> configs replacing bwd_configs;
+# clear _TUNED after changing it
+BWD_SPACE_OVERRIDE: dict = {}
 
 
 def _divisors(block: int, options=(16, 32, 64, 128)) -> list[int]:
@@ -57,7 +68,6 @@ def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr") ->
     return [c for c in space if _keep_fwd(c, block_q, block_k, d_pad)]
 
 
-_ALLOCATOR_SET = False
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -68,54 +78,78 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _ensure_allocator() -> None:
-    """Device-side descriptors live in a scratch buffer that Triton asks the host allocator for."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET = True
+    """Device-side descriptors live in a scratch buffer that Triton asks the host allocator for.
+    Triton keeps the allocator in a context variable, so it is set on every launch: autograd runs the
+    backward on its own thread, where one set during the forward is not visible."""
+    triton.set_allocator(_scratch)
 
 
-def bwd_configs(block_q: int, block_k: int, d_pad: int) -> list[triton.Config]:
-    """For dK/dV BLOCK_N is the key tile and BLOCK_M the inner query tile; for dQ the reverse."""
+def bwd_configs(block_q: int, block_k: int, d_pad: int, kind: str = "dkdv") -> list[triton.Config]:
+    """``kind`` "dkdv", "dkdv-fused" (dK/dV kernel with dQ atomics) or "dq". For dK/dV BLOCK_N is the
+    key tile and BLOCK_M the inner query tile; for dQ the reverse.
+
+    Measured on H100 (bf16, d128, 16K causal and random 0.25; benchmarks/results/bwd-configs-h100.json,
+    bwd-fused-h100.json): 8 warps beat 4 by 1.4-2.4x at 64x128 tiles, 3 stages gain nothing over 2
+    (the fused kernel loses 3-7% with them), dQ's 128x128 tile is 2-3% faster than 128x64, and the
+    fused kernel's 128x128 tile does not fit in shared memory."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1}, num_warps=4, num_stages=1)]
-    pairs = [(m, n) for m, n in ((64, 128), (128, 64), (64, 64)) if block_q % m == 0 and block_k % n == 0]
-    pairs = pairs or [(_divisors(block_q)[-1], _divisors(block_k)[-1])]
+    # best first: default_config takes the first one when autotuning is off (64x64 tiles: small layout
+    # blocks, and d256, where only they fit)
+    if kind == "dkdv-fused":  # 128x64 needs 241 KB of shared memory with the dQ staging: no fit
+        tiles = ((64, 128, 8),)
+    else:
+        tiles = ((64, 128, 8), (128, 64, 8)) if kind == "dkdv" else ((128, 128, 8), (128, 64, 8))
+    tiles += ((64, 64, 8), (64, 64, 4))
     space = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": 2}, num_warps=w, num_stages=2)
-             for m, n in pairs for w in (4, 8)]
+             for m, n, w in tiles if block_q % m == 0 and block_k % n == 0]
+    if not space:
+        m, n = _divisors(block_q)[-1], _divisors(block_k)[-1]
+        space = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": 2}, num_warps=4, num_stages=2)]
     return [c for c in space if not (d_pad >= 256 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)] or space[-1:]
 
 
 _TUNED: dict = {}
 
 
-def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple, variant: str = "ptr"):
+def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple, variant: str = "ptr",
+           reset_to_zero: tuple = ()):
     """The autotuned kernel for this (layout blocks, head dim) family. Autotune key is on head dim,
-    dtype and flags, never on raw sequence length (which would recompile per length)."""
+    dtype and flags, never on raw sequence length (which would recompile per length).
+    ``reset_to_zero``: accumulator arguments the autotuner re-zeroes around its trial runs."""
     k = (kind, block_q, block_k, d_pad, variant)
     if k not in _TUNED:
         if kind == "fwd":
             configs = fwd_configs(block_q, block_k, d_pad, variant)
         else:
-            configs = bwd_configs(block_q, block_k, d_pad)
+            configs = BWD_SPACE_OVERRIDE.get(kind) or bwd_configs(block_q, block_k, d_pad, kind)
         if not AUTOTUNE:
             configs = [default_config(configs, kind, d_pad)]
         if len(configs) > 1:
             kw = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-            _TUNED[k] = triton.autotune(configs, key=list(key), **kw)(kernel)
+            _TUNED[k] = triton.autotune(configs, key=list(key), reset_to_zero=list(reset_to_zero) or None,
+                                        **kw)(kernel)
         else:
             _TUNED[k] = _Fixed(kernel, configs[0])
     return _TUNED[k]
 
 
 def default_config(configs: list[triton.Config], kind: str, d_pad: int) -> triton.Config:
-    """A reasonable untuned pick: the largest tiles, 8 warps for 128x128 forward tiles, 2-3 stages."""
+    """A reasonable untuned pick: forward, the largest tiles, 8 warps for 128x128 tiles, 3 stages;
+    backward, the first config (bwd_configs lists them best first)."""
+    if kind != "fwd":
+        return configs[0]
+
     def score(c):
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        want_bn = 64 if kind == "fwd" and d_pad >= 128 else 128
-        want_stages = 2 if d_pad >= 256 else (3 if kind == "fwd" else 2)
+        want_bn = 64 if d_pad >= 128 else 128
+        want_stages = 2 if d_pad >= 256 else 3
         want_warps = 8 if bm * bn >= 128 * 64 else 4
         return (bm, -abs(bn - want_bn), c.num_warps == want_warps, -abs(c.kwargs["NUM_STAGES"] - want_stages))
     return max(configs, key=score)
@@ -228,11 +262,33 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     return out, lse
 
 
+def _delta(out: torch.Tensor, do: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """fp32 ``rowsum(out * do)``: ``[B, H, L]`` for dense ``[B, H, L, Dv]`` inputs, ``[H, T]`` (the
+    LSE's layout) for packed ``[T, H, Dv]`` ones."""
+    if varlen:
+        L, H, dv = out.shape
+        B = 1
+        delta = torch.empty(H, L, device=out.device, dtype=torch.float32)
+        l_strides = (0, delta.stride(0), delta.stride(1))
+    else:
+        B, H, L, dv = out.shape
+        delta = torch.empty(B, H, L, device=out.device, dtype=torch.float32)
+        l_strides = delta.stride()
+    if delta.numel():
+        block_m = 16 if INTERPRET else 64
+        kernels.bwd_delta_kernel[(triton.cdiv(L, block_m), B * H)](
+            out, do, delta, *_qkv_strides(out, varlen), *_qkv_strides(do, varlen), *l_strides, H, L,
+            HEAD_DIM=dv, D_PAD=_d_pad(dv), BLOCK_M=block_m, num_warps=4)
+    return delta
+
+
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
              terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int,
              seq_step: int = 1, cu_dk=None, dk_rows=None):
     """Returns (dq, dk, dv). dK/dV walk the transposed schedule; each program owns one key tile of
-    one kv head and loops over that head's query-head group, so no atomics are needed.
+    one kv head and loops over that head's query-head group, so dK/dV need no atomics. dQ: with
+    BWD_VARIANT "fused" the same programs add it into an fp32 buffer (atomics); "split" runs a dQ
+    kernel over the forward schedule.
 
     Overlapping key slices (grouped attention, ``seq_step`` 2): each sequence writes its dK/dV rows
     into a scratch buffer at the (start, end) pairs ``cu_dk``; ``dk_rows`` (int64 [scratch rows])
@@ -243,38 +299,52 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         B = _num_seqs(cu_q, seq_step)
         Lq, Lk = max_q, max_k
         hkv = k.shape[1]
-        delta = (out.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [H, T]
         l_strides = (0, lse.stride(0), lse.stride(1))
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
-        delta = (out.float() * do.float()).sum(-1)  # [B, H, Lq]
         l_strides = lse.stride()
-    # (start, end) pairs (seq_step 2, grouped attention) need not cover q: the dQ kernel writes only group
-    # rows, so rows in no group must start at 0
-    dq = torch.zeros_like(q) if seq_step == 2 else torch.empty_like(q)
+    delta = _delta(out, do, varlen)
+    d_pad = _d_pad(D)
+    # the fused kernel's extra dQ tile does not fit in shared memory beside d256 tiles: split there
+    fused = BWD_VARIANT in ("fused", "fused-ptr") and d_pad <= 128
+    if fused:  # fp32 accumulator, zeroed: rows in no group (seq_step 2) or no block stay 0
+        dqa = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        dq_tma = BWD_VARIANT == "fused" and _tma_ok(dqa) and D % 4 == 0
+        if dq_tma:
+            _ensure_allocator()
+    else:
+        dqa, dq_tma = None, False
+        # (start, end) pairs (seq_step 2, grouped attention) need not cover q: the dQ kernel writes only
+        # group rows, so rows in no group must start at 0
+        dq = torch.zeros_like(q) if seq_step == 2 else torch.empty_like(q)
     if dk_rows is None:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         cu_dk = cu_k
     else:
         dk = k.new_empty(dk_rows.numel(), *k.shape[1:])
         dv = v.new_empty(dk_rows.numel(), *v.shape[1:])
-    d_pad = _d_pad(D)
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
-    kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv", block_q, block_k, d_pad, _KEY)
+    kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
+                  _KEY + ("FUSED_DQ", "DQ_TMA"), variant="tma" if dq_tma else "ptr",
+                  reset_to_zero=("DQA",) if fused else ())
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
-        q, k, v, do, lse, delta, dk, dv, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk, sm_scale,
-        *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
-        *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen), *_layout_strides(t_counts, t_indices),
-        hkv, H // hkv, Lq, Lk, seq_step, **common)
-    kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
-    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
-    kern[grid](
-        q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
-        *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
-        *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-        H, H // hkv, Lq, Lk, seq_step, **common)
+        q, k, v, do, lse, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
+        sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
+        *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
+        *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
+        hkv, H // hkv, Lq, Lk, seq_step, FUSED_DQ=fused, DQ_TMA=dq_tma, **common)
+    if fused:
+        dq = dqa.to(q.dtype)
+    else:
+        kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
+        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+        kern[grid](
+            q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
+            *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
+            *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
+            H, H // hkv, Lq, Lk, seq_step, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk.float()).to(k.dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv.float()).to(v.dtype)

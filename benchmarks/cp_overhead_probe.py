@@ -1,0 +1,99 @@
+"""Where the context-parallel forward loses time at small per-GPU sizes: one rank's CP call against
+the same local work, with parts of the CP path switched off one at a time.
+
+    torchrun --standalone --nproc_per_node=N benchmarks/cp_overhead_probe.py --out $OUT/cp-overhead.json
+
+Rows (per-rank medians of CUDA-event times, a barrier before each repetition):
+  local            this rank's per-group attention calls on K/V already in memory (no communication)
+  cp               zigzag_llama3_attention as shipped
+  cp_no_check      the same with the cross-rank input check (an all_gather read back on the host) skipped
+  gather_only      the K/V all-gather and merge alone
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import triton
+
+import sparse_attn
+from sparse_attn.parallel import zigzag as zz
+from sparse_attn.parallel.comm import HeadChunkGather
+from sparse_attn.parallel.plan import dense_plan
+
+
+def median_ms(fn, reps=30, warmup=5):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens-per-gpu", type=int, nargs="+", default=[8192])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    H, Hkv, D = 32, 8, 128
+    rows = []
+    for tokens in a.tokens_per_gpu:
+        L = tokens * world
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        q = torch.randn(1, H, tokens, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, Hkv, tokens, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        kf, vf = (torch.randn(1, Hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        plan = dense_plan(L, world, rank)
+        groups = plan.groups(True)
+
+        def local():
+            for gr in groups:
+                sparse_attn.attention(q[:, :, gr.q_start:gr.q_end], kf[:, :, gr.k_start:gr.k_end],
+                                      vf[:, :, gr.k_start:gr.k_end], causal=True)
+
+        def cp():
+            zz.zigzag_llama3_attention(q, k, v, causal=True)
+
+        def gather_only():
+            HeadChunkGather((k, v), [(0, Hkv)], plan)[0]
+
+        real_check = zz.check_consistent_shapes
+        res = {"local": median_ms(local), "cp": median_ms(cp), "gather_only": median_ms(gather_only)}
+        zz.check_consistent_shapes = lambda *args, **kw: None
+        try:
+            res["cp_no_check"] = median_ms(cp)
+        finally:
+            zz.check_consistent_shapes = real_check
+        got = [None] * world
+        dist.all_gather_object(got, res)
+        row = {"tokens_per_gpu": tokens, "world": world, "per_rank": got}
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    if rank == 0:
+        Path(a.out).write_text(json.dumps({
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "script": "benchmarks/cp_overhead_probe.py", "rows": rows}, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
