@@ -76,7 +76,7 @@ def table(merged: dict) -> str:
                  "TFLOP/s are effective (blocks visited x 4·B·H·block²·D, fwd+bwd counted x3.5); "
                  "cuDNN rows are dense (causal-dense for causal patterns) attention. "
                  "¹ Flex failed in that run: at D=64 its compiled kernel needs 245,760 B of shared memory "
-                 "(limit 232,448); causal fwd+bwd ran out of memory.")
+                 "(limit 232,448).")
     if "one_million_tokens" in h:
         r = h["one_million_tokens"]["rows"][0]
         lines.append(f"1M tokens, sliding window 4096, B=1, H=32, D=128, forward: {r['ms']:.0f} ms "

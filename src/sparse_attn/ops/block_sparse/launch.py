@@ -100,19 +100,24 @@ def bwd_configs(block_q: int, block_k: int, d_pad: int, kind: str = "dkdv") -> l
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1}, num_warps=4, num_stages=1)]
-    # best first: default_config takes the first one when autotuning is off (64x64 tiles: small layout
-    # blocks, and d256, where only they fit)
+    # Large tiles only where they fit: the autotune key leaves out sequence lengths (a new length must
+    # not re-tune) and Triton caches its choice on disk, so a space holding 64x64 tiles let the first
+    # small call pick them for good, 1.6-1.7x slower at 16K (measured). 64x64 is the fallback for small
+    # layout blocks and d256. Best first: default_config takes the first.
     if kind == "dkdv-fused":  # 128x64 needs 241 KB of shared memory with the dQ staging: no fit
-        tiles = ((64, 128, 8),)
+        big = ((64, 128, 8),)
     else:
-        tiles = ((64, 128, 8), (128, 64, 8)) if kind == "dkdv" else ((128, 128, 8), (128, 64, 8))
-    tiles += ((64, 64, 8), (64, 64, 4))
-    space = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": 2}, num_warps=w, num_stages=2)
-             for m, n, w in tiles if block_q % m == 0 and block_k % n == 0]
+        big = ((64, 128, 8), (128, 64, 8)) if kind == "dkdv" else ((128, 128, 8), (128, 64, 8))
+
+    def fitting(tiles):
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": 2}, num_warps=w, num_stages=2)
+                for m, n, w in tiles if block_q % m == 0 and block_k % n == 0]
+
+    space = (fitting(big) if d_pad <= 128 else []) or fitting(((64, 64, 8), (64, 64, 4)))
     if not space:
         m, n = _divisors(block_q)[-1], _divisors(block_k)[-1]
         space = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": 2}, num_warps=4, num_stages=2)]
-    return [c for c in space if not (d_pad >= 256 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)] or space[-1:]
+    return space
 
 
 _TUNED: dict = {}
