@@ -20,7 +20,8 @@ import torch
 from . import metrics
 from .reference import attention as reference_attention
 
-__all__ = ["oracle_attention", "assert_close_to_oracle", "default_atol_floor", "random_qkv",
+__all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
+           "assert_layout_grads_close_to_oracle", "default_atol_floor", "random_qkv",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
 
@@ -166,6 +167,19 @@ def assert_grads_close_to_oracle(outs: tuple, do: torch.Tensor, inputs: tuple, l
     o_lp.backward(do)
     for name, a, b, c in zip(("dq", "dk", "dv"), inputs, oracle, lowp):
         assert_close_to_oracle(a.grad, c.grad, b.grad, name=name, **kwargs)
+
+
+def assert_layout_grads_close_to_oracle(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout,
+                                        **kwargs) -> None:
+    """Rule 3 for the gradients of ``fn(q, k, v, layout)`` (q/k/v leaves requiring grad): runs it,
+    the same-dtype reference and the fp64 oracle on detached copies, backpropagates one random
+    ``do`` through all three and checks dq, dk, dv (:func:`assert_grads_close_to_oracle`)."""
+    out = fn(q, k, v, layout)
+    oracle = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    lowp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o_or = reference_attention(*oracle, layout)
+    o_lp = reference_attention(*lowp, layout, _lowp=True)
+    assert_grads_close_to_oracle((out, o_lp, o_or), torch.randn_like(out), (q, k, v), lowp, oracle, **kwargs)
 
 
 # ----------------------------------------------------------------------------- inputs
