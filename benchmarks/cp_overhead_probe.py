@@ -15,7 +15,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -27,21 +27,8 @@ from sparse_attn.parallel import zigzag as zz
 from sparse_attn.parallel.comm import HeadChunkGather
 from sparse_attn.parallel.plan import dense_plan
 
-
-def median_ms(fn, reps=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cp_run import Timer  # noqa: E402  the CP benchmark's timing: barrier, sync, CUDA-event median
 
 
 def main():
@@ -53,6 +40,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     H, Hkv, D = 32, 8, 128
+    timer = Timer(torch.device("cuda"))
+    median_ms = lambda fn: timer.median_ms(fn, reps=30, warmup=5, barrier=True)  # noqa: E731
     rows = []
     for tokens in a.tokens_per_gpu:
         L = tokens * world

@@ -13,7 +13,7 @@ import torch
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, causal_term, window_term
 from sparse_attn.ops.block_sparse import launch
-from sparse_attn.testing import assert_layout_grads_close_to_oracle
+from sparse_attn.testing import assert_layout_grads_close_to_oracle, split_and_fused_grads
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -80,20 +80,12 @@ def test_varlen_backward_matches_fp64_reference(variant):
         assert err < 1e-2, f"{variant} {name}: max error {err}"
 
 
-def test_split_is_bitwise_reproducible_and_fused_agrees_with_it(monkeypatch):
-    from sparse_attn.ops.block_sparse import attention_op
+def test_split_is_bitwise_reproducible_and_fused_agrees_with_it():
     layout = BlockLayout.from_mask(ElementMask((causal_term(),)), q_len=40, block_q=16, block_k=16)
     q, k, v = _qkv(2, 1, 40, 40, 16, seed=3)
     do = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(4)).half()
-
-    def grads():
-        return torch.autograd.grad(attention_op(q, k, v, layout), (q, k, v), do)
-
-    monkeypatch.setattr(launch, "BWD_VARIANT", "split")
-    first, second = grads(), grads()
+    first, second, fused = split_and_fused_grads(q, k, v, layout, do)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    monkeypatch.setattr(launch, "BWD_VARIANT", "fused")
-    fused = grads()
     assert torch.equal(fused[1], first[1]) and torch.equal(fused[2], first[2])  # dK/dV: same code path
     torch.testing.assert_close(fused[0], first[0], rtol=2e-3, atol=2e-3)  # dQ: another summation order
 

@@ -99,6 +99,18 @@ def _finish_vs_length(fig, ax, path, *, has_data: bool, ylabel: str, empty_msg: 
     return _save(fig, path)
 
 
+def _plot_pattern_lines(ax, tables, attr: str) -> bool:
+    """One line per pattern table of ``attr`` (a row field) against sequence length, skipping rows
+    without it; True if any line was drawn."""
+    drawn = False
+    for t in tables:
+        pts = [(r.seq_len, getattr(r, attr)) for r in t.rows if getattr(r, attr)]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=t.pattern)
+            drawn = True
+    return drawn
+
+
 def plot_runtime(rows: list[Row], path, title_suffix: str = "", config: dict | None = None) -> Path:
     """Runtime vs T, log-log: one line per pattern, the best dense baseline and naive attention."""
     tables = plot_tables(rows, config)
@@ -115,11 +127,7 @@ def plot_runtime(rows: list[Row], path, title_suffix: str = "", config: dict | N
         if pts:
             ax.plot(*zip(*pts), color="grey", ls=":", lw=2, marker="x", label=label)
             any_line = True
-    for t in tables:
-        pts = [(r.seq_len, r.pattern_ms) for r in t.rows if r.pattern_ms]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=t.pattern)
-            any_line = True
+    any_line = _plot_pattern_lines(ax, tables, "pattern_ms") or any_line
     return _finish_vs_length(fig, ax, path, has_data=any_line, ylabel="ms", empty_msg="no timed rows", log_y=True)
 
 
@@ -127,12 +135,7 @@ def plot_speedup(rows: list[Row], path, title_suffix: str = "", config: dict | N
     """Speedup over dense vs T, one line per pattern; 1x marked."""
     tables = plot_tables(rows, config)
     fig, ax = _new_fig(f"speedup over dense vs sequence length{title_suffix}")
-    any_line = False
-    for t in tables:
-        pts = [(r.seq_len, r.speedup) for r in t.rows if r.speedup]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=t.pattern)
-            any_line = True
+    any_line = _plot_pattern_lines(ax, tables, "speedup")
     ax.axhline(1.0, color="k", lw=1, ls=":")
     return _finish_vs_length(fig, ax, path, has_data=any_line, ylabel="dense ms / pattern ms",
                              empty_msg="no speedups (no dense or no pattern timings)", log_y=any_line)

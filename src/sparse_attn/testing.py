@@ -21,7 +21,7 @@ from . import metrics
 from .reference import attention as reference_attention
 
 __all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
-           "assert_layout_grads_close_to_oracle", "default_atol_floor", "random_qkv",
+           "assert_layout_grads_close_to_oracle", "split_and_fused_grads", "default_atol_floor", "random_qkv",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
 
@@ -180,6 +180,23 @@ def assert_layout_grads_close_to_oracle(fn, q: torch.Tensor, k: torch.Tensor, v:
     o_or = reference_attention(*oracle, layout)
     o_lp = reference_attention(*lowp, layout, _lowp=True)
     assert_grads_close_to_oracle((out, o_lp, o_or), torch.randn_like(out), (q, k, v), lowp, oracle, **kwargs)
+
+
+def split_and_fused_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, do: torch.Tensor) -> tuple:
+    """Gradients of the block-sparse kernels' ``attention_op(q, k, v, layout)`` for ``do`` under the
+    backward's two schedules: ``(split, split again, fused)``, each a (dq, dk, dv) tuple. Sets
+    ``ops.block_sparse.launch.BWD_VARIANT`` for the calls and restores it."""
+    from .ops.block_sparse import attention_op, launch
+
+    def grads(variant):
+        launch.BWD_VARIANT = variant
+        return torch.autograd.grad(attention_op(q, k, v, layout), (q, k, v), do)
+
+    saved = launch.BWD_VARIANT
+    try:
+        return grads("split"), grads("split"), grads("fused")
+    finally:
+        launch.BWD_VARIANT = saved
 
 
 # ----------------------------------------------------------------------------- inputs

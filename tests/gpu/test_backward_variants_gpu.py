@@ -9,7 +9,7 @@ import torch
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, causal_term, window_term
 from sparse_attn.ops.block_sparse import attention_op, launch
-from sparse_attn.testing import assert_layout_grads_close_to_oracle
+from sparse_attn.testing import assert_layout_grads_close_to_oracle, split_and_fused_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -37,20 +37,13 @@ def test_backward_variant_meets_rule3(variant, case, monkeypatch):
     assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)
 
 
-def test_split_reproducible_fused_within_rounding(monkeypatch):
+def test_split_reproducible_fused_within_rounding():
     layout = _layout("causal", 4096, 4096, 128, 128)
     q = torch.randn(1, 8, 4096, 128, device="cuda").bfloat16().requires_grad_()
     k, v = (torch.randn(1, 2, 4096, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
     do = torch.randn(1, 8, 4096, 128, device="cuda").bfloat16()
-
-    def grads():
-        return torch.autograd.grad(attention_op(q, k, v, layout), (q, k, v), do)
-
-    monkeypatch.setattr(launch, "BWD_VARIANT", "split")
-    first, second = grads(), grads()
+    first, second, fused = split_and_fused_grads(q, k, v, layout, do)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    monkeypatch.setattr(launch, "BWD_VARIANT", "fused")
-    fused = grads()
     assert torch.equal(fused[1], first[1]) and torch.equal(fused[2], first[2])
     scale = first[0].abs().max().item()
     assert (fused[0] - first[0]).abs().max().item() <= 1e-2 * scale  # bf16 rounding of an fp32 sum

@@ -68,8 +68,6 @@ def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr") ->
     return [c for c in space if _keep_fwd(c, block_q, block_k, d_pad)]
 
 
-
-
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """On-device TMA descriptors need sm_90+, 16-byte aligned bases and row strides."""
     if INTERPRET or not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
@@ -315,7 +313,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     fused = BWD_VARIANT in ("fused", "fused-ptr") and d_pad <= 128
     if fused:  # fp32 accumulator, zeroed: rows in no group (seq_step 2) or no block stay 0
         dqa = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        dq_tma = BWD_VARIANT == "fused" and _tma_ok(dqa) and D % 4 == 0
+        # _tma_ok's stride check also makes every head's and sequence's row base 16-byte aligned
+        dq_tma = BWD_VARIANT == "fused" and _tma_ok(dqa)
         if dq_tma:
             _ensure_allocator()
     else:
