@@ -35,24 +35,25 @@ def _seq_len(world):
     return 16 * world  # 2W chunks of 8 tokens: 32 for W=2, 64 for W=4
 
 
-def _inputs(world, hq, hkv, length=None):
+def _inputs(world, hq, hkv, length=None, dtype=torch.float64):
     g = torch.Generator().manual_seed(1234)  # same seed on every rank: every rank builds the same full tensors
     L = length or _seq_len(world)
-    mk = lambda h: torch.randn(B, h, L, D, dtype=torch.float64, generator=g)
+    mk = lambda h: torch.randn(B, h, L, D, dtype=torch.float64, generator=g).to(dtype)
     return mk(hq), mk(hkv), mk(hkv), mk(hq)
 
 
-def _compare(rank, world, hq, hkv, causal, kv_head_chunk=None, scale=None):
-    q, k, v, dout = _inputs(world, hq, hkv)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
+def _compare(rank, world, hq, hkv, causal, kv_head_chunk=None, scale=None, dtype=torch.float64, tol=TOL):
+    q, k, v, dout = _inputs(world, hq, hkv, dtype=dtype)
+    full = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out = sparse_attn.attention(*full, causal=causal, scale=scale)
-    out.backward(dout)
+    out.backward(dout.double())
 
     loc = [zigzag_split(t, world, rank).requires_grad_() for t in (q, k, v)]
     out_l = zigzag_llama3_attention(*loc, causal=causal, scale=scale, kv_head_chunk=kv_head_chunk)
+    assert out_l.is_contiguous()
     out_l.backward(zigzag_split(dout, world, rank))
     for name, got, want in [("out", out_l, out)] + [(f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", loc, full)]:
-        torch.testing.assert_close(got, zigzag_split(want.detach(), world, rank), rtol=TOL, atol=TOL,
+        torch.testing.assert_close(got.double(), zigzag_split(want.detach(), world, rank), rtol=tol, atol=tol,
                                    msg=lambda m, name=name: f"rank {rank} {name}: {m}")
 
 
@@ -80,6 +81,23 @@ def _case_all_reduce_fallback(rank, world):
         _compare(rank, world, 4, 2, causal=True, kv_head_chunk=1)
     finally:
         comm._REDUCE_SCATTER_UNSUPPORTED.discard("gloo")
+
+
+def _case_value_dim(rank, world):
+    """Dv != D: K and V cannot share one gather buffer, so each is gathered on its own."""
+    g = torch.Generator().manual_seed(77)
+    L = _seq_len(world)
+    q, k, dout = (torch.randn(B, h, L, D, dtype=torch.float64, generator=g) for h in (4, 2, 4))
+    v = torch.randn(B, 2, L, D // 2, dtype=torch.float64, generator=g)
+    dout = dout[..., :D // 2]
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    sparse_attn.attention(*full, causal=True).backward(dout)
+    loc = [zigzag_split(t, world, rank).requires_grad_() for t in (q, k, v)]
+    out_l = zigzag_llama3_attention(*loc, causal=True)
+    assert out_l.shape == (B, 4, L // world, D // 2)
+    out_l.backward(zigzag_split(dout, world, rank))
+    for name, t, f in zip("qkv", loc, full):
+        torch.testing.assert_close(t.grad, zigzag_split(f.grad, world, rank), rtol=TOL, atol=TOL)
 
 
 def _case_gather(rank, world):
@@ -142,16 +160,45 @@ def _case_varlen_one_sequence(rank, world):
 
 
 def _case_kernel_path(rank, world):
-    """The CUDA code path (kernel forward, kernel backward from the saved LSE without recompute, on
-    strided views of a packed batch, GQA) under the Triton interpreter, in fp32. Kept to one sequence
-    (2 forward + 4 backward launches): the interpreter is slow."""
+    """The CUDA code path (one grouped forward launch for the 4 groups of two sequences, kernel
+    backward from the saved LSE without recompute, on strided views of a packed batch, GQA) under the
+    Triton interpreter, in fp32. Kept to two short sequences: the interpreter is slow."""
     if os.environ.get("TRITON_INTERPRET") != "1" or world > 2:  # interpreter only; one world size is enough
         return
     local.FORCE_KERNELS = True
     try:
-        _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(3,))
+        _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(2, 1))
     finally:
         local.FORCE_KERNELS = False
+
+
+def _case_kernel_path_dense(rank, world):
+    """The kernel path on a dense batch of B=2 rows (one grouped forward launch per row), GQA, two
+    head ranges, in fp32 under the Triton interpreter."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or world > 2:
+        return
+    local.FORCE_KERNELS = True
+    try:
+        _compare(rank, world, 2, 2, causal=True, kv_head_chunk=1, dtype=torch.float32, tol=2e-5)
+    finally:
+        local.FORCE_KERNELS = False
+
+
+def _case_host_check_group(rank, world):
+    """Under NCCL the input check runs over a gloo group made beside it, once: pretend the world is
+    not gloo so that path runs here, and check a mismatch is still caught through it."""
+    from sparse_attn.parallel import comm
+    real = comm.dist.get_backend
+    comm.dist.get_backend = lambda group=None: "nccl" if group in (None, dist.group.WORLD) else real(group)
+    try:
+        comm._HOST_GROUPS.clear()
+        host = comm._host_group(None)
+        assert host is not dist.group.WORLD and real(host) == "gloo" and comm._host_group(None) is host
+        assert dist.get_process_group_ranks(host) == list(range(world))
+        _case_mismatch(rank, world)
+    finally:
+        comm.dist.get_backend = real
+        comm._HOST_GROUPS.clear()
 
 
 def _case_varlen_mismatch(rank, world):
@@ -176,9 +223,9 @@ def _case_varlen_mismatch(rank, world):
 
 
 CASES = {f.__name__.removeprefix("_case_"): f for f in
-         (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_gather,
-          _case_mismatch, _case_varlen_causal, _case_varlen_noncausal_head_chunks, _case_varlen_one_sequence,
-          _case_kernel_path, _case_varlen_mismatch)}
+         (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_value_dim,
+          _case_gather, _case_mismatch, _case_varlen_causal, _case_varlen_noncausal_head_chunks, _case_varlen_one_sequence,
+          _case_kernel_path, _case_kernel_path_dense, _case_host_check_group, _case_varlen_mismatch)}
 
 
 def _worker(rank, world, port, results):

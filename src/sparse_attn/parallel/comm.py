@@ -3,8 +3,9 @@
 Failure behaviour:
 
 - Shape, dtype or option mismatches between live ranks are caught up front by
-  :func:`check_consistent_shapes` (one small all-gather), which raises the same ``ValueError`` on
-  every rank, naming the ranks and what each passed.
+  :func:`check_consistent_shapes` (one small all-gather of host integers, over a gloo group beside
+  an NCCL one, so it never waits for the GPU), which raises the same ``ValueError`` on every rank,
+  naming the ranks and what each passed.
 - A missing or dead peer cannot be told apart from a slow one: every collective waits until the
   process group's timeout, ``init_process_group(..., timeout=datetime.timedelta(seconds=...))``
   (default 10 minutes for NCCL, 30 for gloo). With gloo the waiting call then raises; the input check
@@ -48,19 +49,43 @@ def _decode(row: list[int], names, extras) -> str:
     return ", ".join(parts)
 
 
+_HOST_GROUPS: dict = {}  # process group -> (that group, the group the input check runs over)
+
+
+def _host_group(group):
+    """The group that carries the input check on the host: ``group`` itself when its backend is gloo,
+    otherwise a gloo group over the same ranks, made on first use (only its members take part) and
+    kept. Checking host integers this way costs no device round trip: an all_gather of a CUDA tensor
+    read back with ``.tolist()`` stalls the host until the GPU has drained everything queued before
+    it, every call (0.4 ms of a 2.7 ms context-parallel forward at 8K tokens per GPU on an H100)."""
+    pg = group if group is not None else dist.group.WORLD
+    hit = _HOST_GROUPS.get(id(pg))
+    if hit is not None and hit[0] is pg:  # the entry holds pg, so its id cannot be reused meanwhile
+        return hit[1]
+    if dist.get_backend(pg) == "gloo" or not dist.is_gloo_available():
+        host = pg
+    else:
+        host = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
+    _HOST_GROUPS[id(pg)] = (pg, host)
+    return host
+
+
 def check_consistent_shapes(tensors: dict, group=None, extras: dict | None = None, what: str = "") -> None:
     """All-gather a small int tensor describing ``tensors`` (name -> tensor: shape and dtype) and
     ``extras`` (name -> int) and raise ``ValueError`` on every rank if any rank disagrees with rank 0,
     naming the ranks and what each passed. Call it before any collective whose sizes depend on them,
-    so a wrong shape on one rank is an error everywhere rather than a hang."""
+    so a wrong shape on one rank is an error everywhere rather than a hang. Runs on the host (see
+    :func:`_host_group`); falls back to ``group`` with a tensor on the inputs' device when this
+    torch has no gloo."""
     extras = extras or {}
-    device = next(iter(tensors.values())).device
     row = [v for t in tensors.values() for v in _encode(t)] + [int(v) for v in extras.values()]
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
-    rows = [torch.empty_like(mine) for _ in range(world)]
     try:
-        dist.all_gather(rows, mine, group=group)
+        host = _host_group(group)
+        device = "cpu" if dist.get_backend(host) == "gloo" else next(iter(tensors.values())).device
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine, group=host)
     except RuntimeError as e:  # a timeout or a dead peer: say what it most likely means
         raise RuntimeError(f"{what}rank {dist.get_rank(group)} of {world}: a peer did not answer the cross-rank input "
                            f"check (an all_gather): {e}. Every rank of the group must make the same call; a rank "
@@ -108,11 +133,6 @@ def reduce_scatter_zigzag(full: torch.Tensor, dim: int = 2, group=None) -> torch
 
 # ---- pipelined head-chunk collectives (used by the autograd function in zigzag.py) --------------------
 
-def _merge_pieces(buf: torch.Tensor, plan) -> torch.Tensor:
-    """``buf [W, B, h, Lloc, D]`` (rank-major, as all-gathered) -> ``[B, h, L, D]`` in global order."""
-    return torch.cat([buf[r, :, :, s:s + n] for r, s, n in plan.gather_pieces()], 2)
-
-
 def _split_pieces(full: torch.Tensor, plan) -> torch.Tensor:
     """``full [B, h, L, D]`` (global order) -> ``[W, B, h, Lloc, D]``: row r is rank r's zigzag share."""
     send = full.new_empty((plan.world_size,) + full.shape[:2] + (plan.local_tokens,) + full.shape[3:])
@@ -122,32 +142,47 @@ def _split_pieces(full: torch.Tensor, plan) -> torch.Tensor:
 
 
 class HeadChunkGather:
-    """All-gather ``tensors`` (each ``[B, H, Lloc, D]``, zigzag-local) one head range at a time, in
-    global token order. Range i+1 is already in flight (``async_op``) while the caller computes on
-    range i, so at most two ranges of gathered K/V exist at once. Every rank must walk the ranges
-    in the same order (it does: they come from shapes checked to agree)."""
+    """All-gather ``tensors`` (each ``[B, H, Lloc, D]``, zigzag-local; K and V) one head range at a
+    time, in global token order, and hand each out as a ``[B, h, L, D]`` view of one token-major
+    ``[L, n, B, h, D]`` buffer (n tensors side by side; the kernels take any strides). Per range: one
+    copy stacks the local shares token-major, one ``all_gather_into_tensor`` fills a rank-major
+    staging buffer, one concatenation of whole-row pieces puts the chunks in global order. Range i+1
+    is already in flight while the caller computes on range i, so at most two ranges of gathered K/V
+    exist at once. Every rank must walk the ranges in the same order (it does: they come from shapes
+    checked to agree). Tensors whose shapes differ (Dv != D) are gathered one by one.
+
+    Measured on 2 H200 (16K tokens, 8 heads, bf16): the all-gather takes 90 us per tensor; the
+    head-major concatenation this replaces took 67 us per tensor, the token-major one 17 us; sending
+    each chunk straight to its place with batched point-to-point ops instead took 670 us for K and V
+    (NCCL's send/recv kernel); each collective also costs the host 50-100 us before the GPU sees it."""
 
     def __init__(self, tensors, ranges, plan, group=None):
-        self.tensors, self.ranges, self.plan, self.group = tensors, ranges, plan, group
+        self.ranges, self.plan, self.group = ranges, plan, group
+        same = all(t.shape == tensors[0].shape and t.dtype == tensors[0].dtype for t in tensors)
+        self.stacks = [tuple(tensors)] if same else [(t,) for t in tensors]
         self._next = None
 
     def _issue(self, i):
         h0, h1 = self.ranges[i]
         pending = []
-        for t in self.tensors:
-            src = t[:, h0:h1].contiguous()
-            buf = src.new_empty((self.plan.world_size * src.shape[0],) + src.shape[1:])  # ranks along dim 0
-            work = _ALL_GATHER_1(buf, src, group=self.group, async_op=True)
-            pending.append((src, buf.view((self.plan.world_size,) + src.shape), work))
+        for stack in self.stacks:
+            src = torch.stack([t[:, h0:h1].permute(2, 0, 1, 3) for t in stack], 1)  # [Lloc, n, B, h, D]
+            if self.plan.world_size == 1:
+                pending.append((src, None))
+                continue
+            buf = src.new_empty((self.plan.world_size * src.shape[0],) + src.shape[1:])  # rank-major tokens
+            pending.append((buf, _ALL_GATHER_1(buf, src, group=self.group, async_op=True)))
         return i, pending
 
     def __getitem__(self, i):
         cur = self._next if self._next is not None and self._next[0] == i else self._issue(i)
         self._next = self._issue(i + 1) if i + 1 < len(self.ranges) else None
-        out = []
-        for _, buf, work in cur[1]:
-            work.wait()
-            out.append(_merge_pieces(buf, self.plan))
+        out, n_loc = [], self.plan.local_tokens
+        for buf, work in cur[1]:
+            if work is not None:
+                work.wait()
+            full = torch.cat([buf[r * n_loc + s:r * n_loc + s + n] for r, s, n in self.plan.gather_pieces()], 0)
+            out += [full[:, j].permute(1, 2, 0, 3) for j in range(full.shape[1])]
         return out
 
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 from ...layout import BlockLayout
-from .function import block_sparse_fwd
+from .function import forward_op
 from .schedule import schedule, schedule_key
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -71,7 +71,7 @@ def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, re
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    out, lse = block_sparse_fwd(q, k, v, *layout_inputs(layout, needs_grad), None, None,
+    out, lse = forward_op(q, k, v, *layout_inputs(layout, needs_grad), None, None,
                                 layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
                                 pv_threshold=float(pv_threshold))
     return (out, lse) if return_lse else out
@@ -85,7 +85,7 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    out, lse = block_sparse_fwd(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
+    out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
                                 stacked.block_q, stacked.block_k, scale, max_q, max_k)
     return (out, lse) if return_lse else out
 
@@ -104,7 +104,7 @@ def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, 
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    out, lse = block_sparse_fwd(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
+    out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
                                 stacked.block_q, stacked.block_k, scale, max_q, max_k, 2, cu_dk, dk_rows)
     if free_rows is not None:  # out of place: the op's own output is saved for backward
         out = out.index_fill(0, free_rows, 0.0)

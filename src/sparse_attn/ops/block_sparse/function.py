@@ -2,6 +2,13 @@
 
 The layout arrives as its schedule (see schedule.py): forward rows ``counts, n_full, full_start,
 indices, mask_ids`` and, when a gradient is needed, the transposed rows ``t_*`` for dK/dV.
+
+Callers go through :func:`forward_op` and :func:`backward_op`: while torch.compile traces it is the custom op; in eager mode an
+``autograd.Function`` over the same implementation and the same backward. The dispatcher path of a
+custom op (autograd wrapper, redispatch, output alias checks) cost ~85 us of host time per call on
+the lent machines (launch.forward alone ~115 us, attention_op ~200 us at L=256,
+``benchmarks/launch_overhead.py``): the host time before a kernel starts, which short calls (and
+every call of a context-parallel step) wait for.
 """
 from __future__ import annotations
 
@@ -24,8 +31,9 @@ def block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Te
     """Forward; the ``t_*`` tensors (and ``cu_dk`` / ``dk_rows``, see launch.backward) only ride
     along for backward. ``seq_step`` 2: ``cu_q`` / ``cu_k`` are (start, end) pairs per sequence.
     ``pv_threshold`` > 0 skips negligible tiles (launch.forward); forward only."""
-    return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
-                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold=pv_threshold)
+    return _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full,
+                     t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
+                     seq_step, cu_dk, dk_rows, pv_threshold)
 
 
 @block_sparse_fwd.register_fake
@@ -39,6 +47,14 @@ def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_coun
     return torch.empty_like(q), lse
 
 
+def _bwd_impl(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
+              terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None,
+              dk_rows=None):
+    return launch.backward(do.contiguous(), q, k, v, out, lse, counts, n_full, indices, mask_ids,
+                           t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k,
+                           block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows)
+
+
 @torch.library.custom_op("sparse_attn::block_sparse_bwd", mutates_args=())
 def block_sparse_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                      counts: Tensor, n_full: Tensor, indices: Tensor, mask_ids: Tensor,
@@ -46,9 +62,15 @@ def block_sparse_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                      terms: Tensor, n_terms: int, cu_q: Optional[Tensor], cu_k: Optional[Tensor],
                      block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
                      cu_dk: Optional[Tensor] = None, dk_rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    return launch.backward(do.contiguous(), q, k, v, out, lse, counts, n_full, indices, mask_ids,
-                           t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k,
-                           block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows)
+    return _bwd_impl(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
+                     t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
+                     cu_dk, dk_rows)
+
+
+def backward_op(*args):
+    """The backward kernels (arguments as :func:`block_sparse_bwd`): the custom op while torch.compile
+    traces, a plain call otherwise."""
+    return block_sparse_bwd(*args) if torch.compiler.is_compiling() else _bwd_impl(*args)
 
 
 @block_sparse_bwd.register_fake
@@ -77,10 +99,44 @@ def _backward(ctx, do, dlse):
     if t_counts is None:
         raise RuntimeError("sparse_attn: backward needs the layout's transpose, which is passed only when an input "
                            "requires grad at forward time; call attention() with grad enabled")
-    dq, dk, dv = block_sparse_bwd(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,
-                                  t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale,
-                                  max_q, max_k, seq_step, cu_dk, dk_rows)
+    dq, dk, dv = backward_op(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,
+                             t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale,
+                             max_q, max_k, seq_step, cu_dk, dk_rows)
     return (dq, dk, dv) + (None,) * 23
 
 
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerForward(torch.autograd.Function):
+    """The custom op's forward and backward without the dispatcher (eager mode only)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, lse = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _backward(ctx, do, dlse)
+
+
+def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
+              t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
+              cu_dk, dk_rows, pv_threshold):
+    return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
+                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold=pv_threshold)
+
+
+def forward_op(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
+               t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1,
+               cu_dk=None, dk_rows=None, pv_threshold=0.0):
+    """The forward op (arguments as :func:`block_sparse_fwd`) -> ``(out, lse)``, differentiable in
+    q, k, v: the custom op while torch.compile traces, :class:`_EagerForward` otherwise."""
+    args = (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
+            t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk,
+            dk_rows, pv_threshold)
+    if torch.compiler.is_compiling():
+        return block_sparse_fwd(*args)
+    return _EagerForward.apply(*args)
