@@ -17,8 +17,10 @@ CPU (gloo, the PyTorch reference path, tiny sizes; what CI runs so this script c
     timed alone (``sparse_attn.attention`` on this rank's query chunks against full K/V already in
     memory, no communication). CUDA-event medians after warm-up, a barrier before each CP rep;
     FLOPs counted from the exact causal (query, key) pairs, x3.5 for forward+backward. ``fraction``
-    = local time / CP time (per rank, then the mean and the min over ranks). Sizes that would not fit
-    in --budget-s are skipped (and listed).
+    = local time / CP time (per rank, then the mean and the min over ranks); ``fraction_back_to_back``
+    the same from the mean time of reps calls issued back to back (the host ahead of the GPU, as in
+    training, so host latency before a call's first kernel hides behind the previous call). Sizes
+    that would not fit in --budget-s are skipped (and listed).
 
 A missing peer: every collective waits for --timeout seconds (env SPARSE_ATTN_CP_TIMEOUT_S, default
 300), then the NCCL watchdog reports the timed-out collective and stops the process (gloo raises).
@@ -237,6 +239,24 @@ class Timer:
         self.sync()
         return (time.perf_counter() - t0) * 1e3
 
+    def back_to_back_ms(self, fn, reps: int) -> float:
+        """Mean time per call of ``reps`` calls issued back to back (the host runs ahead of the GPU,
+        as in a training step), after a barrier and a sync."""
+        dist.barrier()
+        self.sync()
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return (time.perf_counter() - t0) * 1e3 / reps
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / reps
+
     def median_ms(self, fn, reps: int, warmup: int, barrier: bool) -> float:
         for _ in range(warmup):
             fn()
@@ -329,6 +349,7 @@ def bench_size(args, rank, world, device, timer, tokens, varlen: bool):
         est = timer.once_ms(fn)
         reps = _reps(args, est, device)
         local_ms = timer.median_ms(fn, reps, args.warmup, barrier=False)
+        local_b2b = timer.back_to_back_ms(fn, reps)
         for hc in args.kv_head_chunks:
             fn = cp_run(with_bwd, hc)
             timer.once_ms(fn)
@@ -337,8 +358,11 @@ def bench_size(args, rank, world, device, timer, tokens, varlen: bool):
                 base = torch.cuda.memory_allocated()
             cp_ms = timer.median_ms(fn, reps, args.warmup, barrier=True)
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
-            per_rank = _gather({"rank": rank, "cp_ms": cp_ms, "local_ms": local_ms, "peak_extra_gib": peak}, world)
+            cp_b2b = timer.back_to_back_ms(fn, reps)
+            per_rank = _gather({"rank": rank, "cp_ms": cp_ms, "local_ms": local_ms, "peak_extra_gib": peak,
+                                "cp_b2b": cp_b2b, "local_b2b": local_b2b}, world)
             fr = [r["local_ms"] / r["cp_ms"] for r in per_rank]
+            fr_b2b = [r["local_b2b"] / r["cp_b2b"] for r in per_rank]
             rows.append({
                 "layout": "varlen 4 seqs" if varlen else "dense B=1", "tokens_per_gpu": tokens, "total_tokens": L,
                 "mode": mode, "kv_head_chunk": min(hc, Hkv), "heads": H, "kv_heads": Hkv, "head_dim": D,
@@ -347,13 +371,17 @@ def bench_size(args, rank, world, device, timer, tokens, varlen: bool):
                 "cp_tflops_per_gpu": statistics.mean(flops[mode] / r["cp_ms"] / 1e9 for r in per_rank),
                 "local_tflops_per_gpu": statistics.mean(flops[mode] / r["local_ms"] / 1e9 for r in per_rank),
                 "fraction": statistics.mean(fr), "fraction_min": min(fr),
+                "cp_ms_back_to_back": [r["cp_b2b"] for r in per_rank],
+                "local_ms_back_to_back": [r["local_b2b"] for r in per_rank],
+                "fraction_back_to_back": statistics.mean(fr_b2b), "fraction_back_to_back_min": min(fr_b2b),
                 "peak_extra_gib": [r["peak_extra_gib"] for r in per_rank],
             })
             r = rows[-1]
             log(rank, f"  {r['layout']:13s} {tokens:>6d}/gpu {mode:7s} kv_head_chunk={r['kv_head_chunk']}: "
                       f"CP {max(r['cp_ms']):8.2f} ms {r['cp_tflops_per_gpu']:7.1f} TFLOP/s/gpu | local "
                       f"{statistics.mean(r['local_ms']):8.2f} ms {r['local_tflops_per_gpu']:7.1f} | "
-                      f"fraction {r['fraction']:.3f} (min {r['fraction_min']:.3f})")
+                      f"fraction {r['fraction']:.3f} (min {r['fraction_min']:.3f}); back to back "
+                      f"{r['fraction_back_to_back']:.3f} (min {r['fraction_back_to_back_min']:.3f})")
     return rows
 
 
@@ -371,7 +399,11 @@ def main(argv=None) -> int:
         "triton": _triton_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "script": "benchmarks/cp_run.py", "argv": sys.argv[1:],
         "flops": "exact causal (query, key) pairs x 4 x H x D per rank; fwd+bwd x3.5",
-        "fraction": "local (this rank's attention alone, K/V in memory) time / CP time, per rank; mean and min",
+        "fraction": "local (this rank's attention alone, K/V in memory) time / CP time, per rank; mean and min; "
+                    "each call timed alone after a barrier and a sync (the GPU idle at the start, so host time "
+                    "before the first kernel counts)",
+        "fraction_back_to_back": "the same with reps calls issued back to back after one barrier (the host runs "
+                                 "ahead of the GPU, as in a training step): mean time per call",
     }
     checks, failed = [], False
     if not args.skip_check:
