@@ -50,33 +50,39 @@ def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torc
     """Write each group's attention into ``out [B, h, Lq, Dv]`` and its LSE into ``lse`` (fp32
     ``[B, h, Lq]``); ``q [B, h, Lq, D]``, ``kf``/``vf [B, hk, Lk, D|Dv]`` (gathered, global order).
 
-    Kernels: more than two groups (a packed batch of several sequences) run as one grouped launch per
-    batch row, which saves a launch per group (CP forward, 4 sequences, 2 H200: 2.6 ms against 4.1 ms
-    for the loop); the two groups of one sequence run as two plain launches, which measured 6% faster
-    than one grouped launch (1.98 vs 2.10 ms at 8K tokens per GPU, W=2)."""
-    kernels = use_kernels(q)
-    if kernels and len(groups) > 2:
-        from ..grouped import grouped_plan
-        from ..ops.block_sparse import grouped_attention_op
-        plan = grouped_plan(groups, q.shape[2], kf.shape[2], causal=causal, heads=q.shape[1], device=q.device)
-        for b in range(q.shape[0]):
-            o, l_ = grouped_attention_op(_packed(q, b), _packed(kf, b), _packed(vf, b), plan.stacked, plan.cu_q,
-                                         plan.cu_k, plan.max_q, plan.max_k, plan.kv_lens, free_rows=plan.free_rows,
-                                         scale=scale, return_lse=True)
-            out[b] = o.transpose(0, 1)
-            lse[b] = l_
-        return
-    if kernels:
-        from ..ops.block_sparse import attention_op
-    for g in groups:
-        qs, ks, vs = q[:, :, g.q_start:g.q_end], kf[:, :, g.k_start:g.k_end], vf[:, :, g.k_start:g.k_end]
-        if kernels:
-            o, l_ = attention_op(qs, ks, vs, _layout(causal, g.q_len, g.k_len, q.device, cache), scale=scale,
-                                 return_lse=True)
-        else:
+    Kernels write straight into slices of ``out`` / ``lse`` (no per-group copies; the caller is an
+    autograd.Function, so no autograd wrapper either). More than two groups (a packed batch of
+    several sequences) run as one grouped launch per batch row, which saves a launch per group (CP
+    forward, 4 sequences, 2 H200: 2.6 ms against 4.1 ms for the loop); the two groups of one
+    sequence run as two plain launches, which measured 6% faster than one grouped launch (1.98 vs
+    2.10 ms at 8K tokens per GPU, W=2)."""
+    if not use_kernels(q):
+        for g in groups:
+            qs, ks, vs = q[:, :, g.q_start:g.q_end], kf[:, :, g.k_start:g.k_end], vf[:, :, g.k_start:g.k_end]
             o, l_ = api.attention(qs, ks, vs, causal=causal, scale=scale, return_lse=True)
-        out[:, :, g.q_start:g.q_end] = o
-        lse[:, :, g.q_start:g.q_end] = l_
+            out[:, :, g.q_start:g.q_end] = o
+            lse[:, :, g.q_start:g.q_end] = l_
+        return
+    from ..ops.block_sparse import check_kernel_inputs, launch, layout_inputs
+    check_kernel_inputs(q, vf)
+    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernels read rows with unit stride (K/V: gathered)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if len(groups) > 2:
+        from ..grouped import grouped_plan
+        plan = grouped_plan(groups, q.shape[2], kf.shape[2], causal=causal, heads=q.shape[1], device=q.device)
+        assert plan.free_rows is None, "zigzag groups cover every local query token"
+        ins = layout_inputs(plan.stacked, False, plan.kv_lens)
+        for b in range(q.shape[0]):
+            launch.forward(_packed(q, b), _packed(kf, b), _packed(vf, b), *ins[:6], *ins[10:], plan.cu_q, plan.cu_k,
+                           plan.stacked.block_q, plan.stacked.block_k, scale, plan.max_q, plan.max_k, 2,
+                           out=_packed(out, b), lse=lse[b])
+        return
+    for g in groups:
+        qs, ks = slice(g.q_start, g.q_end), slice(g.k_start, g.k_end)
+        lay = _layout(causal, g.q_len, g.k_len, q.device, cache)
+        ins = layout_inputs(lay, False)
+        launch.forward(q[:, :, qs], kf[:, :, ks], vf[:, :, ks], *ins[:6], *ins[10:], None, None, lay.block_q,
+                       lay.block_k, scale, g.q_len, g.k_len, out=out[:, :, qs], lse=lse[:, :, qs])
 
 
 def _kernel_backward(do, q, k, v, out, lse, layout, scale):

@@ -219,9 +219,11 @@ def _v_strides(v: torch.Tensor, varlen: bool, v_trans: bool) -> tuple:
 def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
             cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
             scales: tuple | None = None, quant: int = 0, out_dtype: torch.dtype | None = None,
-            pv_threshold: float = 0.0):
+            pv_threshold: float = 0.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen). The layout arrives as its
     schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked.
+    ``out`` / ``lse``: write there instead (views of any strides, shaped as the results; callers
+    outside autograd only, e.g. context parallelism filling slices of its own buffers).
 
     8-bit inputs (``quant`` 1 or 2, see kernels.py): q/k int8, ``scales = (q_scale, k_scale, v_scale)``
     (fp32 per row ``[B, H, L]`` / ``[H, T]``, and per V channel ``[B, Hkv, D]`` / ``[Hkv, D]``), v
@@ -233,15 +235,15 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         T, H, D = q.shape
         B = _num_seqs(cu_q, seq_step)
         Lq, Lk = max_q, max_k
-        lse = torch.empty(H, T, device=q.device, dtype=torch.float32)
+        lse = torch.empty(H, T, device=q.device, dtype=torch.float32) if lse is None else lse
         l_strides = (0, lse.stride(0), lse.stride(1))
         hkv = k.shape[1]
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
-        lse = torch.empty(B, H, Lq, device=q.device, dtype=torch.float32)
+        lse = torch.empty(B, H, Lq, device=q.device, dtype=torch.float32) if lse is None else lse
         l_strides = lse.stride()
-    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
+    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype) if out is None else out
     q_scale, k_scale, v_scale = scales if scales is not None else (None, None, None)
     d_pad = _d_pad(D)
     # 8-bit varlen runs on pointer loads: the FP8 V^T descriptor of a packed sequence would start
