@@ -311,14 +311,15 @@ def bench_size(args, rank, world, device, timer, tokens, varlen: bool):
         kf, vf = (_randn((L, Hkv, D), dt, device, gen) for _ in range(2))
         as4 = lambda t: t.transpose(0, 1)[None]  # noqa: E731
         lq, lkf, lvf, ldo = as4(q), as4(kf), as4(vf), as4(do)
-        cp_call = lambda qq, kk, vv, hc: zigzag_llama3_varlen_attention(qq, kk, vv, cu, causal=True,  # noqa: E731
-                                                                         kv_head_chunk=hc)
+        cp_call = lambda qq, kk, vv, hc, check=True: zigzag_llama3_varlen_attention(  # noqa: E731
+            qq, kk, vv, cu, causal=True, kv_head_chunk=hc, check_inputs=check)
     else:
         plan = dense_plan(L, world, rank)
         q, k, v, do = (_randn((1, h, tokens, D), dt, device, gen) for h in (H, Hkv, Hkv, H))
         kf, vf = (_randn((1, Hkv, L, D), dt, device, gen) for _ in range(2))
         lq, lkf, lvf, ldo = q, kf, vf, do
-        cp_call = lambda qq, kk, vv, hc: zigzag_llama3_attention(qq, kk, vv, causal=True, kv_head_chunk=hc)  # noqa: E731
+        cp_call = lambda qq, kk, vv, hc, check=True: zigzag_llama3_attention(  # noqa: E731
+            qq, kk, vv, causal=True, kv_head_chunk=hc, check_inputs=check)
     groups = plan.groups(causal=True)
     flops_fwd = 4.0 * H * D * plan.pairs(causal=True)
     flops = {"fwd": flops_fwd, "fwd+bwd": 3.5 * flops_fwd}
@@ -333,11 +334,11 @@ def bench_size(args, rank, world, device, timer, tokens, varlen: bool):
                     torch.autograd.grad(outs, (qq, kk, vv), [ldo[:, :, g.q_start:g.q_end] for g in groups])
         return run
 
-    def cp_run(with_bwd, hc):
+    def cp_run(with_bwd, hc, check=True):
         def run():
             qq, kk, vv = (t.detach().requires_grad_(with_bwd) for t in (q, k, v))
             with torch.set_grad_enabled(with_bwd):
-                out = cp_call(qq, kk, vv, hc)
+                out = cp_call(qq, kk, vv, hc, check)
                 if with_bwd:
                     torch.autograd.grad(out, (qq, kk, vv), do)
         return run
@@ -359,8 +360,9 @@ def bench_size(args, rank, world, device, timer, tokens, varlen: bool):
             cp_ms = timer.median_ms(fn, reps, args.warmup, barrier=True)
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
             cp_b2b = timer.back_to_back_ms(fn, reps)
+            cp_unchecked = timer.median_ms(cp_run(with_bwd, hc, check=False), reps, args.warmup, barrier=True)
             per_rank = _gather({"rank": rank, "cp_ms": cp_ms, "local_ms": local_ms, "peak_extra_gib": peak,
-                                "cp_b2b": cp_b2b, "local_b2b": local_b2b}, world)
+                                "cp_b2b": cp_b2b, "local_b2b": local_b2b, "cp_unchecked": cp_unchecked}, world)
             fr = [r["local_ms"] / r["cp_ms"] for r in per_rank]
             fr_b2b = [r["local_b2b"] / r["cp_b2b"] for r in per_rank]
             rows.append({
@@ -374,6 +376,8 @@ def bench_size(args, rank, world, device, timer, tokens, varlen: bool):
                 "cp_ms_back_to_back": [r["cp_b2b"] for r in per_rank],
                 "local_ms_back_to_back": [r["local_b2b"] for r in per_rank],
                 "fraction_back_to_back": statistics.mean(fr_b2b), "fraction_back_to_back_min": min(fr_b2b),
+                "cp_ms_unchecked": [r["cp_unchecked"] for r in per_rank],
+                "fraction_unchecked": statistics.mean(r["local_ms"] / r["cp_unchecked"] for r in per_rank),
                 "peak_extra_gib": [r["peak_extra_gib"] for r in per_rank],
             })
             r = rows[-1]
@@ -381,7 +385,8 @@ def bench_size(args, rank, world, device, timer, tokens, varlen: bool):
                       f"CP {max(r['cp_ms']):8.2f} ms {r['cp_tflops_per_gpu']:7.1f} TFLOP/s/gpu | local "
                       f"{statistics.mean(r['local_ms']):8.2f} ms {r['local_tflops_per_gpu']:7.1f} | "
                       f"fraction {r['fraction']:.3f} (min {r['fraction_min']:.3f}); back to back "
-                      f"{r['fraction_back_to_back']:.3f} (min {r['fraction_back_to_back_min']:.3f})")
+                      f"{r['fraction_back_to_back']:.3f} (min {r['fraction_back_to_back_min']:.3f}); "
+                      f"check_inputs=False {r['fraction_unchecked']:.3f}")
     return rows
 
 
@@ -404,6 +409,7 @@ def main(argv=None) -> int:
                     "before the first kernel counts)",
         "fraction_back_to_back": "the same with reps calls issued back to back after one barrier (the host runs "
                                  "ahead of the GPU, as in a training step): mean time per call",
+        "fraction_unchecked": "as fraction, with check_inputs=False (no cross-rank input check)",
     }
     checks, failed = [], False
     if not args.skip_check:

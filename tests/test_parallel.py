@@ -83,6 +83,22 @@ def _case_all_reduce_fallback(rank, world):
         comm._REDUCE_SCATTER_UNSUPPORTED.discard("gloo")
 
 
+def _case_unchecked(rank, world):
+    """check_inputs=False skips the cross-rank check (no collective before the K/V gather) and gives
+    the same result."""
+    from sparse_attn.parallel import zigzag as zz
+    q, k, v, _ = (zigzag_split(t, world, rank) for t in _inputs(world, 4, 2))
+    calls, real = [], zz.check_consistent_shapes
+    zz.check_consistent_shapes = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        want = zigzag_llama3_attention(q, k, v)
+        got = zigzag_llama3_attention(q, k, v, check_inputs=False)
+    finally:
+        zz.check_consistent_shapes = real
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _case_value_dim(rank, world):
     """Dv != D: K and V cannot share one gather buffer, so each is gathered on its own."""
     g = torch.Generator().manual_seed(77)
@@ -223,9 +239,10 @@ def _case_varlen_mismatch(rank, world):
 
 
 CASES = {f.__name__.removeprefix("_case_"): f for f in
-         (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_value_dim,
-          _case_gather, _case_mismatch, _case_varlen_causal, _case_varlen_noncausal_head_chunks, _case_varlen_one_sequence,
-          _case_kernel_path, _case_kernel_path_dense, _case_host_check_group, _case_varlen_mismatch)}
+         (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_unchecked,
+          _case_value_dim, _case_gather, _case_mismatch, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
+          _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense, _case_host_check_group,
+          _case_varlen_mismatch)}
 
 
 def _worker(rank, world, port, results):
