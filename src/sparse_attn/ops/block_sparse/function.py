@@ -68,8 +68,8 @@ def block_sparse_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 
 def backward_op(*args):
-    """The backward kernels (arguments as :func:`block_sparse_bwd`): the custom op while torch.compile
-    traces, a plain call otherwise."""
+    """The backward kernels (arguments as :func:`block_sparse_bwd`) for callers outside autograd: the
+    custom op while torch.compile traces, a plain call otherwise."""
     return block_sparse_bwd(*args) if torch.compiler.is_compiling() else _bwd_impl(*args)
 
 
@@ -88,8 +88,10 @@ def _setup_context(ctx, inputs, output):
     ctx.meta = (n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold)
 
 
-def _backward(ctx, do, dlse):
-    """Gradients of q, k, v. The LSE output is not differentiable (its gradient is ignored)."""
+def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
+    """Gradients of q, k, v. The LSE output is not differentiable (its gradient is ignored). The custom
+    op's autograd calls the backward custom op: AOTAutograd traces this function with fake tensors
+    while ``torch.compiler.is_compiling()`` is False, so only an opaque op may run here then."""
     (q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids, terms,
      cu_q, cu_k, cu_dk, dk_rows) = ctx.saved_tensors
     n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold = ctx.meta
@@ -99,9 +101,9 @@ def _backward(ctx, do, dlse):
     if t_counts is None:
         raise RuntimeError("sparse_attn: backward needs the layout's transpose, which is passed only when an input "
                            "requires grad at forward time; call attention() with grad enabled")
-    dq, dk, dv = backward_op(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,
-                             t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale,
-                             max_q, max_k, seq_step, cu_dk, dk_rows)
+    dq, dk, dv = bwd(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
+                     t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
+                     cu_dk, dk_rows)
     return (dq, dk, dv) + (None,) * 23
 
 
@@ -119,7 +121,7 @@ class _EagerForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        return _backward(ctx, do, dlse)
+        return _backward(ctx, do, dlse, _bwd_impl)
 
 
 def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
