@@ -23,6 +23,9 @@ import sparse_attn
 from sparse_attn.parallel import zigzag_llama3_attention, zigzag_llama3_varlen_attention, zigzag_plan
 from sparse_attn.parallel.plan import dense_plan
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cp_run import Timer  # noqa: E402  the CP benchmark's timing: barrier, sync, CUDA-event median
+
 
 def busy_fraction(prof) -> tuple[float, float]:
     """(GPU-busy ms, span ms) of the kernels the profiler saw: union of intervals / first start to last end."""
@@ -55,7 +58,8 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(rank)
     rnd = lambda *s: torch.randn(*s, device="cuda", dtype=dt, generator=g)  # noqa: E731
     cases = {}
-    q, k, v, kf, vf = rnd(1, H, tokens, D), rnd(1, Hkv, tokens, D), rnd(1, Hkv, tokens, D), rnd(1, Hkv, L, D), rnd(1, Hkv, L, D)
+    q, k, v = rnd(1, H, tokens, D), rnd(1, Hkv, tokens, D), rnd(1, Hkv, tokens, D)
+    kf, vf = rnd(1, Hkv, L, D), rnd(1, Hkv, L, D)
     plan = dense_plan(L, world, rank)
     cases["dense"] = (plan, q, kf, vf, lambda: zigzag_llama3_attention(q, k, v, causal=True))
     cu = [i * L // 4 for i in range(5)]
@@ -65,7 +69,7 @@ def main():
     as4 = lambda t: t.transpose(0, 1)[None]  # noqa: E731
     cases["varlen4"] = (vplan, as4(qp), as4(kfp), as4(vfp),
                         lambda: zigzag_llama3_varlen_attention(qp, kp, vp, cu, causal=True))
-    summary = {}
+    timer, summary = Timer(torch.device("cuda")), {}
     for name, (pl, lq, lk, lv, cp) in cases.items():
         groups = pl.groups(True)
 
@@ -79,22 +83,12 @@ def main():
                 fn()
             torch.cuda.synchronize()
             dist.barrier()
-            spans = []
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(a.reps):
-                    dist.barrier()
-                    torch.cuda.synchronize()
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    fn()
-                    e.record()
-                    e.synchronize()
-                    spans.append(s.elapsed_time(e))
+                event_ms = timer.median_ms(fn, a.reps, warmup=0, barrier=True)
             busy, span = busy_fraction(prof)
-            summary[f"{name}/{fn_name}"] = {"event_ms": sorted(spans)[len(spans) // 2], "busy_ms_total": busy,
-                                            "span_ms_total": span}
+            summary[f"{name}/{fn_name}"] = {"event_ms": event_ms, "busy_ms_total": busy, "span_ms_total": span}
             if rank == 0:
-                print(f"\n===== {name} / {fn_name}: event median {sorted(spans)[len(spans) // 2]:.3f} ms; kernels "
+                print(f"\n===== {name} / {fn_name}: event median {event_ms:.3f} ms; kernels "
                       f"busy {busy / a.reps:.3f} ms per call", flush=True)
                 print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
                 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -7,10 +7,9 @@ kernels' backward directly on the re-gathered K/V, without recomputing the forwa
 
 Two paths, as everywhere in the package: CUDA tensors run the Triton kernels (the forward: one
 launch per group, or one grouped launch for them all when there are many; the backward: one kernel
-backward per group, on views);
-other tensors run the PyTorch reference, whose backward recomputes its forward under autograd.
-``FORCE_KERNELS`` (tests) sends CPU tensors down the kernel path too, which runs under the Triton
-interpreter.
+backward per group, on views); other tensors run the PyTorch reference, whose backward recomputes
+its forward under autograd. ``FORCE_KERNELS`` (tests) sends CPU tensors down the kernel path too,
+which runs under the Triton interpreter.
 
 The backward stays a per-group loop: the grouped backward routes overlapping K/V slices through an
 fp32 scratch buffer and an index_add, which measured 0.93-0.98x of the loop (benchmarks/NOTES.md).
@@ -52,10 +51,10 @@ def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torc
 
     Kernels write straight into slices of ``out`` / ``lse`` (no per-group copies; the caller is an
     autograd.Function, so no autograd wrapper either). More than two groups (a packed batch of
-    several sequences) run as one grouped launch per batch row, which saves a launch per group (CP
-    forward, 4 sequences, 2 H200: 2.6 ms against 4.1 ms for the loop); the two groups of one
-    sequence run as two plain launches, which measured 6% faster than one grouped launch (1.98 vs
-    2.10 ms at 8K tokens per GPU, W=2)."""
+    several sequences) run as one grouped launch per batch row, which saves a launch and its host
+    time per group (part of the CP forward's 4.1 -> 1.9 ms with 4 sequences at 8K tokens per GPU on
+    2 H200); the two groups of one sequence run as two plain launches, which measured 6% faster than
+    one grouped launch there (kernels 1.98 vs 2.10 ms)."""
     if not use_kernels(q):
         for g in groups:
             qs, ks, vs = q[:, :, g.q_start:g.q_end], kf[:, :, g.k_start:g.k_end], vf[:, :, g.k_start:g.k_end]

@@ -132,9 +132,9 @@ def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_loca
     :mod:`sparse_attn.parallel.comm`).
     """
     if check_inputs:
+        chunk = -1 if kv_head_chunk is None else kv_head_chunk
         check_consistent_shapes({"q": q_local, "k": k_local, "v": v_local}, group,
-                                {"causal": int(causal), "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk},
-                                what="zigzag_llama3_attention: ")
+                                {"causal": int(causal), "kv_head_chunk": chunk}, what="zigzag_llama3_attention: ")
     _validate_dense(q_local, k_local, v_local)
     step = _check_options(kv_head_chunk, k_local.shape[1])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
