@@ -85,14 +85,16 @@ def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torc
 
 
 def _kernel_backward(do, q, k, v, out, lse, layout, scale):
-    from ..ops.block_sparse import layout_inputs
-    from ..ops.block_sparse.function import backward_op
+    """The kernels' backward of one group, dK/dV in fp32 (they are summed over groups and ranks; bf16
+    partial sums doubled the max error against single-device attention at 4K tokens). Called from
+    an autograd.Function's backward: the kernels run directly."""
+    from ..ops.block_sparse import launch, layout_inputs
     counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms = \
         layout_inputs(layout, True)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return backward_op(do, q, k, v, out, lse.contiguous(), counts, n_full, indices, mask_ids, t_counts, t_n_full,
-                       t_indices, t_mask_ids, terms, n_terms, None, None, layout.block_q, layout.block_k, scale,
-                       q.shape[2], k.shape[2])
+    return launch.backward(do.contiguous(), q, k, v, out, lse.contiguous(), counts, n_full, indices, mask_ids,
+                           t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms, None, None, layout.block_q,
+                           layout.block_k, scale, q.shape[2], k.shape[2], dkv_dtype=torch.float32)
 
 
 def _reference_backward(do, q, k, v, causal, scale):

@@ -3,8 +3,7 @@
 The layout arrives as its schedule (see schedule.py): forward rows ``counts, n_full, full_start,
 indices, mask_ids`` and, when a gradient is needed, the transposed rows ``t_*`` for dK/dV.
 
-Callers go through :func:`forward_op` and :func:`backward_op`: the custom ops while torch.compile
-traces; in eager mode an ``autograd.Function`` over the same implementation and backward, which
+Callers go through :func:`forward_op`: the custom op while torch.compile traces; in eager mode an ``autograd.Function`` over the same implementation and backward, which
 skips the dispatcher's per-call host work (autograd wrapper, redispatch, output alias checks).
 ``benchmarks/launch_overhead.py`` at L=256 on an H200 host: before, 200 us per call through the
 custom op against 115 us for the bare launch in the same run; after, 163 us against 180 us (another
@@ -66,12 +65,6 @@ def block_sparse_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     return _bwd_impl(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                      t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
                      cu_dk, dk_rows)
-
-
-def backward_op(*args):
-    """The backward kernels (arguments as :func:`block_sparse_bwd`) for callers outside autograd: the
-    custom op while torch.compile traces, a plain call otherwise."""
-    return block_sparse_bwd(*args) if torch.compiler.is_compiling() else _bwd_impl(*args)
 
 
 @block_sparse_bwd.register_fake
