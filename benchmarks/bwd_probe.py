@@ -13,7 +13,6 @@ alone, ``bench.flops`` mode "bwd").
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe import layouts  # noqa: E402
 
 from sparse_attn.bench.flops import attention_flops, tflops  # noqa: E402
+from sparse_attn.bench.results import make_header  # noqa: E402
 from sparse_attn.ops.block_sparse import launch, layout_inputs  # noqa: E402
 from sparse_attn.ops.block_sparse.function import block_sparse_fwd  # noqa: E402
 
@@ -113,10 +113,8 @@ def main():
     rows: list = []
     for case in a.cases:
         run_case(case, a.hkv, rows, a.split_sweep)
-    Path(a.out).write_text(json.dumps({
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "script": "benchmarks/bwd_probe.py", "rows": rows}, indent=1))
+    header = make_header("cuda", "probe", script="benchmarks/bwd_probe.py")
+    Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Rows (per-rank medians of CUDA-event times, a barrier before each repetition):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -24,9 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import triton
 
 import sparse_attn
+from sparse_attn.bench.results import make_header
 from sparse_attn.parallel import zigzag as zz
 from sparse_attn.parallel.comm import HeadChunkGather
 from sparse_attn.parallel.plan import dense_plan
@@ -130,10 +129,8 @@ def main():
         if rank == 0:
             print(json.dumps(row), flush=True)
     if rank == 0:
-        Path(a.out).write_text(json.dumps({
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "script": "benchmarks/cp_overhead_probe.py", "rows": rows}, indent=1))
+        header = make_header("cuda", "probe", script="benchmarks/cp_overhead_probe.py")
+        Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
     dist.destroy_process_group()
 
 

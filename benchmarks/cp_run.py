@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 import sparse_attn
 from sparse_attn import reference
+from sparse_attn.bench.results import make_header
 from sparse_attn.metrics import max_abs_error, rmse
 from sparse_attn.parallel import (
     zigzag_llama3_attention,
@@ -398,19 +399,15 @@ def main(argv=None) -> int:
     timer = Timer(device)
     log(rank, f"cp_run: world {world}, backend {args.backend}, device {device.type}, dtype {args.dtype}, "
               f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim}, timeout {args.timeout:.0f} s")
-    header = {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world_size": world, "backend": args.backend, "torch": torch.__version__,
-        "triton": _triton_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "script": "benchmarks/cp_run.py", "argv": sys.argv[1:],
-        "flops": "exact causal (query, key) pairs x 4 x H x D per rank; fwd+bwd x3.5",
-        "fraction": "local (this rank's attention alone, K/V in memory) time / CP time, per rank; mean and min; "
-                    "each call timed alone after a barrier and a sync (the GPU idle at the start, so host time "
-                    "before the first kernel counts)",
-        "fraction_back_to_back": "the same with reps calls issued back to back after one barrier (the host runs "
-                                 "ahead of the GPU, as in a training step): mean time per call",
-        "fraction_unchecked": "as fraction, with check_inputs=False (no cross-rank input check)",
-    }
+    header = make_header(
+        device, "cp", world_size=world, backend=args.backend, script="benchmarks/cp_run.py", argv=sys.argv[1:],
+        flops="exact causal (query, key) pairs x 4 x H x D per rank; fwd+bwd x3.5",
+        fraction="local (this rank's attention alone, K/V in memory) time / CP time, per rank; mean and min; "
+                 "each call timed alone after a barrier and a sync (the GPU idle at the start, so host time "
+                 "before the first kernel counts)",
+        fraction_back_to_back="the same with reps calls issued back to back after one barrier (the host runs "
+                              "ahead of the GPU, as in a training step): mean time per call",
+        fraction_unchecked="as fraction, with check_inputs=False (no cross-rank input check)")
     checks, failed = [], False
     if not args.skip_check:
         t0 = time.monotonic()
@@ -448,14 +445,6 @@ def main(argv=None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0
-
-
-def _triton_version():
-    try:
-        import triton
-        return triton.__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

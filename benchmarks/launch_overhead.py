@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
 import json
 import pstats
@@ -20,10 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 import sparse_attn
 from sparse_attn import patterns
+from sparse_attn.bench.results import make_header
 from sparse_attn.ops.block_sparse import attention_op, launch, layout_inputs
 
 
@@ -72,10 +71,8 @@ def main():
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
     print(buf.getvalue()[:9000])
-    Path(a.out).write_text(json.dumps({
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "script": "benchmarks/launch_overhead.py", "host_us_per_call": rows}, indent=1))
+    header = make_header("cuda", "probe", script="benchmarks/launch_overhead.py")
+    Path(a.out).write_text(json.dumps({**header, "host_us_per_call": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -181,9 +181,11 @@ class HeadChunkGather:
         self._next = self._issue(i + 1) if i + 1 < len(self.ranges) else None
         out, n_loc = [], self.plan.local_tokens
         for buf, work in cur[1]:
-            if work is not None:
+            if work is None:  # one rank: its two chunks of every sequence are already in global order
+                full = buf
+            else:
                 work.wait()
-            full = torch.cat([buf[r * n_loc + s:r * n_loc + s + n] for r, s, n in self.plan.gather_pieces()], 0)
+                full = torch.cat([buf[r * n_loc + s:r * n_loc + s + n] for r, s, n in self.plan.gather_pieces()], 0)
             out += [full[:, j].permute(1, 2, 0, 3) for j in range(full.shape[1])]
         return out
 

@@ -62,26 +62,20 @@ def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torc
             out[:, :, g.q_start:g.q_end] = o
             lse[:, :, g.q_start:g.q_end] = l_
         return
-    from ..ops.block_sparse import check_kernel_inputs, launch, layout_inputs
-    check_kernel_inputs(q, vf)
-    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernels read rows with unit stride (K/V: gathered)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    from ..ops.block_sparse import forward_into
     if len(groups) > 2:
         from ..grouped import grouped_plan
         plan = grouped_plan(groups, q.shape[2], kf.shape[2], causal=causal, heads=q.shape[1], device=q.device)
         assert plan.free_rows is None, "zigzag groups cover every local query token"
-        ins = layout_inputs(plan.stacked, False, plan.kv_lens)
         for b in range(q.shape[0]):
-            launch.forward(_packed(q, b), _packed(kf, b), _packed(vf, b), *ins[:6], *ins[10:], plan.cu_q, plan.cu_k,
-                           plan.stacked.block_q, plan.stacked.block_k, scale, plan.max_q, plan.max_k, 2,
-                           out=_packed(out, b), lse=lse[b])
+            forward_into(_packed(q, b), _packed(kf, b), _packed(vf, b), plan.stacked, _packed(out, b), lse[b],
+                         scale=scale, cu_q=plan.cu_q, cu_k=plan.cu_k, max_q=plan.max_q, max_k=plan.max_k,
+                         kv_lens=plan.kv_lens, seq_step=2)
         return
     for g in groups:
         qs, ks = slice(g.q_start, g.q_end), slice(g.k_start, g.k_end)
-        lay = _layout(causal, g.q_len, g.k_len, q.device, cache)
-        ins = layout_inputs(lay, False)
-        launch.forward(q[:, :, qs], kf[:, :, ks], vf[:, :, ks], *ins[:6], *ins[10:], None, None, lay.block_q,
-                       lay.block_k, scale, g.q_len, g.k_len, out=out[:, :, qs], lse=lse[:, :, qs])
+        forward_into(q[:, :, qs], kf[:, :, ks], vf[:, :, ks], _layout(causal, g.q_len, g.k_len, q.device, cache),
+                     out[:, :, qs], lse[:, :, qs], scale=scale)
 
 
 def _kernel_backward(do, q, k, v, out, lse, layout, scale):

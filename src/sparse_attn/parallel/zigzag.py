@@ -36,8 +36,8 @@ class _ZigzagAttention(torch.autograd.Function):
         else:
             out = q.new_empty(q.shape[:3] + v.shape[3:])
         g, groups = q.shape[1] // k.shape[1], plan.groups(causal)
-        lse = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
         ranges = _head_ranges(k.shape[1], head_step) if groups else []  # no tokens: nothing to gather
+        lse = (torch.empty if groups else torch.zeros)(q.shape[:3], dtype=torch.float32, device=q.device)
         if not groups:
             out.zero_()
         gather = HeadChunkGather((k, v), ranges, plan, group)

@@ -6,6 +6,7 @@ import math
 import torch
 
 from ...layout import BlockLayout
+from . import launch
 from .function import forward_op
 from .schedule import schedule, schedule_key
 
@@ -75,6 +76,25 @@ def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, re
                                 layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
                                 pv_threshold=float(pv_threshold))
     return (out, lse) if return_lse else out
+
+
+def forward_into(q, k, v, layout: BlockLayout, out: torch.Tensor, lse: torch.Tensor, *, scale: float | None = None,
+                 cu_q=None, cu_k=None, max_q: int | None = None, max_k: int | None = None, kv_lens=None,
+                 seq_step: int = 1) -> None:
+    """Forward kernels writing into ``out`` / ``lse`` (views of any strides, shaped as the op's
+    results), outside autograd: for callers that fill slices of their own buffers inside their own
+    autograd.Function (context parallelism). Dense ``[B, H, L, D]`` inputs, or packed ``[T, H, D]``
+    ones with ``cu_q`` / ``cu_k`` / ``max_q`` / ``max_k`` / ``kv_lens`` as
+    :func:`grouped_attention_op` (``seq_step`` 2) or :func:`varlen_attention_op` (1)."""
+    check_kernel_inputs(q, v)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    counts, n_full, full_start, indices, mask_ids, contiguous, *_, terms, n_terms = \
+        layout_inputs(layout, False, kv_lens)
+    if cu_q is None:
+        max_q, max_k = q.shape[2], k.shape[2]
+    launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms, cu_q, cu_k,
+                   layout.block_q, layout.block_k, scale, max_q, max_k, seq_step, out=out, lse=lse)
 
 
 def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,

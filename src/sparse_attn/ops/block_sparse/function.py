@@ -3,8 +3,9 @@
 The layout arrives as its schedule (see schedule.py): forward rows ``counts, n_full, full_start,
 indices, mask_ids`` and, when a gradient is needed, the transposed rows ``t_*`` for dK/dV.
 
-Callers go through :func:`forward_op`: the custom op while torch.compile traces; in eager mode an ``autograd.Function`` over the same implementation and backward, which
-skips the dispatcher's per-call host work (autograd wrapper, redispatch, output alias checks).
+Callers go through :func:`forward_op`: the custom op while torch.compile traces; in eager mode an
+``autograd.Function`` over the same implementation and backward, which skips the dispatcher's
+per-call host work (autograd wrapper, redispatch, output alias checks).
 ``benchmarks/launch_overhead.py`` at L=256 on an H200 host: before, 200 us per call through the
 custom op against 115 us for the bare launch in the same run; after, 163 us against 180 us (another
 machine of the same kind: host figures vary by 1.5x between machines). That host time is what a
@@ -18,6 +19,13 @@ import torch
 from torch import Tensor
 
 from . import launch
+
+
+def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
+              t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
+              cu_dk, dk_rows, pv_threshold):
+    return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
+                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold=pv_threshold)
 
 
 @torch.library.custom_op("sparse_attn::block_sparse_fwd", mutates_args=())
@@ -116,13 +124,6 @@ class _EagerForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         return _backward(ctx, do, dlse, _bwd_impl)
-
-
-def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
-              t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
-              cu_dk, dk_rows, pv_threshold):
-    return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
-                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold=pv_threshold)
 
 
 def forward_op(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
