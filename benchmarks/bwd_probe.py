@@ -1,7 +1,8 @@
 """Backward schedules and tile configs on the GPU: time the whole backward per variant and config.
 
 Variants (``launch.BWD_VARIANT``): "split" (dK/dV kernel + dQ kernel), "fused" (dQ by TMA reduce-adds
-inside the dK/dV kernel), "fused-ptr" (the same with per-element atomics). With --split-sweep, one
+inside the dK/dV kernel), "fused-ptr" (the same with per-element atomics). --qdo-only compares just
+the dK/dV kernel's Q/dO loads (``launch.BWD_QDO``: pointer loads vs TMA), for split and fused. With --split-sweep, one
 split kernel's config is varied while the other stays fixed, so differences between those rows are
 that kernel's. Every row reports its gradients' distance from the first (split) row's and from its
 own rerun (atomics make dQ's summation order vary). Also times the delta pre-pass (the fused kernel vs the
@@ -41,7 +42,7 @@ def cfg(m, n, w, s):
     return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s}, num_warps=w, num_stages=s)
 
 
-def run_case(case: str, hkv: int, rows: list, split_sweep: bool):
+def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool = False):
     which, L = case.split(":")
     L = int(L)
     layout, _ = layouts(L, which)
@@ -63,8 +64,9 @@ def run_case(case: str, hkv: int, rows: list, split_sweep: bool):
 
     ref: dict = {}
 
-    def timed(variant, label, dkdv, dq):
+    def timed(variant, label, dkdv, dq, qdo="tma"):
         launch.BWD_VARIANT = variant
+        launch.BWD_QDO = qdo
         launch.BWD_SPACE_OVERRIDE.clear()
         launch.BWD_SPACE_OVERRIDE.update({"dkdv": [cfg(*dkdv)], "dkdv-fused": [cfg(*dkdv)], "dq": [cfg(*dq)]})
         launch._TUNED.clear()
@@ -75,8 +77,8 @@ def run_case(case: str, hkv: int, rows: list, split_sweep: bool):
             again = bwd()
             rerun = [(a - b).abs().max().item() for a, b in zip(again, grads)]
             ms = triton.testing.do_bench(bwd, warmup=10, rep=100, return_mode="median")
-            row = dict(case=case, hkv=hkv, variant=variant, vary=label, dkdv=dkdv, dq=dq if variant == "split" else None,
-                       ms=ms, tflops=tflops(flops_bwd, ms), max_abs_diff_dq_dk_dv_vs_split=diff,
+            row = dict(case=case, hkv=hkv, variant=variant, vary=label, qdo=qdo, dkdv=dkdv,
+                       dq=dq if variant == "split" else None, ms=ms, tflops=tflops(flops_bwd, ms), max_abs_diff_dq_dk_dv_vs_split=diff,
                        max_abs_diff_rerun=rerun, dq_absmax=grads[0].abs().max().item())
         except Exception as e:  # noqa: BLE001 - one config failing to compile must not hide the others
             row = dict(case=case, hkv=hkv, variant=variant, vary=label, dkdv=dkdv, dq=dq,
@@ -85,6 +87,11 @@ def run_case(case: str, hkv: int, rows: list, split_sweep: bool):
         rows.append(row)
 
     timed("split", "both", DKDV[0], DQ[0])
+    if qdo_only:  # the dK/dV kernel's Q / dO loads: pointer loads vs TMA descriptors, default tiles
+        for variant in ("split", "fused"):
+            for qdo in ("ptr", "tma"):
+                timed(variant, "qdo", DKDV[0], DQ[0], qdo)
+        return
     if split_sweep:
         for c in DKDV[1:]:
             timed("split", "dkdv", c, DQ[0])
@@ -108,11 +115,13 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["causal:16384", "random0.25:16384"])
     ap.add_argument("--hkv", type=int, default=32)
     ap.add_argument("--split-sweep", action="store_true", help="also sweep the split (two-kernel) configs")
+    ap.add_argument("--qdo-only", action="store_true",
+                    help="only compare the dK/dV kernel's Q/dO pointer loads with TMA loads")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows: list = []
     for case in a.cases:
-        run_case(case, a.hkv, rows, a.split_sweep)
+        run_case(case, a.hkv, rows, a.split_sweep, a.qdo_only)
     header = make_header("cuda", "probe", script="benchmarks/bwd_probe.py")
     Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 

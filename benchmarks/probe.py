@@ -42,7 +42,8 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense:16384", "causal:16384", "window4096:32768", "random0.1:32768"])
     ap.add_argument("--hkv", type=int, default=32)
     ap.add_argument("--bwd", action="store_true")
-    ap.add_argument("--variants", nargs="+", default=["tma"], help="forward variants: ptr tma indexed (tma, per-tile index loads even for contiguous rows)")
+    ap.add_argument("--variants", nargs="+", default=["tma"],
+                    help="forward variants: ptr tma indexed (tma, per-tile index loads even for contiguous rows)")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows = []
@@ -61,11 +62,15 @@ def main():
                        "rows": rows}, open(a.out, "w"), indent=1)
 
 
+_FIRST_OUT: dict = {}
+
+
 def run_case(a, case, variant):
     which, L = case.split(":")
     L = int(L)
     layout, causal_like = layouts(L, which)
     B, H, D = 1, 32, 128
+    torch.manual_seed(0)  # the same inputs for every variant of a case: outputs are compared below
     q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, a.hkv, L, D, device="cuda", dtype=torch.bfloat16)
@@ -73,12 +78,14 @@ def run_case(a, case, variant):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    sparse_attn.attention(q, k, v, layout)
+    out = sparse_attn.attention(q, k, v, layout)
     torch.cuda.synchronize()
     extra_bytes = torch.cuda.max_memory_allocated() - base  # output + lse + workspace, beyond q/k/v/layout
     ms = bench(lambda: sparse_attn.attention(q, k, v, layout))
     row = dict(peak_extra_bytes=extra_bytes, inputs_bytes=3 * q.numel() * q.element_size(), layout_bytes=layout.nbytes,
                peak_total_bytes=torch.cuda.max_memory_allocated(), case=which, variant=variant, L=L, hkv=a.hkv, density=layout.density, ms=ms, tflops=flops / ms * 1e-9)
+    first = _FIRST_OUT.setdefault(case, out)  # the case's first variant
+    row["max_abs_diff_vs_first_variant"] = (out.float() - first.float()).abs().max().item()
     if which in ("dense", "causal") and variant == a.variants[0]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         kk, vv = (k, v) if a.hkv == H else (k.repeat_interleave(H // a.hkv, 1), v.repeat_interleave(H // a.hkv, 1))

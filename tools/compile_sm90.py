@@ -50,10 +50,10 @@ def variants():
     for quant, tma, bn in itertools.product((1, 2), (False, True), (64, 128)):
         yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=tma, QUANT=quant, PV_SKIP=False)
-    for n_terms, varlen, (fused, dq_tma) in itertools.product((0, 2), (False, True),
-                                                               ((False, False), (True, False), (True, True))):
+    for n_terms, varlen, (fused, dq_tma), qdo_tma in itertools.product(
+            (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True)):
         yield K.bwd_dkdv_kernel, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, FUSED_DQ=fused,
-                                      DQ_TMA=dq_tma)
+                                      DQ_TMA=dq_tma, QDO_TMA=qdo_tma)
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
         yield K.bwd_dq_kernel, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
     yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64)
@@ -64,7 +64,7 @@ def main():
     failed = 0
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N",
-                                                                 "PV_SKIP", "FUSED_DQ", "DQ_TMA")}
+                                                                 "PV_SKIP", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
         try:
             c = triton.compile(ASTSource(fn, signature(fn, consts), constexprs=consts), target=target,
                                options=dict(num_warps=8, num_stages=3))

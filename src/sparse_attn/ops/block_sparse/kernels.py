@@ -110,10 +110,10 @@ def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, s
 
 
 @triton.jit
-def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N: tl.constexpr,
+def _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N: tl.constexpr,
             QUANT: tl.constexpr, USE_TMA: tl.constexpr):
-    """Scores of one tile [BM, BN]: the raw q.k product, or for int8 inputs the int32 product
-    dequantised by per-row Q scales b_rs (already times sm_scale * log2 e) and per-key K scales.
+    """Scores of one tile [BM, BN]: the raw q.k product, or for int8 inputs the int32 product times
+    the per-key K scales (the per-row Q scales are applied by _softmax_step's FMA).
     The K scales come by TMA when K does: a pointer load per tile is not pipelined and its latency
     would stall every iteration."""
     if QUANT == 0:
@@ -124,21 +124,24 @@ def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_le
         else:
             o_n = start_n + tl.arange(0, BLOCK_N)
             b_ks = tl.load(K_SCALE + ks_base + o_n, mask=o_n < k_len, other=0.0)[None, :]
-        b_s = tl.dot(b_q, b_k).to(tl.float32) * b_rs[:, None] * b_ks
+        b_s = tl.dot(b_q, b_k).to(tl.float32) * b_ks
     return b_s
 
 
 @triton.jit
-def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, pv_log2, MAY_BE_EMPTY: tl.constexpr, P_SCALE: tl.constexpr,
-                  PV_SKIP: tl.constexpr):
+def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
+                  PV_SKIP: tl.constexpr, ROW_SCALE: tl.constexpr):
     """One online-softmax update with raw scores b_s [BM, BN]; b_m is the running max in log2 units.
+    b_rs: the factor taking scores to log2 units, sm_scale * log2 e (a scalar), or with ROW_SCALE one
+    per row [BM] (8-bit inputs: the Q scales folded in), so each score costs one FMA either way.
     MAY_BE_EMPTY: rows may have seen only -inf so far (masked tiles), which must not give NaN.
-    P_SCALE: probabilities are multiplied by it before the cast for P.V (448 spreads [0, 1] over FP8
-    e4m3's range); the caller divides it out at the end.
+    LOG2_P_SCALE: probabilities come out times 2**LOG2_P_SCALE (448 spreads [0, 1] over FP8 e4m3's
+    range) by lowering the exponent's bias, not by a multiply; the row sum b_l carries the same
+    factor, so it cancels in acc / l, and the caller subtracts it from the LSE.
     PV_SKIP: a tile whose every probability, relative to its row's running max, is below
     ``2**pv_log2`` is dropped (no exp, no P.V): as if the layout had left it out for these rows. Such a
     tile never raises a row max, so the running state is unchanged."""
-    b_rmax = tl.max(b_s, 1) * qk_scale
+    b_rmax = tl.max(b_s, 1) * b_rs  # scales are > 0, so the max commutes with them
     m_new = tl.maximum(b_m, b_rmax)
     if MAY_BE_EMPTY:
         m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -149,10 +152,14 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, pv_log2, MAY_BE_EMPTY: tl
     else:
         update = True  # a constant: the branch below compiles away
     if update:
-        b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])  # one FMA per score
+        bias = m_use - LOG2_P_SCALE
+        if ROW_SCALE:
+            b_p = tl.math.exp2(b_s * b_rs[:, None] - bias[:, None])  # one FMA per score
+        else:
+            b_p = tl.math.exp2(b_s * b_rs - bias[:, None])
         alpha = tl.math.exp2(b_m - m_use)
         b_l = b_l * alpha + tl.sum(b_p, 1)
-        b_acc = tl.dot((b_p * P_SCALE).to(b_v.dtype), b_v, b_acc * alpha[:, None])
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * alpha[:, None])
         b_m = m_new
     return b_m, b_l, b_acc
 
@@ -214,7 +221,7 @@ def fwd_kernel(
         desc_v = V
 
     qk_scale = sm_scale * LOG2E
-    P_SCALE: tl.constexpr = 448.0 if QUANT == 2 else 1.0
+    LOG2_P_SCALE: tl.constexpr = 8.807354922057604 if QUANT == 2 else 0.0  # log2(448), FP8 e4m3's max
     if QUANT != 0:
         ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
         ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
@@ -224,15 +231,15 @@ def fwd_kernel(
                                                 block_shape=[1, BLOCK_N])
         else:
             desc_ks = K_SCALE
-        # per-row Q scale folded with the softmax scale; the scores then arrive in log2 units
+        # per-row Q scale folded with the softmax scale (1 past the end: no 0 * -inf)
         b_rs = tl.load(Q_SCALE + i_b.to(tl.int64) * stride_qsb + i_h.to(tl.int64) * stride_qsh + q0 + o_m,
-                       mask=m_m, other=0.0) * qk_scale
-        qk_scale = 1.0
+                       mask=m_m, other=1.0) * qk_scale
     else:  # unused placeholders: _scores takes the plain q.k product
         ks_base = 0
         ks_row = 0
         desc_ks = K_SCALE
         b_rs = qk_scale
+    ROW_SCALE: tl.constexpr = QUANT != 0
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -246,8 +253,9 @@ def fwd_kernel(
             start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
-        b_s = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
-        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, pv_log2, False, P_SCALE, PV_SKIP)
+        b_s = _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
+                                        ROW_SCALE)
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
         slot = it // SUB
@@ -255,23 +263,24 @@ def fwd_kernel(
         o_n = start_n + tl.arange(0, BLOCK_N)
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
-        b_s = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
+        b_s = _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
         b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
         if N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:
                 b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
-        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, qk_scale, pv_log2, True, P_SCALE, PV_SKIP)
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, True, LOG2_P_SCALE, PV_SKIP,
+                                        ROW_SCALE)
 
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
     if QUANT == 2:
         b_vs = tl.load(V_SCALE + i_b.to(tl.int64) * stride_vsb + i_hk.to(tl.int64) * stride_vsh + o_d, mask=m_d,
                        other=0.0)
-        b_o = b_o * (b_vs / P_SCALE)[None, :]
+        b_o = b_o * b_vs[None, :]
     p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + (q0 + o_m.to(tl.int64))[:, None] * stride_om + o_d[None, :]
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
-    b_lse = tl.where(has, (b_m + tl.math.log2(tl.where(has, b_l, 1.0))) * LN2, float("-inf"))
+    b_lse = tl.where(has, (b_m + tl.math.log2(tl.where(has, b_l, 1.0)) - LOG2_P_SCALE) * LN2, float("-inf"))
     tl.store(LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm, b_lse, mask=m_m)
 
 
@@ -298,18 +307,22 @@ def bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, 
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len,
-               offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, stride_dqm, qk_scale, sm_scale, TERMS, mid,
-               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr,
-               FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr):
+def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
+               dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, stride_dqm, qk_scale,
+               sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
+               MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr):
     """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products).
     FUSED_DQ: also add the tile's dQ share, sm_scale * dS @ K, into the fp32 accumulator DQA (TMA
     reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     m_m = o_m < q_len
     m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
-    b_q = tl.load(Q + q_base + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :], mask=m_md, other=0.0)
-    b_do = tl.load(DO + do_base + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
+    if QDO_TMA:  # no per-element addresses or masks; rows past q_len read as zeros
+        b_q = desc_q.load([start_m, 0])
+        b_do = desc_do.load([start_m, 0])
+    else:
+        b_q = tl.load(Q + q_base + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :], mask=m_md, other=0.0)
+        b_do = tl.load(DO + do_base + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
     # rows past the end or with no allowed key carry +inf, so their probabilities are 0
     b_lse = tl.load(LSE + l_base + o_m * stride_lm, mask=m_m, other=float("inf"))
     b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
@@ -350,7 +363,7 @@ def bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -394,20 +407,28 @@ def bwd_dkdv_kernel(
                                                 block_shape=[BLOCK_M, D_PAD])
         else:
             desc_dq = DQA
+        if QDO_TMA:  # this head's rows of the sequence, [q_len, D]
+            desc_q = tl.make_tensor_descriptor(Q + q_base, shape=[q_len, HEAD_DIM], strides=[stride_qm, 1],
+                                               block_shape=[BLOCK_M, D_PAD])
+            desc_do = tl.make_tensor_descriptor(DO + do_base, shape=[q_len, HEAD_DIM], strides=[stride_dom, 1],
+                                                block_shape=[BLOCK_M, D_PAD])
+        else:
+            desc_q = Q
+            desc_do = DO
         for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
             start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_dq, q_base, do_base, l_base,
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
                                     dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm,
                                     stride_dqam, qk_scale, sm_scale, TERMS, 0,
-                                    BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA)
+                                    BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA)
         for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
             slot = it // SUB
             start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
             mid = tl.load(T_MASK_IDS + p_row + slot)
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_dq, q_base, do_base, l_base,
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
                                     dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm,
                                     stride_dqam, qk_scale, sm_scale, TERMS, mid,
-                                    BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0, FUSED_DQ, DQ_TMA)
+                                    BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)

@@ -31,6 +31,13 @@ FORCE_INDEXED = False
 BWD_VARIANT = os.environ.get("SPARSE_ATTN_BWD", "fused")
 if BWD_VARIANT not in ("fused", "split", "fused-ptr"):
     raise ValueError(f"SPARSE_ATTN_BWD must be 'fused' or 'split' (or 'fused-ptr'), got {BWD_VARIANT!r}")
+# split schedule's dK/dV kernel, Q and dO tiles: "tma" (descriptors; Hopper+, 16-byte aligned rows) or
+# "ptr" (pointer loads). H100, bf16, 16K (results/bwd-qdo-h100.json): tma 2.4% (causal) and 6% (random
+# 0.25) faster in split, but 17-18% slower in the fused kernel, whose dQ staging already fills shared
+# memory, so the fused kernel keeps pointer loads.
+BWD_QDO = os.environ.get("SPARSE_ATTN_BWD_QDO", "tma")
+if BWD_QDO not in ("tma", "ptr"):
+    raise ValueError(f"SPARSE_ATTN_BWD_QDO must be 'tma' or 'ptr', got {BWD_QDO!r}")
 # benchmarks only (benchmarks/bwd_probe.py): kind ("dkdv" / "dkdv-fused" / "dq") -> configs replacing bwd_configs;
 # clear _TUNED after changing it
 BWD_SPACE_OVERRIDE: dict = {}
@@ -252,8 +259,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     variant = FWD_VARIANT if _tma_ok(q, k, v) and not (quant and varlen) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
-    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP"),
-                  variant)
+    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad,
+                  _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP"), variant)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
@@ -328,6 +335,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         # (start, end) pairs (seq_step 2, grouped attention) need not cover q: the dQ kernel writes only
         # group rows, so rows in no group must start at 0
         dq = torch.zeros_like(q) if seq_step == 2 else torch.empty_like(q)
+    qdo_tma = BWD_QDO == "tma" and not fused and _tma_ok(q, do)
+    if qdo_tma:
+        _ensure_allocator()
     dk_dtype, dv_dtype = dkv_dtype or k.dtype, dkv_dtype or v.dtype
     if dk_rows is None:
         dk, dv = torch.empty_like(k, dtype=dk_dtype), torch.empty_like(v, dtype=dv_dtype)
@@ -337,7 +347,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         dv = v.new_empty(dk_rows.numel(), *v.shape[1:], dtype=dv_dtype)
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
-                  _KEY + ("FUSED_DQ", "DQ_TMA"), variant="tma" if dq_tma else "ptr",
+                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA"), variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}",
                   reset_to_zero=("DQA",) if fused else ())
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
@@ -345,7 +355,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
-        hkv, H // hkv, Lq, Lk, seq_step, FUSED_DQ=fused, DQ_TMA=dq_tma, **common)
+        hkv, H // hkv, Lq, Lk, seq_step, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
