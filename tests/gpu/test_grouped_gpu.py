@@ -207,6 +207,28 @@ def test_one_forward_and_one_backward_launch_for_all_groups():
                                                         "bwd_dq_kernel": 4 * n_dq}
 
 
+def test_overlapping_groups_sum_dk_dv_before_rounding():
+    """Four groups on the same K/V, not causal: the same math as one call over all their queries, so
+    dK/dV must match that call's up to fp32 summation order. Each group's partial dK/dV is summed in
+    fp32 and rounded to bf16 once; rounding every partial to bf16 first (as the scratch buffer did
+    before) makes far more elements differ."""
+    n, tk = 512, 1000
+    q, k, v = (_rand((t, h, 128), torch.bfloat16, grad=True) for t, h in ((4 * n, 8), (tk, 2), (tk, 2)))
+    groups = [Group(i * n, (i + 1) * n, 0, tk) for i in range(4)]
+    assert grouped_plan(groups, 4 * n, tk, causal=False, heads=8).dk_rows is not None  # the scratch path
+    do = _rand((4 * n, 8, 128), torch.bfloat16)
+    out = sparse_attn.grouped_attention(q, k, v, groups, causal=False)
+    dk_g, dv_g = torch.autograd.grad(out, (k, v), do)
+    cu_q = torch.tensor([0, 4 * n], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, tk], dtype=torch.int32, device=DEVICE)
+    whole = sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 4 * n, tk, causal=False)
+    dk_w, dv_w = torch.autograd.grad(whole, (k, v), do)
+    for g, w in ((dk_g, dk_w), (dv_g, dv_w)):
+        differ = (g != w).float().mean().item()
+        worst = (g.float() - w.float()).abs().max().item() / w.abs().max().item()
+        assert differ < 0.05 and worst <= 2 * torch.finfo(torch.bfloat16).eps, (differ, worst)
+
+
 def test_inputs_times_ten():
     _run(_zigzag(4096, 2)[0], 2048, 4096, 8, 2, 128, torch.bfloat16, in_scale=10.0)
     _run(_zigzag(4096, 2)[0], 2048, 4096, 8, 2, 128, torch.float16, in_scale=10.0, scale=0.05)

@@ -303,8 +303,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     kernel over the forward schedule.
 
     Overlapping key slices (grouped attention, ``seq_step`` 2): each sequence writes its dK/dV rows
-    into a scratch buffer at the (start, end) pairs ``cu_dk``; ``dk_rows`` (int64 [scratch rows])
-    maps scratch rows to k's rows, and overlapping contributions are summed in fp32.
+    into an fp32 scratch buffer at the (start, end) pairs ``cu_dk``; ``dk_rows`` (int64 [scratch
+    rows]) maps scratch rows to k's rows, and overlapping contributions are summed in fp32 before
+    the one rounding to k's dtype.
 
     ``dkv_dtype``: dK/dV in this dtype instead of k's (float32 for callers that sum several calls'
     dK/dV: context parallelism, where rounding each group's partial sum to bf16 first doubled the
@@ -342,9 +343,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     if dk_rows is None:
         dk, dv = torch.empty_like(k, dtype=dk_dtype), torch.empty_like(v, dtype=dv_dtype)
         cu_dk = cu_k
-    else:
-        dk = k.new_empty(dk_rows.numel(), *k.shape[1:], dtype=dk_dtype)
-        dv = v.new_empty(dk_rows.numel(), *v.shape[1:], dtype=dv_dtype)
+    else:  # fp32 scratch: each group's partial dK/dV is summed before any rounding to k's dtype
+        dk = k.new_empty(dk_rows.numel(), *k.shape[1:], dtype=torch.float32)
+        dv = v.new_empty(dk_rows.numel(), *v.shape[1:], dtype=torch.float32)
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
                   _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA"), variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}",
@@ -367,6 +368,6 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
             *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
             H, H // hkv, Lq, Lk, seq_step, **common)
     if dk_rows is not None:
-        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk.float()).to(dk_dtype)
-        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv.float()).to(dv_dtype)
+        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
+        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
     return dq, dk, dv
