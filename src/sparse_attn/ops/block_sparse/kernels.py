@@ -417,17 +417,17 @@ def bwd_dkdv_kernel(
             desc_do = DO
         for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
             start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
-                                    dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm,
-                                    stride_dqam, qk_scale, sm_scale, TERMS, 0,
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base,
+                                    do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm,
+                                    stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, 0,
                                     BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA)
         for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
             slot = it // SUB
             start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
             mid = tl.load(T_MASK_IDS + p_row + slot)
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
-                                    dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm,
-                                    stride_dqam, qk_scale, sm_scale, TERMS, mid,
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base,
+                                    do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm,
+                                    stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, mid,
                                     BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:

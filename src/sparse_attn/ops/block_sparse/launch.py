@@ -259,8 +259,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     variant = FWD_VARIANT if _tma_ok(q, k, v) and not (quant and varlen) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
-    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad,
-                  _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP"), variant)
+    kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP"),
+                  variant)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
