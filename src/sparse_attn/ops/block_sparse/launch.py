@@ -59,7 +59,9 @@ def _keep_fwd(cfg: triton.Config, block_q: int, block_k: int, d_pad: int) -> boo
     return True
 
 
-def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr") -> list[triton.Config]:
+def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr", eight_bit: bool = False
+                ) -> list[triton.Config]:
+    """``eight_bit``: the space of the int8 / FP8 kernels (QUANT 1, 2), tuned apart from bf16's."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1, "USE_TMA": False}, num_warps=4, num_stages=1)]
@@ -69,6 +71,14 @@ def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr") ->
     bm = _divisors(block_q)[-1]
     bns = _divisors(block_k, (64, 128)) or _divisors(block_k)[-1:]
     flags = {"USE_TMA": variant != "ptr"}
+    if eight_bit and d_pad <= 128 and block_q % 64 == 0 and block_k % 128 == 0:
+        # One warpgroup per 64-row tile leaves room for two CTAs per SM, whose softmax and 8-bit MMAs the
+        # warp scheduler interleaves. H100, int8-fp8 dense 16K, kernel alone (fwd-tile-probe-h100.json):
+        # 64x128 on 4 warps 6.18 ms (3 stages) / 6.47 (2), the bf16-tuned 128x128 on 8 warps 6.79,
+        # 64x64 6.64-6.67, 128x64 8.43. (For bf16 the 128-row tile stays best: 7.68 vs 9.50 ms.)
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": s, **flags}, num_warps=4, num_stages=s)
+                for s in (3, 2)] + [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "NUM_STAGES": 3, **flags},
+                                                  num_warps=8, num_stages=3)]
     space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s, **flags}, num_warps=8 if bm >= 128 else 4,
                            num_stages=s)
              for bn in bns for s in (2, 3)]
@@ -129,18 +139,19 @@ _TUNED: dict = {}
 
 
 def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple, variant: str = "ptr",
-           reset_to_zero: tuple = ()):
+           reset_to_zero: tuple = (), eight_bit: bool = False):
     """The autotuned kernel for this (layout blocks, head dim) family. Autotune key is on head dim,
     dtype and flags, never on raw sequence length (which would recompile per length).
-    ``reset_to_zero``: accumulator arguments the autotuner re-zeroes around its trial runs."""
-    k = (kind, block_q, block_k, d_pad, variant)
+    ``reset_to_zero``: accumulator arguments the autotuner re-zeroes around its trial runs.
+    ``eight_bit``: the forward's int8 / FP8 config space (fwd_configs)."""
+    k = (kind, block_q, block_k, d_pad, variant, eight_bit)
     if k not in _TUNED:
         if kind == "fwd":
-            configs = fwd_configs(block_q, block_k, d_pad, variant)
+            configs = fwd_configs(block_q, block_k, d_pad, variant, eight_bit)
         else:
             configs = BWD_SPACE_OVERRIDE.get(kind) or bwd_configs(block_q, block_k, d_pad, kind)
         if not AUTOTUNE:
-            configs = [default_config(configs, kind, d_pad)]
+            configs = [default_config(configs, kind, d_pad, eight_bit)]
         if len(configs) > 1:
             kw = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
             _TUNED[k] = triton.autotune(configs, key=list(key), reset_to_zero=list(reset_to_zero) or None,
@@ -150,10 +161,10 @@ def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple
     return _TUNED[k]
 
 
-def default_config(configs: list[triton.Config], kind: str, d_pad: int) -> triton.Config:
+def default_config(configs: list[triton.Config], kind: str, d_pad: int, eight_bit: bool = False) -> triton.Config:
     """A reasonable untuned pick: forward, the largest tiles, 8 warps for 128x128 tiles, 3 stages;
-    backward, the first config (bwd_configs lists them best first)."""
-    if kind != "fwd":
+    backward and the 8-bit forward, the first config (their spaces list the measured best first)."""
+    if kind != "fwd" or eight_bit:
         return configs[0]
 
     def score(c):
@@ -260,7 +271,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     if variant != "ptr":
         _ensure_allocator()
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP"),
-                  variant)
+                  variant, eight_bit=quant != 0)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
