@@ -27,11 +27,12 @@ from sparse_attn.ops.block_sparse import launch, layout_inputs  # noqa: E402
 from sparse_attn.ops.sage import launch as sage_launch  # noqa: E402
 from sparse_attn.ops.sage.granularity import GRANULARITY  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, warps, stages)
+# (BLOCK_M, BLOCK_N, warps, stages[, register cap per thread: with 4 warps, 168 lets three CTAs share an SM])
 CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 4)]
+CAPPED = [(64, 128, 4, 3), (64, 128, 4, 2, 168), (64, 128, 4, 2, 128), (64, 64, 4, 2, 168), (64, 64, 4, 3, 168)]
 
 
-def run_case(case: str, quant: int, rows: list):
+def run_case(case: str, quant: int, rows: list, configs: list):
     which, L = case.split(":")
     L = int(L)
     layout, _ = layouts(L, which)
@@ -50,8 +51,11 @@ def run_case(case: str, quant: int, rows: list):
         scales = (q_s, k_s, v_s)
     flops = 4 * D * 128 * 128 * layout.num_blocks * (H // layout.heads)  # as benchmarks/probe.py
     first = None
-    for m, n, w, s in CONFIGS:
-        cfg = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s, "USE_TMA": True}, num_warps=w, num_stages=s)
+    for c in configs:
+        m, n, w, s = c[:4]
+        cap = c[4] if len(c) > 4 else None
+        cfg = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s, "USE_TMA": True}, num_warps=w, num_stages=s,
+                            maxnreg=cap)
         launch.fwd_configs = lambda *a, _c=cfg, **kw: [_c]
         launch._TUNED.clear()
 
@@ -63,10 +67,10 @@ def run_case(case: str, quant: int, rows: list):
             first = out if first is None else first
             diff = (out.float() - first.float()).abs().max().item()
             ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-            row = dict(case=case, quant=quant, config=[m, n, w, s], ms=ms, tflops=flops / ms * 1e-9,
+            row = dict(case=case, quant=quant, config=list(c), ms=ms, tflops=flops / ms * 1e-9,
                        max_abs_diff_vs_first=diff)
         except Exception as e:  # noqa: BLE001 - a config that does not compile must not hide the others
-            row = dict(case=case, quant=quant, config=[m, n, w, s], error=f"{type(e).__name__}: {str(e)[-200:]}")
+            row = dict(case=case, quant=quant, config=list(c), error=f"{type(e).__name__}: {str(e)[-200:]}")
         print(json.dumps(row), flush=True)
         rows.append(row)
 
@@ -75,13 +79,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["dense:16384", "window4096:32768"])
     ap.add_argument("--quants", nargs="+", type=int, default=[0, 2])
+    ap.add_argument("--capped", action="store_true", help="the register-capped one-warpgroup configs instead")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows: list = []
     for case in a.cases:
         for quant in a.quants:
-            run_case(case, quant, rows)
-    header = make_header("cuda", "probe", script="benchmarks/fwd_tile_probe.py", configs=CONFIGS)
+            run_case(case, quant, rows, CAPPED if a.capped else CONFIGS)
+    header = make_header("cuda", "probe", script="benchmarks/fwd_tile_probe.py", configs=CAPPED if a.capped else CONFIGS)
     Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 
 
