@@ -1,0 +1,50 @@
+"""The GPU autotune spaces (launch.fwd_configs / bwd_configs), checked without a GPU.
+
+The autotune key leaves out sequence length and Triton caches its pick on disk, so whatever a first
+small call picks is kept for every later length. A space may therefore only offer tiles that are
+never far from the best at long lengths (measured on the H100: benchmarks/NOTES.md,
+results/fwd-tile-probe-*.json, bwd-configs-h100.json)."""
+from __future__ import annotations
+
+import pytest
+
+from sparse_attn.ops.block_sparse import launch
+
+
+@pytest.fixture
+def gpu_spaces(monkeypatch):
+    """The spaces as on a GPU (the interpreter has a one-config space of its own)."""
+    monkeypatch.setattr(launch, "INTERPRET", False)
+
+
+def _tiles(configs):
+    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["NUM_STAGES"]) for c in configs]
+
+
+def test_bf16_forward_offers_only_128_row_tiles_at_d128(gpu_spaces):
+    # one-warpgroup 64-row tiles are 1.2-1.4x slower for bf16 at 16K-32K (fwd-tile-probe-*.json)
+    tiles = _tiles(launch.fwd_configs(128, 128, 128, "tma"))
+    assert tiles and all(m == 128 and w == 8 for m, _, w, _ in tiles)
+
+
+def test_eight_bit_forward_space_leads_with_one_warpgroup_tiles(gpu_spaces):
+    configs = launch.fwd_configs(128, 128, 128, "tma", eight_bit=True)
+    assert _tiles(configs)[0] == (64, 128, 4, 3)
+    assert all(c.kwargs["USE_TMA"] for c in configs)
+    # with autotuning off the 8-bit forward takes the measured best, not the bf16 rule's largest tile
+    assert _tiles([launch.default_config(configs, "fwd", 128, eight_bit=True)]) == [(64, 128, 4, 3)]
+    assert launch.default_config(launch.fwd_configs(128, 128, 128, "tma"), "fwd", 128).kwargs["BLOCK_M"] == 128
+
+
+@pytest.mark.parametrize("block_q,block_k,d_pad", [(32, 128, 128), (128, 64, 128), (128, 128, 256)])
+def test_eight_bit_space_falls_back_where_its_tiles_do_not_fit(gpu_spaces, block_q, block_k, d_pad):
+    eight = launch.fwd_configs(block_q, block_k, d_pad, "tma", eight_bit=True)
+    assert _tiles(eight) == _tiles(launch.fwd_configs(block_q, block_k, d_pad, "tma"))
+    for m, n, _, _ in _tiles(eight):
+        assert block_q % m == 0 and block_k % n == 0
+
+
+def test_backward_spaces_offer_small_tiles_only_where_no_large_one_fits(gpu_spaces):
+    for kind in ("dkdv", "dkdv-fused", "dq"):
+        assert all(m * n >= 64 * 128 for m, n, _, _ in _tiles(launch.bwd_configs(128, 128, 128, kind))), kind
+    assert _tiles(launch.bwd_configs(64, 64, 128, "dkdv"))[0][:2] == (64, 64)
