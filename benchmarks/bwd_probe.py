@@ -2,9 +2,9 @@
 
 Variants (``launch.BWD_VARIANT``): "split" (dK/dV kernel + dQ kernel), "fused" (dQ by TMA reduce-adds
 inside the dK/dV kernel), "fused-ptr" (the same with per-element atomics). --qdo-only compares just
-the dK/dV kernel's Q/dO loads (``launch.BWD_QDO``: pointer loads vs TMA), for split and fused. With --split-sweep, one
-split kernel's config is varied while the other stays fixed, so differences between those rows are
-that kernel's. Every row reports its gradients' distance from the first (split) row's and from its
+the dK/dV kernel's Q/dO loads (``launch.BWD_QDO``: pointer loads vs TMA), for split and fused.
+With --split-sweep, one split kernel's config is varied while the other stays fixed, so differences
+between those rows are that kernel's. Every row reports its gradients' distance from the first (split) row's and from its
 own rerun (atomics make dQ's summation order vary). Also times the delta pre-pass (the fused kernel vs the
 PyTorch expression it replaced). Effective TFLOP/s use the forward convention x2.5 (the backward
 alone, ``bench.flops`` mode "bwd").
@@ -78,8 +78,9 @@ def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool 
             rerun = [(a - b).abs().max().item() for a, b in zip(again, grads)]
             ms = triton.testing.do_bench(bwd, warmup=10, rep=100, return_mode="median")
             row = dict(case=case, hkv=hkv, variant=variant, vary=label, qdo=qdo, dkdv=dkdv,
-                       dq=dq if variant == "split" else None, ms=ms, tflops=tflops(flops_bwd, ms), max_abs_diff_dq_dk_dv_vs_split=diff,
-                       max_abs_diff_rerun=rerun, dq_absmax=grads[0].abs().max().item())
+                       dq=dq if variant == "split" else None, ms=ms, tflops=tflops(flops_bwd, ms),
+                       max_abs_diff_dq_dk_dv_vs_split=diff, max_abs_diff_rerun=rerun,
+                       dq_absmax=grads[0].abs().max().item())
         except Exception as e:  # noqa: BLE001 - one config failing to compile must not hide the others
             row = dict(case=case, hkv=hkv, variant=variant, vary=label, dkdv=dkdv, dq=dq,
                        error=f"{type(e).__name__}: {str(e)[-300:]}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import sparse_attn
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, causal_term, window_term
 from sparse_attn.ops.block_sparse import attention_op, launch
@@ -53,7 +54,6 @@ def test_varlen_split_matches_fused(monkeypatch):
     """Packed sequences (one of a single token) through both schedules: the split dK/dV kernel reads
     each sequence's Q / dO rows through per-sequence TMA descriptors, the fused one by pointers. A
     descriptor placed at the wrong rows would differ by O(1), not by bf16 rounding."""
-    import sparse_attn
     lens = [300, 1, 777, 129]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     T = sum(lens)
