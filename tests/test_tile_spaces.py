@@ -48,3 +48,8 @@ def test_backward_spaces_offer_small_tiles_only_where_no_large_one_fits(gpu_spac
     for kind in ("dkdv", "dkdv-fused", "dq"):
         assert all(m * n >= 64 * 128 for m, n, _, _ in _tiles(launch.bwd_configs(128, 128, 128, kind))), kind
     assert _tiles(launch.bwd_configs(64, 64, 128, "dkdv"))[0][:2] == (64, 64)
+
+
+def test_eight_bit_space_keeps_only_tiles_dividing_the_layout_blocks(gpu_spaces):
+    # 64-row query blocks: the 64-row tiles stay, the 128-row one goes (a tile must divide its block)
+    assert _tiles(launch.fwd_configs(64, 128, 128, "tma", eight_bit=True)) == [(64, 128, 4, 3), (64, 128, 4, 2)]

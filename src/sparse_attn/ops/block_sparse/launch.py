@@ -59,9 +59,18 @@ def _keep_fwd(cfg: triton.Config, block_q: int, block_k: int, d_pad: int) -> boo
     return True
 
 
+# The 8-bit forward's tiles (BLOCK_M, BLOCK_N, warps, stages), best first. One warpgroup per 64-row tile
+# leaves room for two CTAs per SM, whose softmax and 8-bit MMAs the warp scheduler interleaves. H100,
+# int8-fp8 dense 16K, kernel alone (results/fwd-tile-probe-h100.json): 64x128 on 4 warps 6.18 ms (3 stages)
+# / 6.47 (2), the bf16 space's 128x128 on 8 warps 6.79, 64x64 6.64-6.67, 128x64 8.43. For bf16 the
+# 128-row tile stays best (7.68 vs 9.50 ms), so only the 8-bit space offers these.
+EIGHT_BIT_TILES = ((64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3))
+
+
 def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr", eight_bit: bool = False
                 ) -> list[triton.Config]:
-    """``eight_bit``: the space of the int8 / FP8 kernels (QUANT 1, 2), tuned apart from bf16's."""
+    """``eight_bit``: the space of the int8 / FP8 kernels (QUANT 1, 2), tuned apart from bf16's; where
+    none of its tiles fits the layout's blocks or head dim, the bf16 space."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1, "USE_TMA": False}, num_warps=4, num_stages=1)]
@@ -71,14 +80,12 @@ def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr", ei
     bm = _divisors(block_q)[-1]
     bns = _divisors(block_k, (64, 128)) or _divisors(block_k)[-1:]
     flags = {"USE_TMA": variant != "ptr"}
-    if eight_bit and d_pad <= 128 and block_q % 64 == 0 and block_k % 128 == 0:
-        # One warpgroup per 64-row tile leaves room for two CTAs per SM, whose softmax and 8-bit MMAs the
-        # warp scheduler interleaves. H100, int8-fp8 dense 16K, kernel alone (fwd-tile-probe-h100.json):
-        # 64x128 on 4 warps 6.18 ms (3 stages) / 6.47 (2), the bf16-tuned 128x128 on 8 warps 6.79,
-        # 64x64 6.64-6.67, 128x64 8.43. (For bf16 the 128-row tile stays best: 7.68 vs 9.50 ms.)
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": s, **flags}, num_warps=4, num_stages=s)
-                for s in (3, 2)] + [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "NUM_STAGES": 3, **flags},
-                                                  num_warps=8, num_stages=3)]
+    if eight_bit:
+        space = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s, **flags}, num_warps=w, num_stages=s)
+                 for m, n, w, s in EIGHT_BIT_TILES]
+        kept = [c for c in space if _keep_fwd(c, block_q, block_k, d_pad)]
+        if kept:
+            return kept
     space = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": s, **flags}, num_warps=8 if bm >= 128 else 4,
                            num_stages=s)
              for bn in bns for s in (2, 3)]
