@@ -13,7 +13,7 @@ import torch
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, causal_term, window_term
 from sparse_attn.ops.block_sparse import launch
-from sparse_attn.testing import assert_layout_grads_close_to_oracle, split_and_fused_grads
+from sparse_attn.testing import assert_layout_grads_close_to_oracle, random_packed_qkv, split_and_fused_grads
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -62,10 +62,7 @@ def test_varlen_backward_matches_fp64_reference(variant):
     from sparse_attn.ops.block_sparse import varlen_attention_op
     q_lens = k_lens = [19, 1, 33]
     hq, hkv, d = 4, 2, 16
-    g = torch.Generator().manual_seed(11)
-    q = torch.randn(sum(q_lens), hq, d, generator=g).half().requires_grad_()
-    k = torch.randn(sum(k_lens), hkv, d, generator=g).half().requires_grad_()
-    v = torch.randn(sum(k_lens), hkv, d, generator=g).half().requires_grad_()
+    q, k, v = random_packed_qkv(sum(q_lens), sum(k_lens), hq, hkv, d, seed=11)
     cu = torch.tensor([0, 19, 20, 53], dtype=torch.int32)
     pattern = lambda lq, lk: BlockLayout.from_mask(ElementMask((window_term(12, 0),)), q_len=lq, kv_len=lk,  # noqa: E731
                                                    block_q=16, block_k=16)

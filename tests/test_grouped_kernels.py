@@ -14,7 +14,7 @@ import sparse_attn
 from sparse_attn import Group, grouped, patterns, reference
 from sparse_attn.grouped import grouped_plan, groups_from_cu_seqlens
 from sparse_attn.layout import LayoutError
-from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle
+from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle, random_packed_qkv
 
 _no_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                      reason="interpreter tests run only without a GPU")
@@ -37,9 +37,7 @@ def kernels(monkeypatch, one_thread):
 
 
 def _qkv(tq, tk, hq, hkv, d=16, dtype=torch.float16, seed=0, grad=True):
-    g = torch.Generator().manual_seed(seed)
-    mk = lambda n, h: torch.randn(n, h, d, generator=g).to(dtype).requires_grad_(grad)  # noqa: E731
-    return mk(tq, hq), mk(tk, hkv), mk(tk, hkv)
+    return random_packed_qkv(tq, tk, hq, hkv, d, seed=seed, dtype=dtype, requires_grad=grad)
 
 
 def _ref(q, k, v, groups, causal, layouts, lowp):

@@ -11,7 +11,7 @@ import sparse_attn
 from sparse_attn import reference
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
-from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle
+from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle, random_packed_qkv
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -92,10 +92,7 @@ def test_varlen_matches_per_sequence_reference():
     from sparse_attn import varlen
     q_lens, k_lens = [17, 1, 40], [30, 5, 40]
     hq, hkv, d = 4, 2, 16
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(sum(q_lens), hq, d, generator=g).half().requires_grad_()
-    k = torch.randn(sum(k_lens), hkv, d, generator=g).half().requires_grad_()
-    v = torch.randn(sum(k_lens), hkv, d, generator=g).half().requires_grad_()
+    q, k, v = random_packed_qkv(sum(q_lens), sum(k_lens), hq, hkv, d, seed=7)
     cq = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
     ck = torch.tensor([0, 30, 35, 75], dtype=torch.int32)
     pattern = lambda lq, lk: BlockLayout.from_mask(MASKS["streaming"], q_len=lq, kv_len=lk,  # noqa: E731

@@ -22,6 +22,7 @@ from .reference import attention as reference_attention
 
 __all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
            "assert_layout_grads_close_to_oracle", "split_and_fused_grads", "default_atol_floor", "random_qkv",
+           "random_packed_qkv",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
 
@@ -216,3 +217,12 @@ def random_qkv(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, dtype=torch.
         t = (torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * scale).to(dtype)
         out.append(t.requires_grad_(requires_grad))
     return tuple(out)
+
+
+def random_packed_qkv(Tq: int, Tk: int, Hq: int, Hkv: int, D: int, *, seed: int, dtype=torch.float16,
+                      requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Standard-normal packed (varlen) q ``[Tq, Hq, D]``, k and v ``[Tk, Hkv, D]`` on the CPU, drawn in
+    that order from one generator seeded with ``seed`` and cast to ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((Tq, Hq, D), (Tk, Hkv, D), (Tk, Hkv, D))
+    return tuple(torch.randn(s, generator=g).to(dtype).requires_grad_(requires_grad) for s in shapes)

@@ -16,8 +16,6 @@ fp32 scratch buffer and an index_add, which measured 0.93-0.98x of the loop (ben
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import api, patterns
@@ -82,10 +80,10 @@ def _kernel_backward(do, q, k, v, out, lse, layout, scale):
     """The kernels' backward of one group, dK/dV in fp32 (they are summed over groups and ranks; bf16
     partial sums doubled the max error against single-device attention at 4K tokens). Called from
     an autograd.Function's backward: the kernels run directly."""
-    from ..ops.block_sparse import launch, layout_inputs
+    from ..ops.block_sparse import launch, layout_inputs, softmax_scale
     counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms = \
         layout_inputs(layout, True)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q, scale)
     return launch.backward(do.contiguous(), q, k, v, out, lse.contiguous(), counts, n_full, indices, mask_ids,
                            t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms, None, None, layout.block_q,
                            layout.block_k, scale, q.shape[2], k.shape[2], dkv_dtype=torch.float32)

@@ -25,6 +25,11 @@ def check_kernel_inputs(q: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"the Triton kernels need v's head_dim ({v.shape[-1]}) equal to q/k's ({q.shape[-1]})")
 
 
+def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
+    """The softmax scale as a float: ``scale``, or ``1 / sqrt(D)`` for None."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -70,11 +75,10 @@ def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, re
     (``pv_threshold`` > 0: drop negligible tiles, forward only; see ``sparse_attn.attention``)."""
     check_kernel_inputs(q, v)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q, scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    out, lse = forward_op(q, k, v, *layout_inputs(layout, needs_grad), None, None,
-                                layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
-                                pv_threshold=float(pv_threshold))
+    out, lse = forward_op(q, k, v, *layout_inputs(layout, needs_grad), None, None, layout.block_q, layout.block_k,
+                          scale, q.shape[2], k.shape[2], pv_threshold=float(pv_threshold))
     return (out, lse) if return_lse else out
 
 
@@ -88,7 +92,7 @@ def forward_into(q, k, v, layout: BlockLayout, out: torch.Tensor, lse: torch.Ten
     :func:`grouped_attention_op` (``seq_step`` 2) or :func:`varlen_attention_op` (1)."""
     check_kernel_inputs(q, v)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q, scale)
     counts, n_full, full_start, indices, mask_ids, contiguous, *_, terms, n_terms = \
         layout_inputs(layout, False, kv_lens)
     if cu_q is None:
@@ -103,10 +107,10 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
     ``kv_lens`` (ints) the sequences' key lengths."""
     check_kernel_inputs(q, v)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q, scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
-                                stacked.block_q, stacked.block_k, scale, max_q, max_k)
+                          stacked.block_q, stacked.block_k, scale, max_q, max_k)
     return (out, lse) if return_lse else out
 
 
@@ -122,10 +126,10 @@ def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, 
     dQ 0: launch.backward zero-fills dQ for paired bounds)."""
     check_kernel_inputs(q, v)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q, scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
-                                stacked.block_q, stacked.block_k, scale, max_q, max_k, 2, cu_dk, dk_rows)
+                          stacked.block_q, stacked.block_k, scale, max_q, max_k, 2, cu_dk, dk_rows)
     if free_rows is not None:  # out of place: the op's own output is saved for backward
         out = out.index_fill(0, free_rows, 0.0)
         lse = lse.index_fill(1, free_rows, float("-inf"))

@@ -3,12 +3,10 @@
 Forward only; see :mod:`sparse_attn.quantized` for the public entry and its gradients."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ...layout import BlockLayout
-from ..block_sparse import check_kernel_inputs, layout_inputs
+from ..block_sparse import check_kernel_inputs, layout_inputs, softmax_scale
 from .granularity import GRANULARITY, QUANT_MODES, check_quant
 
 __all__ = ["GRANULARITY", "QUANT_MODES", "check_quant", "check_fp8_device", "sage_attention_op",
@@ -40,7 +38,7 @@ def sage_attention_op(q, k, v, layout: BlockLayout, *, quant: str, granularity: 
     smoothed scores, fp32 ``[B, H, Lq]``)."""
     from .function import sage_fwd
     mode, (q, k, v) = _prepare(q, k, v, quant, granularity)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q, scale)
     rows = layout_inputs(layout, False)
     fwd = rows[:6] + rows[-2:]  # forward schedule + term table (no transposed rows)
     return sage_fwd(q, k, v, *fwd, None, None, layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
@@ -52,7 +50,7 @@ def sage_varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: i
     """8-bit kernels on packed ``[T, H, D]`` inputs (see varlen_attention_op). Returns (out, lse [H, T])."""
     from .function import sage_fwd
     mode, (q, k, v) = _prepare(q, k, v, quant, granularity)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q, scale)
     rows = layout_inputs(stacked, False, kv_lens)
     fwd = rows[:6] + rows[-2:]
     return sage_fwd(q, k, v, *fwd, cu_q, cu_k, stacked.block_q, stacked.block_k, scale, max_q, max_k,
