@@ -35,7 +35,9 @@ from sparse_attn.ops.block_sparse.function import block_sparse_fwd  # noqa: E402
 DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 DQ = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3)]
 # the fused kernel (dQ by atomic adds inside the dK/dV kernel): its tile configs
-FUSED = [(64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2)]
+# 5 stages: the pipeliner splits a loop's stages between the query-index load and the Q/dO loads it
+# addresses, so only 5 (not 3) put Q/dO two iterations ahead
+FUSED = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 5), (128, 128, 8, 2), (64, 64, 4, 2)]
 
 
 def cfg(m, n, w, s):

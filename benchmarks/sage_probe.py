@@ -5,6 +5,8 @@ import argparse
 import datetime
 import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -16,6 +18,9 @@ from sparse_attn.ops.block_sparse import launch as bs_launch
 from sparse_attn.ops.block_sparse import layout_inputs
 from sparse_attn.ops.sage import launch as sage_launch
 from sparse_attn.ops.sage.granularity import GRANULARITY
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe import layouts  # noqa: E402
 
 
 def ms(fn):
@@ -37,7 +42,8 @@ def kernel_only(q, k, v, lay, quant, gran):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=["dense:16384", "dense:32768", "local4096:32768"])
+    ap.add_argument("--cases", nargs="+", default=["dense:16384", "dense:32768", "local4096:32768"],
+                    help="dense:L, local4096:L (causal) or randomD:L (probe.py's block layout at density D)")
     ap.add_argument("--grans", nargs="+", default=["per_warp"])
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -52,8 +58,11 @@ def main():
         L = int(L)
         B, H, D = 1, 32, 128
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        lay = None if kind == "dense" else patterns.local(L, 4096, device="cuda")
-        causal = kind != "dense"
+        if kind.startswith("random"):  # probe.py's seeded random block layout, not causal
+            lay, causal = layouts(L, kind)[0], False
+        else:
+            lay = None if kind == "dense" else patterns.local(L, 4096, device="cuda")
+            causal = kind != "dense"
         kl = _kernel_layout(lay, causal, L, L, "cuda")
         flops = 4 * B * H * L * L * D * kl.density
         res = {"case": case, "density": kl.density}

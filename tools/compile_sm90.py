@@ -14,6 +14,7 @@ from sparse_attn.ops.block_sparse import kernels as K
 
 POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
                 "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK"}
+SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may have
 SCALES_F32 = {"LSE", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE", "DQA"}
 
 
@@ -39,6 +40,14 @@ def signature(fn, consts):
     return sig
 
 
+def divisibility(fn, sig):
+    """What the JIT gives real calls on aligned tensors: pointers and strides divisible by 16. Without
+    it the analysis cannot prove 16-byte vectors, and pointer loads that a real call would pipeline
+    with cp.async compile as plain loads (the TTGIR then misleads)."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if sig[name] != "constexpr" and (sig[name].startswith("*") or name.startswith("stride"))}
+
+
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
@@ -47,15 +56,20 @@ def variants():
     for n_terms, tma in itertools.product((0, 2), (False, True)):
         yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
                                  CONTIGUOUS=True, USE_TMA=tma, QUANT=0, PV_SKIP=True)
+    # the largest tiles of the autotune spaces on indexed rows, whose first loop runs 2 * NUM_STAGES - 1
+    # stages: d128 128x128 at 3 stages, d64 128x128 at 3, d256 128x64 at 2 (its only config)
+    for d, bn, stages in ((128, 128, 3), (64, 128, 3), (256, 64, 2)):
+        yield K.fwd_kernel, dict(base, HEAD_DIM=d, D_PAD=d, NUM_STAGES=stages, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2,
+                                 IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=0, PV_SKIP=False)
     for quant, tma, bn in itertools.product((1, 2), (False, True), (64, 128)):
         yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=tma, QUANT=quant, PV_SKIP=False)
     for n_terms, varlen, (fused, dq_tma), qdo_tma in itertools.product(
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True)):
-        yield K.bwd_dkdv_kernel, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, FUSED_DQ=fused,
+        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, FUSED_DQ=fused,
                                       DQ_TMA=dq_tma, QDO_TMA=qdo_tma)
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dq_kernel, dict(base, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
+        yield K.bwd_dq_kernel, dict(base, NUM_STAGES=2, BLOCK_M=128, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
     yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64)
 
 
@@ -63,12 +77,15 @@ def main():
     target = GPUTarget("cuda", 90, 32)
     failed = 0
     for fn, consts in variants():
-        flags = {k: v for k, v in consts.items() if k in ("N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N",
+        flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
         try:
-            c = triton.compile(ASTSource(fn, signature(fn, consts), constexprs=consts), target=target,
-                               options=dict(num_warps=8, num_stages=3))
+            sig = signature(fn, consts)
+            c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,
+                               options=dict(num_warps=8, num_stages=consts.get("NUM_STAGES", 3)))
             ptx = c.asm.get("ptx", "")
+            if c.metadata.shared > SMEM_LIMIT:  # compiles, but a launch would fail with OutOfResources
+                raise RuntimeError(f"shared memory {c.metadata.shared} B over the sm_90 limit {SMEM_LIMIT} B")
             print(f"ok   {fn.__name__:16s} {flags} smem={c.metadata.shared} wgmma={'wgmma' in ptx} "
                   f"tma={'cp.async.bulk.tensor' in ptx}")
         except Exception as e:  # noqa: BLE001 - report every failure, keep going

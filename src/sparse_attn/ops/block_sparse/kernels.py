@@ -246,7 +246,7 @@ def fwd_kernel(
     # phase 1: blocks that need no mask. A contiguous run is walked by arithmetic, no index loads.
     if CONTIGUOUS:
         run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
-    for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
+    for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
         if CONTIGUOUS:
             start_n = run0 + it * BLOCK_N
         else:
