@@ -44,7 +44,7 @@ def cfg(m, n, w, s):
     return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s}, num_warps=w, num_stages=s)
 
 
-def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool = False):
+def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool = False, default_only: bool = False):
     which, L = case.split(":")
     L = int(L)
     layout, _ = layouts(L, which)
@@ -90,6 +90,9 @@ def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool 
         rows.append(row)
 
     timed("split", "both", DKDV[0], DQ[0])
+    if default_only:  # the default schedule's first config only (A/B of kernel code across two checkouts)
+        timed("fused", "dkdv", FUSED[0], DQ[0])
+        return
     if qdo_only:  # the dK/dV kernel's Q / dO loads: pointer loads vs TMA descriptors, default tiles
         for variant in ("split", "fused"):
             for qdo in ("ptr", "tma"):
@@ -120,11 +123,13 @@ def main():
     ap.add_argument("--split-sweep", action="store_true", help="also sweep the split (two-kernel) configs")
     ap.add_argument("--qdo-only", action="store_true",
                     help="only compare the dK/dV kernel's Q/dO pointer loads with TMA loads")
+    ap.add_argument("--default-only", action="store_true",
+                    help="only the split and fused schedules at their first (default) configs")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows: list = []
     for case in a.cases:
-        run_case(case, a.hkv, rows, a.split_sweep, a.qdo_only)
+        run_case(case, a.hkv, rows, a.split_sweep, a.qdo_only, a.default_only)
     header = make_header("cuda", "probe", script="benchmarks/bwd_probe.py")
     Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 
