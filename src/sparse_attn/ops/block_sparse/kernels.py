@@ -244,6 +244,9 @@ def fwd_kernel(
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # phase 1: blocks that need no mask. A contiguous run is walked by arithmetic, no index loads.
+    # Indexed rows get 2 * NUM_STAGES - 1 stages: the pipeliner splits a loop's stages between the
+    # index load and the K/V loads it addresses, and this keeps K/V as many tiles ahead as on
+    # contiguous rows (H100: random layouts +10-21%, benchmarks/NOTES.md v4).
     if CONTIGUOUS:
         run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
     for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
