@@ -1,7 +1,18 @@
-"""Dense 32K Hkv 8 forward: does the autotune pick depend on which contiguous layout ran first?"""
-import json, sys, torch, triton, sparse_attn
+"""Dense 32K Hkv 8 forward in a bare timing loop: does the autotune pick depend on which contiguous
+layout (dense or local-4096) runs first in the process? Prints the times and the picks.
+
+    python benchmarks/gqa_pick_probe.py dense local      # then in a fresh process: local dense
+"""
+import json
+import sys
+
+import torch
+import triton
+
+import sparse_attn
 from sparse_attn import patterns
 from sparse_attn.ops.block_sparse import launch
+
 L, H, HKV, D = 32768, 32, 8, 128
 q = torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
