@@ -25,5 +25,5 @@ for name in sys.argv[1:]:
     ms = triton.testing.do_bench(lambda: sparse_attn.attention(q, k, v, lay, causal=causal), warmup=25, rep=200,
                                  return_mode="median")
     out["rows"].append({"layout": name, "ms": ms})
-out["picks"] = {str(k_): {str(kk): str(c) for kk, c in getattr(t, "cache", {}).items()} for k_, t in launch._TUNED.items()}
+out["picks"] = launch.autotune_picks()
 print(json.dumps(out))

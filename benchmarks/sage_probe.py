@@ -85,8 +85,7 @@ def main():
             res[key.replace("_ms", "_tops")] = flops / res[key] / 1e9
         # the forward's autotune choices so far: (kind, blocks, head dim, variant) -> {key: config}; the key
         # leaves out sequence length, so a later length reuses the first length's pick
-        res["autotune"] = {str(k_): {str(kk): str(c) for kk, c in getattr(t, "cache", {}).items()}
-                           for k_, t in bs_launch._TUNED.items() if k_[0] == "fwd"}
+        res["autotune"] = bs_launch.autotune_picks("fwd")
         print(json.dumps({k_: round(v_, 3) if isinstance(v_, float) else v_ for k_, v_ in res.items()}), flush=True)
         rows.append(res)
     if a.out:

@@ -53,3 +53,18 @@ def test_backward_spaces_offer_small_tiles_only_where_no_large_one_fits(gpu_spac
 def test_eight_bit_space_keeps_only_tiles_dividing_the_layout_blocks(gpu_spaces):
     # 64-row query blocks: the 64-row tiles stay, the 128-row one goes (a tile must divide its block)
     assert _tiles(launch.fwd_configs(64, 128, 128, "tma", eight_bit=True)) == [(64, 128, 4, 3), (64, 128, 4, 2)]
+
+
+def test_autotune_picks_lists_tuned_families_only(monkeypatch):
+    """Benchmark headers record the autotuner's choices; kernels with one fixed config have none."""
+    class Tuned:
+        cache = {(128, "torch.bfloat16"): "BLOCK_M: 128, BLOCK_N: 128"}
+
+    fwd, bwd = ("fwd", 128, 128, 128, "tma", False), ("dkdv", 128, 128, 128, "ptr", False)
+    fixed = ("dq", 128, 128, 128, "ptr", False)
+    monkeypatch.setattr(launch, "_TUNED", {fwd: Tuned(), bwd: Tuned(),
+                                           fixed: launch._Fixed(None, launch.bwd_configs(128, 128, 128, "dq")[0])})
+    picks = launch.autotune_picks()
+    assert set(picks) == {str(fwd), str(bwd)}
+    assert picks[str(fwd)] == {"(128, 'torch.bfloat16')": "BLOCK_M: 128, BLOCK_N: 128"}
+    assert set(launch.autotune_picks("fwd")) == {str(fwd)}

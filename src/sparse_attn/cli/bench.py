@@ -153,6 +153,12 @@ def drop_unavailable(suite, device, con):
     return replace(suite, cases=tuple(c for c in cases if c.providers)), skipped
 
 
+def _autotune_picks() -> dict:
+    """Our kernels' autotune choices so far (empty on CPU, where nothing is tuned)."""
+    from ..ops.block_sparse.launch import autotune_picks
+    return autotune_picks()
+
+
 def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=None, warmup=None,
                        baseline=None, progress=True, con=None, header_extra: dict | None = None):
     """Run ``suite`` on ``device``, writing JSON + CSV after every row; print the table.
@@ -183,6 +189,9 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
 
     def save(row):
         rows.append(row)
+        picks = _autotune_picks()
+        if picks:
+            header["autotune_picks"] = picks
         write_json(json_path, header, rows)
 
     run_suite(suite, device, reps=reps, warmup=warmup, progress=progress, on_row=save)

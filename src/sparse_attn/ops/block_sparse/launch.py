@@ -145,6 +145,15 @@ def bwd_configs(block_q: int, block_k: int, d_pad: int, kind: str = "dkdv") -> l
 _TUNED: dict = {}
 
 
+def autotune_picks(kind: str | None = None) -> dict[str, dict[str, str]]:
+    """The configs the autotuner has chosen so far in this process, by kernel family
+    ((kind, block_q, block_k, d_pad, variant, eight_bit)) and autotune key; ``kind`` ("fwd", "dkdv",
+    ...) keeps one kind. The key leaves out sequence length and layout, so a pick made on one call
+    holds for later ones: benchmark results record these to make such effects visible."""
+    return {str(fam): {str(key): str(cfg) for key, cfg in t.cache.items()}
+            for fam, t in _TUNED.items() if getattr(t, "cache", None) and kind in (None, fam[0])}
+
+
 def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple, variant: str = "ptr",
            reset_to_zero: tuple = (), eight_bit: bool = False):
     """The autotuned kernel for this (layout blocks, head dim) family. Autotune key is on head dim,
