@@ -14,7 +14,7 @@ from sparse_attn.bench import (MODES, ROW_FIELDS, Case, Row, attention_flops, bl
 from sparse_attn.bench.registry import unregister_provider
 from sparse_attn.bench.results import HEADER_FIELDS, speedups
 from sparse_attn.bench.suites import Suite
-from sparse_attn.bench.timing import peak_memory, time_cpu
+from sparse_attn.bench.timing import peak_memory, time_cpu, time_interleaved
 
 
 def ones_layout(nq, nk, block=128, **kw):
@@ -191,6 +191,25 @@ def test_time_cpu_median_and_reps():
     assert peak_memory(fn, torch.device("cpu")) is None
 
 
+def test_time_interleaved_alternates_repetitions_and_resets_each_fns_grads():
+    log = []
+    xs = [torch.randn(8, requires_grad=True) for _ in range(2)]
+
+    def make(i):
+        def fn():
+            assert xs[i].grad is None  # this fn's tensors are reset before each of its calls
+            xs[i].grad = torch.ones(8)
+            log.append(i)
+        return fn
+
+    ms = time_interleaved([make(0), make(1)], "cpu", reps=4, warmup=1, grad_to_none=[(xs[0],), (xs[1],)])
+    assert len(ms) == 2 and all(m > 0 for m in ms)
+    # estimate (two calls each, one fn after the other), then warm-up and timed rounds alternate
+    assert log[:4] == [0, 0, 1, 1] and log[4:] == [0, 1] * (1 + 4)
+    with pytest.raises(ValueError, match="grad_to_none has 1 entries for 2 functions"):
+        time_interleaved([make(0), make(1)], "cpu", grad_to_none=[()])
+
+
 # ----------------------------------------------------------------------------- runner
 def tiny_suite(providers=("reference", "sdpa-math"), patterns_=("dense", "causal")) -> Suite:
     cases = tuple(Case(spec(p, causal=p == "causal"), seq_lens=(256,), providers=providers, heads=2, kv_heads=(1,),
@@ -238,6 +257,30 @@ def test_oom_and_errors_are_recorded_not_raised():
     by = {r.provider: r for r in rows}
     assert by["test-oom"].error == "OOM" and by["test-oom"].ms is None and by["test-oom"].tflops is None
     assert by["test-broken"].error == "ValueError: head_dim 16 is not supported"
+    assert by["reference"].error is None and by["reference"].ms > 0
+
+
+def test_provider_failing_while_timed_loses_only_its_own_row():
+    """The first (untimed) call passes, a later one fails: the interleaved timing of the row's
+    providers gives way to one-by-one timing, and the error lands on the failing provider's row."""
+    @register_provider("test-flaky")
+    def flaky(q, k, v, layout, causal):
+        calls = {"n": 0}
+
+        def fn():
+            calls["n"] += 1
+            if calls["n"] > 2:
+                raise RuntimeError("failed on call 3")
+            return q
+        return fn
+
+    try:
+        rows = run_suite(tiny_suite(providers=("reference", "test-flaky"), patterns_=("dense",)), "cpu", reps=2,
+                         progress=False)
+    finally:
+        unregister_provider("test-flaky")
+    by = {r.provider: r for r in rows}
+    assert by["test-flaky"].error == "RuntimeError: failed on call 3" and by["test-flaky"].ms is None
     assert by["reference"].error is None and by["reference"].ms > 0
 
 

@@ -4,7 +4,9 @@ Inputs are ``torch.randn`` (never zeros, which some kernels would skip through);
 recorded on its row instead of stopping the run: ``error="OOM"`` for out-of-memory, else the
 exception's type and first line. Dense providers (SDPA) ignore the layout, so their timing for one
 (L, B, H, Hkv, D, dtype, mode, causal) is measured once and reused for every pattern; the row
-still gets the pattern's own effective TFLOP/s (see :mod:`sparse_attn.bench.flops`).
+still gets the pattern's own effective TFLOP/s (see :mod:`sparse_attn.bench.flops`). The providers
+of one row are timed together with their repetitions interleaved (:func:`time_interleaved`), so a
+ratio between them is not skewed by the GPU's clock and power state drifting between two blocks.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from .flops import attention_flops, block_density, tflops
 from .registry import get_provider
 from .results import Row
 from .suites import DTYPES, Case, Suite
-from .timing import peak_memory, time_fn
+from .timing import peak_memory, time_fn, time_interleaved
 
 
 @dataclass(frozen=True)
@@ -129,36 +131,43 @@ class _Layouts:
         return got
 
 
-def measure(p: Point, layout, qkv, device: torch.device, *, reps=None, warmup=None) -> tuple[float, int | None]:
-    """(median ms, peak extra bytes) of provider ``p.provider`` on one row."""
-    q, k, v = qkv
-    run = get_provider(p.provider).make_run(q, k, v, layout, p.case.pattern.causal, p.mode)
-    ms = time_fn(run.fn, device, reps=reps, warmup=warmup, grad_to_none=run.grad_to_none)
-    peak = peak_memory(run.fn, device, run.grad_to_none)
-    return ms, peak
-
-
 def run_suite(suite: Suite, device, *, reps: int | None = None, warmup: int | None = None,
               progress: bool = True, on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """Measure every row of ``suite`` on ``device`` (providers must be available there)."""
+    """Measure every row of ``suite`` on ``device`` (providers must be available there). The
+    providers of one row (same pattern, L, Hkv, mode) are timed together, repetitions interleaved."""
     from tqdm.auto import tqdm
     device = torch.device(device)
     points = expand(suite)
     inputs, layouts = _Inputs(device), _Layouts(device)
     dense_memo: dict[tuple, tuple] = {}
     rows: list[Row] = []
-    bar = tqdm(points, desc=f"bench {suite.name}", unit="row", disable=not progress, file=sys.stderr,
+    bar = tqdm(total=len(points), desc=f"bench {suite.name}", unit="row", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
-    for p in bar:
-        bar.set_postfix_str(p.label(), refresh=False)
-        rows.append(_run_point(p, device, inputs, layouts, dense_memo, reps, warmup))
-        if on_row is not None:
-            on_row(rows[-1])
+    for group in row_groups(points):
+        bar.set_postfix_str(group[0].label().rsplit(" ", 1)[0] + " " + "/".join(p.provider for p in group),
+                            refresh=False)
+        for row in _run_group(group, device, inputs, layouts, dense_memo, reps, warmup):
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        bar.update(len(group))
     bar.close()
     return rows
 
 
-def _run_point(p: Point, device, inputs: _Inputs, layouts: _Layouts, dense_memo: dict, reps, warmup) -> Row:
+def row_groups(points: list[Point]) -> list[list[Point]]:
+    """Consecutive points that differ only in provider: one row of the results table each."""
+    groups: list[list[Point]] = []
+    for p in points:
+        if groups and groups[-1][0].key()[:-1] == p.key()[:-1]:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return groups
+
+
+def _new_row(p: Point, layouts: _Layouts) -> tuple[Row, object, int | None]:
+    """The row of ``p`` with its density, the layout and the effective FLOPs (layout errors recorded)."""
     c = p.case
     row = Row(p.provider, c.pattern.name, p.seq_len, c.batch, c.heads, p.kv_heads, c.head_dim, c.dtype,
               p.mode, c.pattern.causal, None)
@@ -169,19 +178,58 @@ def _run_point(p: Point, device, inputs: _Inputs, layouts: _Layouts, dense_memo:
                                 causal=c.pattern.causal)
     except Exception as e:  # noqa: BLE001
         row.error = "layout: " + describe_error(e)
-        return row
-    dense = get_provider(p.provider).computes == "dense"
-    memo_key = p.key()[1:]
-    if dense and memo_key in dense_memo:
-        row.ms, row.peak_mem_bytes, row.error = dense_memo[memo_key]
-    else:
+        return row, None, None
+    return row, layout, flops
+
+
+def _run_group(group: list[Point], device, inputs: _Inputs, layouts: _Layouts, dense_memo: dict, reps,
+               warmup) -> list[Row]:
+    """Rows of one group: each provider is set up and called once (compile, autotune; untimed), then
+    all that ran are timed by :func:`time_interleaved`. A failure is recorded on its own row only.
+    Dense providers ignore the layout, so their (ms, memory, error) is measured once per
+    (L, B, H, Hkv, D, dtype, mode, causal) and reused for every pattern (``dense_memo``)."""
+    rows, ready = [], []  # ready: (row, run, flops, memo key or None)
+    for p in group:
+        row, layout, flops = _new_row(p, layouts)
+        rows.append(row)
+        if row.error:
+            continue
+        memo_key = p.key()[1:] if get_provider(p.provider).computes == "dense" else None
+        if memo_key in dense_memo:
+            row.ms, row.peak_mem_bytes, row.error = dense_memo[memo_key]
+            row.tflops = tflops(flops, row.ms)
+            continue
         try:
-            row.ms, row.peak_mem_bytes = measure(p, layout, inputs.get(p), device, reps=reps, warmup=warmup)
+            q, k, v = inputs.get(p)
+            run = get_provider(p.provider).make_run(q, k, v, layout, p.case.pattern.causal, p.mode)
+            for t in run.grad_to_none:
+                t.grad = None
+            run.fn()  # compile / autotune / first touch: never timed
+            ready.append((row, run, flops, memo_key))
         except Exception as e:  # noqa: BLE001 - one row's failure must not stop the suite
             row.error = describe_error(e)
             del e
             _free(device)
-        if dense:
+            if memo_key is not None:
+                dense_memo[memo_key] = (None, None, row.error)
+    if not ready:
+        return rows
+    try:
+        times = time_interleaved([r.fn for _, r, _, _ in ready], device, reps=reps, warmup=warmup,
+                                 grad_to_none=[r.grad_to_none for _, r, _, _ in ready])
+    except Exception:  # noqa: BLE001 - time them one by one, so the failure lands on its own row
+        _free(device)
+        times = None
+    for i, (row, run, flops, memo_key) in enumerate(ready):
+        try:
+            row.ms = times[i] if times is not None else time_fn(run.fn, device, reps=reps, warmup=warmup,
+                                                                grad_to_none=run.grad_to_none)
+            row.peak_mem_bytes = peak_memory(run.fn, device, run.grad_to_none)
+        except Exception as e:  # noqa: BLE001
+            row.error = describe_error(e)
+            del e
+            _free(device)
+        row.tflops = tflops(flops, row.ms)
+        if memo_key is not None:
             dense_memo[memo_key] = (row.ms, row.peak_mem_bytes, row.error)
-    row.tflops = tflops(flops, row.ms)
-    return row
+    return rows

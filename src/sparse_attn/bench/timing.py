@@ -3,6 +3,8 @@
 CUDA: one ``torch.cuda.Event`` pair per repetition, the L2 cache flushed (a 256 MB write) and the
 ``.grad`` of the inputs reset before each, neither inside the timed span (as
 ``triton.testing.do_bench``). CPU: ``time.perf_counter`` around each repetition.
+:func:`time_interleaved` times several functions with their repetitions interleaved (the suite runner
+uses it for the providers of one row, so their ratio is taken under the same clock and power states).
 
 ``reps=None`` picks the count from a first estimate: enough to fill ~``target_ms`` (at least 3,
 at most 100 on CUDA / 20 on CPU); warm-up fills ~25 ms (1..10 calls). The first call, which
@@ -25,6 +27,14 @@ _L2_FLUSH_BYTES = 256 << 20
 _flush_buf: dict[str, torch.Tensor] = {}
 
 
+def _flush() -> torch.Tensor:
+    """The current device's L2 flush buffer (written before each timed call)."""
+    dev = str(torch.cuda.current_device())
+    if dev not in _flush_buf:
+        _flush_buf[dev] = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    return _flush_buf[dev]
+
+
 def _reset(grad_to_none: Sequence[torch.Tensor]) -> None:
     for t in grad_to_none:
         t.grad = None
@@ -42,10 +52,7 @@ def _counts(est_ms: float, reps: int | None, warmup: int | None, target_ms: floa
 def time_cuda(fn: Callable[[], object], *, reps: int | None = None, warmup: int | None = None,
               grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0) -> float:
     """Median milliseconds of ``fn`` on the current CUDA device."""
-    dev = torch.cuda.current_device()
-    flush = _flush_buf.get(str(dev))
-    if flush is None:
-        flush = _flush_buf[str(dev)] = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = _flush()
     _reset(grad_to_none)
     fn()  # compile / autotune / first-touch
     torch.cuda.synchronize()
@@ -70,6 +77,60 @@ def time_cuda(fn: Callable[[], object], *, reps: int | None = None, warmup: int 
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int | None = None,
+                     warmup: int | None = None, grad_to_none: Sequence[Sequence[torch.Tensor]] | None = None,
+                     target_ms: float = 200.0) -> list[float]:
+    """Median milliseconds of each of ``fns`` (already called once: compiled, autotuned), their
+    repetitions interleaved A B C A B C ... so that every fn meets the same spread of clock and power
+    states. The lent H100 sits at its power cap under attention kernels and its SM clock moved between
+    1.4 and 2.0 GHz within seconds (benchmarks/results/gqa-spread-power-h100.json): timed back to back
+    in blocks, two providers' ratio picked up whatever the board did in between. Every fn gets the same
+    number of repetitions, chosen from the slowest one's estimate. CUDA: events and an L2 flush before
+    each call, as :func:`time_cuda`; CPU: ``time.perf_counter``."""
+    grads = list(grad_to_none) if grad_to_none is not None else [()] * len(fns)
+    if len(grads) != len(fns):
+        raise ValueError(f"grad_to_none has {len(grads)} entries for {len(fns)} functions")
+    cuda = torch.device(device).type == "cuda"
+
+    def once(i: int) -> float:
+        _reset(grads[i])
+        if not cuda:
+            t0 = time.perf_counter()
+            fns[i]()
+            return (time.perf_counter() - t0) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fns[i]()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    est = max(max(once(i), once(i)) for i in range(len(fns)))
+    reps, warmup = _counts(est, reps, warmup, target_ms, 100 if cuda else 20)
+    for _ in range(warmup):
+        for i in range(len(fns)):
+            _reset(grads[i])
+            fns[i]()
+    if not cuda:
+        times = [[] for _ in fns]
+        for _ in range(reps):
+            for i in range(len(fns)):
+                times[i].append(once(i))
+        return [statistics.median(t) for t in times]
+    flush = _flush()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in fns]
+    for r in range(reps):
+        for i, fn in enumerate(fns):
+            _reset(grads[i])
+            flush.zero_()
+            events[i][r][0].record()
+            fn()
+            events[i][r][1].record()
+    torch.cuda.synchronize()
+    return [statistics.median(s.elapsed_time(e) for s, e in ev) for ev in events]
 
 
 def time_cpu(fn: Callable[[], object], *, reps: int | None = None, warmup: int | None = None,
