@@ -204,8 +204,9 @@ def test_time_interleaved_alternates_repetitions_and_resets_each_fns_grads():
 
     ms = time_interleaved([make(0), make(1)], "cpu", reps=4, warmup=1, grad_to_none=[(xs[0],), (xs[1],)])
     assert len(ms) == 2 and all(m > 0 for m in ms)
-    # estimate (two calls each, one fn after the other), then warm-up and timed rounds alternate
-    assert log[:4] == [0, 0, 1, 1] and log[4:] == [0, 1] * (1 + 4)
+    # estimate (two calls each, one fn after the other), then one warm-up round and four timed rounds
+    # that interleave the fns, the order rotating every round
+    assert log[:4] == [0, 0, 1, 1] and log[4:] == [0, 1] + [0, 1, 1, 0] * 2
     with pytest.raises(ValueError, match="grad_to_none has 1 entries for 2 functions"):
         time_interleaved([make(0), make(1)], "cpu", grad_to_none=[()])
 
@@ -217,8 +218,9 @@ def tiny_suite(providers=("reference", "sdpa-math"), patterns_=("dense", "causal
     return Suite("tiny", "test", cases)
 
 
-def test_run_suite_rows():
-    rows = run_suite(tiny_suite(), "cpu", reps=2, progress=False)
+@pytest.mark.parametrize("interleave", [False, True])
+def test_run_suite_rows(interleave):
+    rows = run_suite(tiny_suite(), "cpu", reps=2, progress=False, interleave=interleave)
     assert [(r.pattern, r.provider) for r in rows] == [("dense", "reference"), ("dense", "sdpa-math"),
                                                        ("causal", "reference"), ("causal", "sdpa-math")]
     for r in rows:
@@ -260,9 +262,10 @@ def test_oom_and_errors_are_recorded_not_raised():
     assert by["reference"].error is None and by["reference"].ms > 0
 
 
-def test_provider_failing_while_timed_loses_only_its_own_row():
-    """The first (untimed) call passes, a later one fails: the interleaved timing of the row's
-    providers gives way to one-by-one timing, and the error lands on the failing provider's row."""
+@pytest.mark.parametrize("interleave", [False, True])
+def test_provider_failing_while_timed_loses_only_its_own_row(interleave):
+    """The first (untimed) call passes, a later one fails: the error lands on the failing provider's
+    row only (interleaved, the row's timing gives way to one-by-one timing)."""
     @register_provider("test-flaky")
     def flaky(q, k, v, layout, causal):
         calls = {"n": 0}
@@ -276,7 +279,7 @@ def test_provider_failing_while_timed_loses_only_its_own_row():
 
     try:
         rows = run_suite(tiny_suite(providers=("reference", "test-flaky"), patterns_=("dense",)), "cpu", reps=2,
-                         progress=False)
+                         progress=False, interleave=interleave)
     finally:
         unregister_provider("test-flaky")
     by = {r.provider: r for r in rows}

@@ -76,6 +76,18 @@ def test_bench_cpu_end_to_end(tmp_path, capsys):
     assert csv_lines[0].split(",") == list(ROW_FIELDS) and len(csv_lines) == 7
 
 
+def test_bench_interleave_flag_is_recorded(tmp_path, capsys):
+    args = ["bench", "--device", "cpu", "--seq-lens", "256", "--patterns", "causal", "--providers", "reference",
+            "sdpa-math", "--reps", "2", "--head-dim", "16", "--no-progress"]
+    for flag, timing in (([], "blocks"), (["--interleave"], "interleaved")):
+        out_dir = tmp_path / timing
+        assert main(args + flag + ["--out-dir", str(out_dir)]) == 0
+        data = json.loads((out_dir / "small-cpu.json").read_text())
+        assert data["header"]["timing"] == timing
+        assert [r["provider"] for r in data["rows"]] == ["reference", "sdpa-math"]
+        assert all(r["error"] is None and r["ms"] > 0 for r in data["rows"])
+
+
 def test_bench_rejects_unknown_provider(tmp_path, capsys):
     rc = main(["bench", "--device", "cpu", "--providers", "nope", "--out-dir", str(tmp_path), "--no-progress"])
     assert rc == 2 and "unknown provider" in capsys.readouterr().out

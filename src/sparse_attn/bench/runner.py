@@ -4,9 +4,9 @@ Inputs are ``torch.randn`` (never zeros, which some kernels would skip through);
 recorded on its row instead of stopping the run: ``error="OOM"`` for out-of-memory, else the
 exception's type and first line. Dense providers (SDPA) ignore the layout, so their timing for one
 (L, B, H, Hkv, D, dtype, mode, causal) is measured once and reused for every pattern; the row
-still gets the pattern's own effective TFLOP/s (see :mod:`sparse_attn.bench.flops`). The providers
-of one row are timed together with their repetitions interleaved (:func:`time_interleaved`), so a
-ratio between them is not skewed by the GPU's clock and power state drifting between two blocks.
+still gets the pattern's own effective TFLOP/s (see :mod:`sparse_attn.bench.flops`). Optionally
+(``interleave``) the providers of one row are timed together, repetitions interleaved
+(:func:`sparse_attn.bench.timing.time_interleaved`).
 """
 from __future__ import annotations
 
@@ -132,9 +132,16 @@ class _Layouts:
 
 
 def run_suite(suite: Suite, device, *, reps: int | None = None, warmup: int | None = None,
-              progress: bool = True, on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """Measure every row of ``suite`` on ``device`` (providers must be available there). The
-    providers of one row (same pattern, L, Hkv, mode) are timed together, repetitions interleaved."""
+              progress: bool = True, on_row: Callable[[Row], None] | None = None,
+              interleave: bool = False) -> list[Row]:
+    """Measure every row of ``suite`` on ``device`` (providers must be available there).
+
+    By default each provider is called once (compile, autotune) and then timed alone, its
+    repetitions back to back: its sustained speed as a user running it in a loop sees it. With
+    ``interleave`` the providers of one row (same pattern, L, Hkv, mode) are timed together, their
+    repetitions interleaved in rotating order, all under one mix of clock and power states. On the
+    power-capped H100 the two differ by more than noise (benchmarks/NOTES.md, "How the numbers were
+    taken"), so result headers say which one was used."""
     from tqdm.auto import tqdm
     device = torch.device(device)
     points = expand(suite)
@@ -143,7 +150,7 @@ def run_suite(suite: Suite, device, *, reps: int | None = None, warmup: int | No
     rows: list[Row] = []
     bar = tqdm(total=len(points), desc=f"bench {suite.name}", unit="row", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
-    for group in row_groups(points):
+    for group in (row_groups(points) if interleave else [[p] for p in points]):
         bar.set_postfix_str(group[0].label().rsplit(" ", 1)[0] + " " + "/".join(p.provider for p in group),
                             refresh=False)
         for row in _run_group(group, device, inputs, layouts, dense_memo, reps, warmup):
@@ -185,7 +192,8 @@ def _new_row(p: Point, layouts: _Layouts) -> tuple[Row, object, int | None]:
 def _run_group(group: list[Point], device, inputs: _Inputs, layouts: _Layouts, dense_memo: dict, reps,
                warmup) -> list[Row]:
     """Rows of one group: each provider is set up and called once (compile, autotune; untimed), then
-    all that ran are timed by :func:`time_interleaved`. A failure is recorded on its own row only.
+    timed, several together by :func:`time_interleaved`, one alone by :func:`time_fn`. A failure is
+    recorded on its own row only.
     Dense providers ignore the layout, so their (ms, memory, error) is measured once per
     (L, B, H, Hkv, D, dtype, mode, causal) and reused for every pattern (``dense_memo``)."""
     rows, ready = [], []  # ready: (row, run, flops, memo key or None)
@@ -214,12 +222,13 @@ def _run_group(group: list[Point], device, inputs: _Inputs, layouts: _Layouts, d
                 dense_memo[memo_key] = (None, None, row.error)
     if not ready:
         return rows
-    try:
-        times = time_interleaved([r.fn for _, r, _, _ in ready], device, reps=reps, warmup=warmup,
-                                 grad_to_none=[r.grad_to_none for _, r, _, _ in ready])
-    except Exception:  # noqa: BLE001 - time them one by one, so the failure lands on its own row
-        _free(device)
-        times = None
+    times = None
+    if len(ready) > 1:
+        try:
+            times = time_interleaved([r.fn for _, r, _, _ in ready], device, reps=reps, warmup=warmup,
+                                     grad_to_none=[r.grad_to_none for _, r, _, _ in ready])
+        except Exception:  # noqa: BLE001 - time them one by one, so the failure lands on its own row
+            _free(device)
     for i, (row, run, flops, memo_key) in enumerate(ready):
         try:
             row.ms = times[i] if times is not None else time_fn(run.fn, device, reps=reps, warmup=warmup,

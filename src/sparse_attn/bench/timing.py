@@ -86,8 +86,9 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
     repetitions interleaved A B C A B C ... so that every fn meets the same spread of clock and power
     states. The lent H100 sits at its power cap under attention kernels and its SM clock moved between
     1.4 and 2.0 GHz within seconds (benchmarks/results/gqa-spread-power-h100.json): timed back to back
-    in blocks, two providers' ratio picked up whatever the board did in between. Every fn gets the same
-    number of repetitions, chosen from the slowest one's estimate. CUDA: events and an L2 flush before
+    in blocks, two providers' ratio picked up whatever the board did in between. A kernel also inherits
+    its predecessor's power state, so the order rotates every round and each fn follows every other
+    equally often. Every fn gets the same number of repetitions, chosen from the slowest one's estimate. CUDA: events and an L2 flush before
     each call, as :func:`time_cuda`; CPU: ``time.perf_counter``."""
     grads = list(grad_to_none) if grad_to_none is not None else [()] * len(fns)
     if len(grads) != len(fns):
@@ -107,27 +108,32 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
         end.synchronize()
         return start.elapsed_time(end)
 
-    est = max(max(once(i), once(i)) for i in range(len(fns)))
+    n = len(fns)
+    est = max(max(once(i), once(i)) for i in range(n))
     reps, warmup = _counts(est, reps, warmup, target_ms, 100 if cuda else 20)
-    for _ in range(warmup):
-        for i in range(len(fns)):
+
+    def order(r: int) -> list[int]:  # round r starts at fn r mod n: each fn follows each other equally often
+        return [(r + j) % n for j in range(n)]
+
+    for w in range(warmup):
+        for i in order(w):
             _reset(grads[i])
             fns[i]()
     if not cuda:
         times = [[] for _ in fns]
-        for _ in range(reps):
-            for i in range(len(fns)):
+        for r in range(reps):
+            for i in order(r):
                 times[i].append(once(i))
         return [statistics.median(t) for t in times]
     flush = _flush()
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
               for _ in fns]
     for r in range(reps):
-        for i, fn in enumerate(fns):
+        for i in order(r):
             _reset(grads[i])
             flush.zero_()
             events[i][r][0].record()
-            fn()
+            fns[i]()
             events[i][r][1].record()
     torch.cuda.synchronize()
     return [statistics.median(s.elapsed_time(e) for s, e in ev) for ev in events]

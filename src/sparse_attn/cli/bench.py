@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
     p.add_argument("--head-dim", type=int, help="head dim D")
     p.add_argument("--reps", type=int, help="timed repetitions per row (default: enough for ~200 ms, 3..100)")
     p.add_argument("--warmup", type=int, help="untimed calls before timing (default: ~25 ms worth, 1..10)")
+    p.add_argument("--interleave", action="store_true",
+                   help="time the providers of one row together, repetitions interleaved in rotating order "
+                        "(default: each provider's repetitions back to back, its sustained speed alone; "
+                        "on a power-capped GPU the two can rank kernels differently, see benchmarks/NOTES.md)")
     p.add_argument("--baseline", help="provider the speedup column compares with "
                    "(default: first of sdpa-cudnn, sdpa-flash, sdpa-math, reference present)")
     p.add_argument("--out-dir", default="out/bench", type=Path, help="where JSON and CSV go (default: out/bench)")
@@ -160,7 +164,8 @@ def _autotune_picks() -> dict:
 
 
 def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=None, warmup=None,
-                       baseline=None, progress=True, con=None, header_extra: dict | None = None):
+                       baseline=None, progress=True, con=None, header_extra: dict | None = None,
+                       interleave: bool = False):
     """Run ``suite`` on ``device``, writing JSON + CSV after every row; print the table.
 
     ``header_extra`` is added to the JSON header (e.g. ``slice``). Returns (rows, json_path, csv_path)."""
@@ -170,7 +175,8 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
     suite, skipped = drop_unavailable(suite, device, con)
     stem = name or f"{suite.name}-{device.split(':')[0]}"
     json_path, csv_path = Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.csv"
-    header = make_header(device, suite.name, reps=reps, skipped_providers=skipped, **(header_extra or {}))
+    header = make_header(device, suite.name, reps=reps, skipped_providers=skipped,
+                         timing="interleaved" if interleave else "blocks", **(header_extra or {}))
     n = len(expand(suite))
     if n == 0:
         con.print("[red]nothing to run: no rows left after filtering and dropping unavailable providers[/red]")
@@ -194,7 +200,7 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
             header["autotune_picks"] = picks
         write_json(json_path, header, rows)
 
-    run_suite(suite, device, reps=reps, warmup=warmup, progress=progress, on_row=save)
+    run_suite(suite, device, reps=reps, warmup=warmup, progress=progress, on_row=save, interleave=interleave)
     write_csv(csv_path, rows)
     con.print(summary_table(rows, baseline=baseline, title=f"{suite.name} on {header['gpu']} "
                                                          f"(effective TFLOP/s; SDPA rows are dense baselines)"))
@@ -236,5 +242,6 @@ def run(args) -> int:
         name = name or f"{suite.name}-{device.split(':')[0]}-{args.slice.replace('/', '-of-')}"
     _, json_path, _ = run_suite_to_files(suite, device, out_dir=args.out_dir, name=name, reps=args.reps,
                                          warmup=args.warmup, baseline=args.baseline,
-                                         progress=not args.no_progress, con=con, header_extra=extra)
+                                         progress=not args.no_progress, con=con, header_extra=extra,
+                                         interleave=args.interleave)
     return 0 if json_path is not None else 1
