@@ -16,6 +16,7 @@ from sparse_attn import patterns
 from sparse_attn.bench.flops import attention_flops, tflops
 from sparse_attn.bench.providers import with_causal
 from sparse_attn.bench.results import make_header
+from sparse_attn.testing import random_qkv
 
 OPTIONS = ({}, {"num_stages": 2}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_warps": 8})
 
@@ -26,8 +27,7 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     L, H, D = a.seq_len, 32, 64
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    q, k, v = random_qkv(1, H, H, L, L, D, torch.bfloat16, "cuda", seed=0)
     cases = {"dense": (patterns.dense(L, device="cuda"), False),
              "local-4096": (patterns.local(L, 4096, device="cuda"), True),
              "random-0.1": (patterns.random(L, density=0.1, heads=H, seed=0, device="cuda"), False)}

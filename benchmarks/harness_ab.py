@@ -13,6 +13,7 @@ from sparse_attn import patterns
 from sparse_attn.bench.registry import get_provider
 from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import time_cuda, time_interleaved
+from sparse_attn.testing import random_qkv
 
 PROVIDERS = ("sparse_attn", "flex", "sdpa-cudnn")
 
@@ -24,8 +25,7 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     L, H, D = a.seq_len, 32, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    q, k, v = random_qkv(1, H, H, L, L, D, torch.bfloat16, "cuda", seed=0)
     layout = patterns.dense(L, device="cuda")
     fns = [get_provider(p).make_run(q, k, v, layout, False, "fwd").fn for p in PROVIDERS]
     for fn in fns:

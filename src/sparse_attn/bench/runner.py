@@ -191,9 +191,9 @@ def _new_row(p: Point, layouts: _Layouts) -> tuple[Row, object, int | None]:
 
 def _run_group(group: list[Point], device, inputs: _Inputs, layouts: _Layouts, dense_memo: dict, reps,
                warmup) -> list[Row]:
-    """Rows of one group: each provider is set up and called once (compile, autotune; untimed), then
-    timed, several together by :func:`time_interleaved`, one alone by :func:`time_fn`. A failure is
-    recorded on its own row only.
+    """Rows of one group: each provider is set up, then timed, several together by
+    :func:`time_interleaved` (each called once first, untimed: compile, autotune), one alone by
+    :func:`time_fn` (which makes that first call itself). A failure is recorded on its own row only.
     Dense providers ignore the layout, so their (ms, memory, error) is measured once per
     (L, B, H, Hkv, D, dtype, mode, causal) and reused for every pattern (``dense_memo``)."""
     rows, ready = [], []  # ready: (row, run, flops, memo key or None)
@@ -210,9 +210,10 @@ def _run_group(group: list[Point], device, inputs: _Inputs, layouts: _Layouts, d
         try:
             q, k, v = inputs.get(p)
             run = get_provider(p.provider).make_run(q, k, v, layout, p.case.pattern.causal, p.mode)
-            for t in run.grad_to_none:
-                t.grad = None
-            run.fn()  # compile / autotune / first touch: never timed
+            if len(group) > 1:  # compile / autotune / first touch before the interleaved timing, never timed
+                for t in run.grad_to_none:
+                    t.grad = None
+                run.fn()
             ready.append((row, run, flops, memo_key))
         except Exception as e:  # noqa: BLE001 - one row's failure must not stop the suite
             row.error = describe_error(e)

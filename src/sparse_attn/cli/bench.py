@@ -157,12 +157,6 @@ def drop_unavailable(suite, device, con):
     return replace(suite, cases=tuple(c for c in cases if c.providers)), skipped
 
 
-def _autotune_picks() -> dict:
-    """Our kernels' autotune choices so far (empty on CPU, where nothing is tuned)."""
-    from ..ops.block_sparse.launch import autotune_picks
-    return autotune_picks()
-
-
 def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=None, warmup=None,
                        baseline=None, progress=True, con=None, header_extra: dict | None = None,
                        interleave: bool = False):
@@ -171,6 +165,7 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
     ``header_extra`` is added to the JSON header (e.g. ``slice``). Returns (rows, json_path, csv_path)."""
     from ..bench import make_header, run_suite, summary_table, write_csv, write_json
     from ..bench.runner import expand
+    from ..ops.block_sparse.launch import autotune_picks
     con = con or console()
     suite, skipped = drop_unavailable(suite, device, con)
     stem = name or f"{suite.name}-{device.split(':')[0]}"
@@ -195,7 +190,7 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
 
     def save(row):
         rows.append(row)
-        picks = _autotune_picks()
+        picks = autotune_picks()  # our kernels' choices so far (none on CPU, where nothing is tuned)
         if picks:
             header["autotune_picks"] = picks
         write_json(json_path, header, rows)

@@ -34,6 +34,18 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _kernel_call_inputs(q, k, v, scale: float | None):
+    """Every op's prologue: inputs checked, made unit-stride in the head dim, and the scale as a float."""
+    check_kernel_inputs(q, v)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return q, k, v, softmax_scale(q, scale)
+
+
+def _needs_grad(q, k, v) -> bool:
+    """Whether autograd will ask for gradients (then the layout's transpose rides along for backward)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     """The layout as the ops' tensor arguments: the forward schedule, the transposed schedule (only
     for backward), and the term table. Schedules are cached on the layout: a layout used under
@@ -73,10 +85,8 @@ def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, re
                  pv_threshold: float = 0.0):
     """Run the kernels on validated ``[B, H, L, D]`` inputs with a validated layout on q's device
     (``pv_threshold`` > 0: drop negligible tiles, forward only; see ``sparse_attn.attention``)."""
-    check_kernel_inputs(q, v)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    scale = softmax_scale(q, scale)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
+    needs_grad = _needs_grad(q, k, v)
     out, lse = forward_op(q, k, v, *layout_inputs(layout, needs_grad), None, None, layout.block_q, layout.block_k,
                           scale, q.shape[2], k.shape[2], pv_threshold=float(pv_threshold))
     return (out, lse) if return_lse else out
@@ -90,9 +100,7 @@ def forward_into(q, k, v, layout: BlockLayout, out: torch.Tensor, lse: torch.Ten
     autograd.Function (context parallelism). Dense ``[B, H, L, D]`` inputs, or packed ``[T, H, D]``
     ones with ``cu_q`` / ``cu_k`` / ``max_q`` / ``max_k`` / ``kv_lens`` as
     :func:`grouped_attention_op` (``seq_step`` 2) or :func:`varlen_attention_op` (1)."""
-    check_kernel_inputs(q, v)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    scale = softmax_scale(q, scale)
+    q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
     counts, n_full, full_start, indices, mask_ids, contiguous, *_, terms, n_terms = \
         layout_inputs(layout, False, kv_lens)
     if cu_q is None:
@@ -105,10 +113,8 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
                         scale: float | None = None, return_lse: bool = False):
     """Kernels on validated packed ``[T, H, D]`` inputs; ``stacked`` has one batch row per sequence and
     ``kv_lens`` (ints) the sequences' key lengths."""
-    check_kernel_inputs(q, v)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    scale = softmax_scale(q, scale)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
+    needs_grad = _needs_grad(q, k, v)
     out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
                           stacked.block_q, stacked.block_k, scale, max_q, max_k)
     return (out, lse) if return_lse else out
@@ -124,10 +130,8 @@ def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, 
     layout (launch.backward; None when the K/V slices tile k exactly); ``free_rows`` (int64) the
     query rows in no group, which the kernels never write: they get output 0 and LSE -inf here (and
     dQ 0: launch.backward zero-fills dQ for paired bounds)."""
-    check_kernel_inputs(q, v)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    scale = softmax_scale(q, scale)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
+    needs_grad = _needs_grad(q, k, v)
     out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
                           stacked.block_q, stacked.block_k, scale, max_q, max_k, 2, cu_dk, dk_rows)
     if free_rows is not None:  # out of place: the op's own output is saved for backward
