@@ -50,25 +50,20 @@ def divisibility(fn, sig):
 
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, EXP_FMA=0)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
-        yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                  CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
     for n_terms, tma in itertools.product((0, 2), (False, True)):
-        yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
+        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
                                  CONTIGUOUS=True, USE_TMA=tma, QUANT=0, PV_SKIP=True)
     # the largest tiles of the autotune spaces on indexed rows, whose first loop runs 2 * NUM_STAGES - 1
     # stages: d128 128x128 at 3 stages, d64 128x128 at 3, d256 128x64 at 2 (its only config)
     for d, bn, stages in ((128, 128, 3), (64, 128, 3), (256, 64, 2)):
-        yield K.fwd_kernel, dict(fwd, HEAD_DIM=d, D_PAD=d, NUM_STAGES=stages, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2,
+        yield K.fwd_kernel, dict(base, HEAD_DIM=d, D_PAD=d, NUM_STAGES=stages, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2,
                                  IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=0, PV_SKIP=False)
     for quant, tma, bn in itertools.product((1, 2), (False, True), (64, 128)):
-        yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
+        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=tma, QUANT=quant, PV_SKIP=False)
-    # exponentials partly on the FMA pipe (kernels._exp2_mixed), bf16 and FP8 P
-    for quant, bm, bn, parts in ((0, 128, 128, 4), (0, 128, 64, 2), (2, 64, 128, 2), (2, 64, 128, 1)):
-        yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=False,
-                                 USE_TMA=True, QUANT=quant, PV_SKIP=False, EXP_FMA=parts)
     for n_terms, varlen, (fused, dq_tma), qdo_tma in itertools.product(
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True)):
         yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, FUSED_DQ=fused,
@@ -83,7 +78,7 @@ def main():
     failed = 0
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
-                                                                 "PV_SKIP", "EXP_FMA", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
+                                                                 "PV_SKIP", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

@@ -128,68 +128,9 @@ def _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLO
     return b_s
 
 
-# 2**f on f in [-0.5, 0.5] with p(0) = 1 exactly, minimax in relative error (fit by linear programming):
-# degree 2 is within 2.0e-3 (FP8 e4m3 probabilities round to 6e-2), degree 3 within 1.0e-4 (bf16 rounds
-# to 3.9e-3, fp16 to 4.9e-4).
-EXP2_D2_C1 = tl.constexpr(0.7029418131260599)
-EXP2_D2_C2 = tl.constexpr(0.239864041745627)
-EXP2_D3_C1 = tl.constexpr(0.693282927394199)
-EXP2_D3_C2 = tl.constexpr(0.2422109594692866)
-EXP2_D3_C3 = tl.constexpr(0.05500893006939562)
-
-
-@triton.jit
-def _exp2_fma(x, DEGREE: tl.constexpr):
-    """2**x for x <= 127 with FMA and integer instructions only, no MUFU. The MUFU unit issues 16 exp2
-    per SM clock against 128 FMAs, and in the forward's softmax it is as busy as the tensor cores
-    (benchmarks/NOTES.md); computing part of a tile's exponentials here moves that work to idle pipes.
-    x = j + f with j integer (rounded by adding 1.5 * 2**23: j lands in the low mantissa bits), 2**f by
-    polynomial, 2**j by adding j to the exponent field. x <= -127 (masked scores are -inf) gives exactly
-    0: there j = -127 and f = 0, p(0) = 1.0, whose exponent field j cancels."""
-    x = tl.maximum(x, -127.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    if DEGREE == 2:
-        p = 1.0 + f * (EXP2_D2_C1 + f * EXP2_D2_C2)
-    else:
-        p = 1.0 + f * (EXP2_D3_C1 + f * (EXP2_D3_C2 + f * EXP2_D3_C3))
-    j = t.to(tl.int32, bitcast=True) - 0x4B400000
-    return (p.to(tl.int32, bitcast=True) + (j << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _halves(x):
-    """[BM, BN] -> its column halves [BM, BN / 2] (within each thread's registers on the MMA layout)."""
-    return x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute(0, 2, 1).split()
-
-
-@triton.jit
-def _join_halves(a, b):
-    return tl.join(a, b).permute(0, 2, 1).reshape([a.shape[0], 2 * a.shape[1]])
-
-
-@triton.jit
-def _exp2_mixed(x, FMA_PARTS: tl.constexpr, DEGREE: tl.constexpr):
-    """exp2 of a [BM, BN] tile, 1 / FMA_PARTS of its columns by _exp2_fma, the rest by MUFU
-    (FMA_PARTS 0: all MUFU; 1, 2, 4)."""
-    if FMA_PARTS == 0:
-        p = tl.math.exp2(x)
-    elif FMA_PARTS == 1:
-        p = _exp2_fma(x, DEGREE)
-    elif FMA_PARTS == 2:
-        a, b = _halves(x)
-        p = _join_halves(tl.math.exp2(a), _exp2_fma(b, DEGREE))
-    else:
-        tl.static_assert(FMA_PARTS == 4, "FMA_PARTS must be 0, 1, 2 or 4")
-        a, b = _halves(x)
-        b0, b1 = _halves(b)
-        p = _join_halves(tl.math.exp2(a), _join_halves(tl.math.exp2(b0), _exp2_fma(b1, DEGREE)))
-    return p
-
-
 @triton.jit
 def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
-                  PV_SKIP: tl.constexpr, ROW_SCALE: tl.constexpr, EXP_FMA: tl.constexpr):
+                  PV_SKIP: tl.constexpr, ROW_SCALE: tl.constexpr):
     """One online-softmax update with raw scores b_s [BM, BN]; b_m is the running max in log2 units.
     b_rs: the factor taking scores to log2 units, sm_scale * log2 e (a scalar), or with ROW_SCALE one
     per row [BM] (8-bit inputs: the Q scales folded in), so each score costs one FMA either way.
@@ -199,9 +140,7 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
     factor, so it cancels in acc / l, and the caller subtracts it from the LSE.
     PV_SKIP: a tile whose every probability, relative to its row's running max, is below
     ``2**pv_log2`` is dropped (no exp, no P.V): as if the layout had left it out for these rows. Such a
-    tile never raises a row max, so the running state is unchanged.
-    EXP_FMA: 1 / EXP_FMA of the tile's exponentials by polynomial (_exp2_mixed; 0: none), of degree 2
-    when P goes to FP8, else 3."""
+    tile never raises a row max, so the running state is unchanged."""
     b_rmax = tl.max(b_s, 1) * b_rs  # scales are > 0, so the max commutes with them
     m_new = tl.maximum(b_m, b_rmax)
     if MAY_BE_EMPTY:
@@ -215,11 +154,9 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
     if update:
         bias = m_use - LOG2_P_SCALE
         if ROW_SCALE:
-            b_x = b_s * b_rs[:, None] - bias[:, None]  # one FMA per score
+            b_p = tl.math.exp2(b_s * b_rs[:, None] - bias[:, None])  # one FMA per score
         else:
-            b_x = b_s * b_rs - bias[:, None]
-        DEGREE: tl.constexpr = 2 if LOG2_P_SCALE > 0 else 3  # only FP8 P (LOG2_P_SCALE > 0) takes degree 2
-        b_p = _exp2_mixed(b_x, EXP_FMA, DEGREE)
+            b_p = tl.math.exp2(b_s * b_rs - bias[:, None])
         alpha = tl.math.exp2(b_m - m_use)
         b_l = b_l * alpha + tl.sum(b_p, 1)
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * alpha[:, None])
@@ -244,7 +181,7 @@ def fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, EXP_FMA: tl.constexpr,
+    USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr,
 ):
     """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
@@ -321,7 +258,7 @@ def fwd_kernel(
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
         b_s = _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
         b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
-                                        ROW_SCALE, EXP_FMA)
+                                        ROW_SCALE)
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
         slot = it // SUB
@@ -336,7 +273,7 @@ def fwd_kernel(
             if mid >= 0:
                 b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
         b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, True, LOG2_P_SCALE, PV_SKIP,
-                                        ROW_SCALE, EXP_FMA)
+                                        ROW_SCALE)
 
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]

@@ -23,9 +23,6 @@ AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
 FWD_VARIANT = os.environ.get("SPARSE_ATTN_FWD", "tma")
 # benchmarks only: visit even contiguous runs through per-tile index loads (the bookkeeping cost)
 FORCE_INDEXED = False
-# forward: 1 / EXP_FMA of each tile's exponentials by polynomial on the FMA pipe instead of MUFU
-# (kernels._exp2_mixed; 0 none). Keyed by eight_bit (False: fp16/bf16 inputs, True: int8 / FP8).
-EXP_FMA = {False: int(os.environ.get("SPARSE_ATTN_EXP_FMA", "0")), True: int(os.environ.get("SPARSE_ATTN_EXP_FMA_8BIT", "0"))}
 # backward schedule: "fused" (one kernel: dQ accumulated by fp32 atomic adds next to dK/dV, five matmuls
 # per block pair; dQ's summation order, so its last bits, vary run to run) or "split" (a second kernel
 # recomputes P for dQ: seven matmuls, deterministic). SPARSE_ATTN_BWD=split for bitwise-reproducible dQ.
@@ -300,8 +297,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_scale_strides(v_scale, varlen),
         H, H // hkv, Lq, Lk, seq_step,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
-        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        EXP_FMA=EXP_FMA[quant != 0])
+        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0)
     return out, lse
 
 
