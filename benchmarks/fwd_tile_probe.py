@@ -80,13 +80,15 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense:16384", "window4096:32768"])
     ap.add_argument("--quants", nargs="+", type=int, default=[0, 2])
     ap.add_argument("--capped", action="store_true", help="the register-capped one-warpgroup configs instead")
+    ap.add_argument("--configs", nargs="+", help="configs instead of the built-in lists: M,N,WARPS,STAGES[,MAXNREG]")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    configs = ([tuple(map(int, c.split(","))) for c in a.configs] if a.configs else CAPPED if a.capped else CONFIGS)
     rows: list = []
     for case in a.cases:
         for quant in a.quants:
-            run_case(case, quant, rows, CAPPED if a.capped else CONFIGS)
-    header = make_header("cuda", "probe", script="benchmarks/fwd_tile_probe.py", configs=CAPPED if a.capped else CONFIGS)
+            run_case(case, quant, rows, configs)
+    header = make_header("cuda", "probe", script="benchmarks/fwd_tile_probe.py", configs=configs)
     Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 
 

@@ -5,6 +5,7 @@ import argparse
 import datetime
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,8 +28,10 @@ def ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def kernel_only(q, k, v, lay, quant, gran):
-    """The attention kernel on pre-quantized inputs (what the quantization costs is measured apart)."""
+def kernel_only(q, k, v, lay, quant, gran, per_key_scales=False):
+    """The attention kernel on pre-quantized inputs (what the quantization costs is measured apart).
+    ``per_key_scales``: multiply every score by its key's scale even where one K scale covers a tile
+    (the kernel's path before the per-tile fold), for an A/B on the same inputs."""
     (qs, qp), (ks, kp) = GRANULARITY[gran]
     q8, q_s = sage_launch.quantize_rows(q, qs, qp, None, False)
     k8, k_s = sage_launch.quantize_rows(k, ks, kp, sage_launch.k_mean(k, False), False)
@@ -36,8 +39,9 @@ def kernel_only(q, k, v, lay, quant, gran):
     rows = layout_inputs(lay, False)
     args = rows[:6] + rows[-2:]
     scale = 1 / math.sqrt(q.shape[-1])
+    span = 0 if per_key_scales or kp != 1 else ks
     return lambda: bs_launch.forward(q8, k8, vq, *args, None, None, lay.block_q, lay.block_k, scale, q.shape[2],
-                                     k.shape[2], 1, (q_s, k_s, v_s), quant, q.dtype)
+                                     k.shape[2], 1, (q_s, k_s, v_s), quant, q.dtype, k_scale_span=span)
 
 
 def main():
@@ -45,6 +49,8 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense:16384", "dense:32768", "local4096:32768"],
                     help="dense:L, local4096:L (causal) or randomD:L (probe.py's block layout at density D)")
     ap.add_argument("--grans", nargs="+", default=["per_warp"])
+    ap.add_argument("--per-key-ab", action="store_true",
+                    help="also time the kernel with per-key K-scale multiplies (rounds alternate the two)")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows = []
@@ -71,7 +77,18 @@ def main():
             for name, mode in (("int8", 1), ("int8-fp8", 2)):
                 res[f"{name}/{gran}_ms"] = ms(lambda: sparse_attn.attention(q, k, v, lay, causal=causal, quant=name,
                                                                               quant_granularity=gran))
-                res[f"{name}/{gran}_kernel_ms"] = ms(kernel_only(q, k, v, kl, mode, gran))
+                if a.per_key_ab:  # alternate the two paths over three rounds: the board's clocks drift alike
+                    fold, per_key = kernel_only(q, k, v, kl, mode, gran), kernel_only(q, k, v, kl, mode, gran, True)
+                    same = (fold()[0].float() - per_key()[0].float()).abs().max().item()
+                    t = {"fold": [], "per_key": []}
+                    for _ in range(3):
+                        t["fold"].append(ms(fold))
+                        t["per_key"].append(ms(per_key))
+                    res[f"{name}/{gran}_kernel_ms"] = statistics.median(t["fold"])
+                    res[f"{name}/{gran}_kernel_per_key_ms"] = statistics.median(t["per_key"])
+                    res[f"{name}/{gran}_fold_vs_per_key_max_abs_diff"] = same
+                else:
+                    res[f"{name}/{gran}_kernel_ms"] = ms(kernel_only(q, k, v, kl, mode, gran))
         (qs, qp), (ks, kp) = GRANULARITY[a.grans[0]]
         res["quant_qk_ms"] = ms(lambda: (sage_launch.quantize_rows(q, qs, qp, None, False),
                                          sage_launch.quantize_rows(k, ks, kp, sage_launch.k_mean(k, False), False)))

@@ -187,3 +187,37 @@ def test_int8_kernel_matches_twin(case, one_thread):
     assert (out.float() - ref.float()).abs().max() < 4e-3
     cos, l1 = _accuracy(out.float(), reference.attention(q.float(), k.float(), v.float(), lay, causal=causal))
     assert cos >= 0.999 and l1 <= 0.02
+
+
+@interp
+@pytest.mark.interpreter
+def test_one_k_scale_per_tile_equals_per_key_scales(one_thread):
+    """K groups spanning whole tiles (per_block / per_warp: 128 keys) let the kernel fold the tile's K
+    scale into the row factor (kernels._scores, KS_PER_TILE); the per-key path must give the same
+    output. The layout's last block (keys 64..127 of 70) has a tile wholly past the sequence end, and
+    the scale row is poisoned with NaN past its 70 keys: the folded path must not read there."""
+    import math
+
+    from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.block_sparse import launch as bs_launch
+    from sparse_attn.ops.block_sparse import layout_inputs
+    from sparse_attn.ops.sage import launch
+    (qs, qp), (ks, kp) = GRANULARITY["per_warp"]
+    assert (ks, kp) == (128, 1)
+    lq, lk = 50, 70
+    q, k, v = _qkv(2, 1, lq, lk, 32, k_offset=2.0, dtype=torch.float16)
+    lay = _kernel_layout(patterns.local(lq, 40, kv_len=lk, block_q=32, block_k=64), True, lq, lk, "cpu")
+    q8, q_s = launch.quantize_rows(q, qs, qp, None, False)
+    k8, k_s = launch.quantize_rows(k, ks, kp, launch.k_mean(k, False), False)
+    poisoned = torch.full((1, 1, 256), float("nan"))
+    poisoned[..., :lk] = k_s
+    rows = layout_inputs(lay, False)
+    outs = []
+    for span, scales in ((0, k_s), (ks, poisoned[..., :lk])):
+        out, lse = bs_launch.forward(q8, k8, v, *rows[:6], *rows[-2:], None, None, lay.block_q, lay.block_k,
+                                     1 / math.sqrt(32), lq, lk, 1, (q_s, scales, None), 1, q.dtype, k_scale_span=span)
+        assert not out.isnan().any() and not lse.isnan().any()
+        outs.append(out.float())
+    assert (outs[0] - outs[1]).abs().max() < 2e-3
+    ref = twin.attention(q, k, v, patterns.local(lq, 40, kv_len=lk, block_q=32, block_k=64), causal=True, quant="int8")
+    assert (outs[1] - ref.float()).abs().max() < 4e-3

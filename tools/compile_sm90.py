@@ -50,20 +50,22 @@ def divisibility(fn, sig):
 
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
+    fwd = dict(base, K_SCALE_SPAN=0)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
-        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                  CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
     for n_terms, tma in itertools.product((0, 2), (False, True)):
-        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
                                  CONTIGUOUS=True, USE_TMA=tma, QUANT=0, PV_SKIP=True)
     # the largest tiles of the autotune spaces on indexed rows, whose first loop runs 2 * NUM_STAGES - 1
     # stages: d128 128x128 at 3 stages, d64 128x128 at 3, d256 128x64 at 2 (its only config)
     for d, bn, stages in ((128, 128, 3), (64, 128, 3), (256, 64, 2)):
-        yield K.fwd_kernel, dict(base, HEAD_DIM=d, D_PAD=d, NUM_STAGES=stages, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2,
+        yield K.fwd_kernel, dict(fwd, HEAD_DIM=d, D_PAD=d, NUM_STAGES=stages, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2,
                                  IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=0, PV_SKIP=False)
-    for quant, tma, bn in itertools.product((1, 2), (False, True), (64, 128)):
-        yield K.fwd_kernel, dict(base, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
-                                 USE_TMA=tma, QUANT=quant, PV_SKIP=False)
+    # 8-bit: per-key K scales (span 0) and one K scale per tile (span 128, per_block / per_warp)
+    for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
+                                 USE_TMA=tma, QUANT=quant, PV_SKIP=False, K_SCALE_SPAN=span)
     for n_terms, varlen, (fused, dq_tma), qdo_tma in itertools.product(
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True)):
         yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, FUSED_DQ=fused,
@@ -78,7 +80,7 @@ def main():
     failed = 0
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
-                                                                 "PV_SKIP", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
+                                                                 "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

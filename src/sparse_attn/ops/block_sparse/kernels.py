@@ -110,14 +110,22 @@ def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, s
 
 
 @triton.jit
-def _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N: tl.constexpr,
-            QUANT: tl.constexpr, USE_TMA: tl.constexpr):
-    """Scores of one tile [BM, BN]: the raw q.k product, or for int8 inputs the int32 product times
-    the per-key K scales (the per-row Q scales are applied by _softmax_step's FMA).
-    The K scales come by TMA when K does: a pointer load per tile is not pipelined and its latency
-    would stall every iteration."""
+def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N: tl.constexpr,
+            QUANT: tl.constexpr, USE_TMA: tl.constexpr, KS_PER_TILE: tl.constexpr):
+    """Scores of one tile [BM, BN] and the factor taking them to log2 units (b_rs, see _softmax_step):
+    the raw q.k product, or for int8 inputs the int32 product. Per-key K scales multiply the scores,
+    unless KS_PER_TILE (one K scale covers the whole tile): then it joins the per-row factor, which
+    _softmax_step applies in the exponent's FMA, and the tile costs BM scale multiplies, not BM * BN.
+    The per-key K scales come by TMA when K does: a pointer load per tile is not pipelined and its
+    latency would stall every iteration."""
     if QUANT == 0:
         b_s = tl.dot(b_q, b_k)
+        b_rs_t = b_rs
+    elif KS_PER_TILE:
+        b_s = tl.dot(b_q, b_k).to(tl.float32)
+        # a layout block crossing the sequence end may have tiles wholly past it (all scores masked):
+        # read the last key's scale there, never past the row (scales are > 0: no 0 * -inf)
+        b_rs_t = b_rs * tl.load(K_SCALE + ks_base + tl.minimum(start_n, k_len - 1))
     else:
         if USE_TMA:
             b_ks = desc_ks.load([ks_row, k0 + start_n])  # [1, BN]; zeros past the sequence end
@@ -125,7 +133,8 @@ def _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLO
             o_n = start_n + tl.arange(0, BLOCK_N)
             b_ks = tl.load(K_SCALE + ks_base + o_n, mask=o_n < k_len, other=0.0)[None, :]
         b_s = tl.dot(b_q, b_k).to(tl.float32) * b_ks
-    return b_s
+        b_rs_t = b_rs
+    return b_s, b_rs_t
 
 
 @triton.jit
@@ -181,11 +190,14 @@ def fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr,
+    USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
 ):
     """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
-    PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step)."""
+    PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step).
+    K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
+    tiles start at multiples of BLOCK_N from the sequence's first key, so where BLOCK_N divides the
+    span each tile sees one K scale; packed (varlen) sequences start anywhere, so never there."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -222,10 +234,11 @@ def fwd_kernel(
 
     qk_scale = sm_scale * LOG2E
     LOG2_P_SCALE: tl.constexpr = 8.807354922057604 if QUANT == 2 else 0.0  # log2(448), FP8 e4m3's max
+    KS_PER_TILE: tl.constexpr = QUANT != 0 and not IS_VARLEN and K_SCALE_SPAN > 0 and K_SCALE_SPAN % BLOCK_N == 0
     if QUANT != 0:
         ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
         ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
-        if USE_TMA:
+        if USE_TMA and not KS_PER_TILE:
             # one descriptor over all K-scale rows (row stride padded to 16 bytes by the launcher)
             desc_ks = tl.make_tensor_descriptor(K_SCALE, shape=[ks_row + 1, k0 + k_len], strides=[stride_ksh, 1],
                                                 block_shape=[1, BLOCK_N])
@@ -256,8 +269,9 @@ def fwd_kernel(
             start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
-        b_s = _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
-        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
+        b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
+                              USE_TMA, KS_PER_TILE)
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
                                         ROW_SCALE)
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
@@ -266,13 +280,14 @@ def fwd_kernel(
         o_n = start_n + tl.arange(0, BLOCK_N)
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
-        b_s = _scores(b_q, b_k, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT, USE_TMA)
+        b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
+                              USE_TMA, KS_PER_TILE)
         b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
         if N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:
                 b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
-        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, True, LOG2_P_SCALE, PV_SKIP,
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, True, LOG2_P_SCALE, PV_SKIP,
                                         ROW_SCALE)
 
     has = b_l > 0

@@ -253,7 +253,8 @@ def _v_strides(v: torch.Tensor, varlen: bool, v_trans: bool) -> tuple:
 def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
             cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
             scales: tuple | None = None, quant: int = 0, out_dtype: torch.dtype | None = None,
-            pv_threshold: float = 0.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+            pv_threshold: float = 0.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            k_scale_span: int = 0):
     """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen). The layout arrives as its
     schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked.
     ``out`` / ``lse``: write there instead (views of any strides, shaped as the results; callers
@@ -262,7 +263,9 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     8-bit inputs (``quant`` 1 or 2, see kernels.py): q/k int8, ``scales = (q_scale, k_scale, v_scale)``
     (fp32 per row ``[B, H, L]`` / ``[H, T]``, and per V channel ``[B, Hkv, D]`` / ``[Hkv, D]``), v
     in out_dtype (quant 1) or FP8 transposed (quant 2); ``out_dtype`` is the output's dtype.
-    ``pv_threshold`` in (0, 1): skip K/V tiles whose probabilities are all below it (0: off)."""
+    ``pv_threshold`` in (0, 1): skip K/V tiles whose probabilities are all below it (0: off).
+    ``k_scale_span``: the 8-bit K scales are constant over aligned runs of this many keys (0: per key);
+    where a kernel tile fits in one run, its scale joins the per-row factor (kernels._scores)."""
     varlen = cu_q is not None
     v_trans = quant == 2
     if varlen:
@@ -297,7 +300,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_scale_strides(v_scale, varlen),
         H, H // hkv, Lq, Lk, seq_step,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
-        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0)
+        CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
+        K_SCALE_SPAN=k_scale_span)
     return out, lse
 
 

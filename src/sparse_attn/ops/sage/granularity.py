@@ -1,21 +1,24 @@
 """Scale groups of the 8-bit path, shared by the Triton kernels and the PyTorch twin.
 
 A group is ``(span, period)``: the rows of one ``span``-row span that are equal modulo ``period``
-share one int8 scale (see ops/sage/kernels.py). The groups follow SageAttention's names:
+share one int8 scale (see ops/sage/kernels.py). The groups follow SageAttention's names, with its
+Hopper kernel's 128-key K blocks for per_block / per_warp:
 
-    per_block   Q: 128 contiguous rows      K: 64 contiguous keys
-    per_warp    Q: 16 rows (one warp's MMA rows)   K: 64 keys
+    per_block   Q: 128 contiguous rows      K: 128 contiguous keys
+    per_warp    Q: 16 rows (one warp's MMA rows)   K: 128 keys
     per_thread  Q: 2 rows {r, r + 8} of a 16-row MMA tile (what one thread holds)
                 K: 8 keys {n, n + 8, ...} of a 64-key block (likewise)
 
-Finer groups cost nothing at run time here (scales are expanded to one per row before attention)
-and follow outliers more closely.
+Scales are expanded to one per row before attention. Finer Q groups cost nothing at run time and
+follow outliers more closely; a K group that spans whole kernel tiles (128 keys, on dense inputs)
+lets the kernel apply its scale once per tile and row instead of once per score (kernels._scores):
+H100 timings in benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
 GRANULARITY: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
-    "per_block": ((128, 1), (64, 1)),
-    "per_warp": ((16, 1), (64, 1)),
+    "per_block": ((128, 1), (128, 1)),
+    "per_warp": ((16, 1), (128, 1)),
     "per_thread": ((16, 8), (64, 8)),
 }
 QUANT_MODES: dict[str, int] = {"int8": 1, "int8-fp8": 2}  # value: the kernels' QUANT flag

@@ -91,4 +91,4 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         vq, v_scale = v, None
     return bs_launch.forward(q8, k8, vq, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
                              cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, 1, (q_scale, k_scale, v_scale),
-                             quant, q.dtype)
+                             quant, q.dtype, k_scale_span=ks if kp == 1 else 0)
