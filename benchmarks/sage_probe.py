@@ -51,8 +51,6 @@ def main():
     ap.add_argument("--grans", nargs="+", default=["per_warp"])
     ap.add_argument("--per-key-ab", action="store_true",
                     help="also time the kernel with per-key K-scale multiplies (rounds alternate the two)")
-    ap.add_argument("--fuse-q-ab", action="store_true",
-                    help="also time end to end with Q quantized beforehand (launch.FUSE_Q off; rounds alternate)")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows = []
@@ -77,22 +75,8 @@ def main():
         res["bf16_ms"] = ms(lambda: sparse_attn.attention(q, k, v, lay, causal=causal))
         for gran in a.grans:
             for name, mode in (("int8", 1), ("int8-fp8", 2)):
-                e2e = lambda: sparse_attn.attention(q, k, v, lay, causal=causal, quant=name,  # noqa: E731
-                                                    quant_granularity=gran)
-                if a.fuse_q_ab:  # alternate Q quantized in the kernel / beforehand over three rounds
-                    t = {True: [], False: []}
-                    outs = {}
-                    for _ in range(3):
-                        for fuse in (True, False):
-                            sage_launch.FUSE_Q = fuse
-                            outs[fuse] = e2e()
-                            t[fuse].append(ms(e2e))
-                    sage_launch.FUSE_Q = True
-                    res[f"{name}/{gran}_ms"] = statistics.median(t[True])
-                    res[f"{name}/{gran}_q_beforehand_ms"] = statistics.median(t[False])
-                    res[f"{name}/{gran}_fused_q_equal"] = bool(torch.equal(outs[True], outs[False]))
-                else:
-                    res[f"{name}/{gran}_ms"] = ms(e2e)
+                res[f"{name}/{gran}_ms"] = ms(lambda: sparse_attn.attention(q, k, v, lay, causal=causal, quant=name,
+                                                                              quant_granularity=gran))
                 if a.per_key_ab:  # alternate the two paths over three rounds: the board's clocks drift alike
                     fold, per_key = kernel_only(q, k, v, kl, mode, gran), kernel_only(q, k, v, kl, mode, gran, True)
                     same = (fold()[0].float() - per_key()[0].float()).abs().max().item()

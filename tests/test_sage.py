@@ -221,22 +221,3 @@ def test_one_k_scale_per_tile_equals_per_key_scales(one_thread):
     assert (outs[0] - outs[1]).abs().max() < 2e-3
     ref = twin.attention(q, k, v, patterns.local(lq, 40, kv_len=lk, block_q=32, block_k=64), causal=True, quant="int8")
     assert (outs[1] - ref.float()).abs().max() < 4e-3
-
-
-@interp
-@pytest.mark.interpreter
-@pytest.mark.parametrize("gran", ["per_warp", "per_thread"])
-def test_q_quantized_in_the_kernel_equals_quantized_beforehand(gran, one_thread, monkeypatch):
-    """per_warp / per_thread Q groups (16 rows) fit in every query tile, so the attention kernel
-    quantizes its own Q tile (sage launch.FUSE_Q); the same int8 values and scales as the separate
-    quantization pass, so the same output and LSE. 45 query rows: the last tile is partly padding."""
-    from sparse_attn.api import _kernel_layout
-    from sparse_attn.ops.sage import launch, sage_attention_op
-    q, k, v = _qkv(2, 1, 45, 70, 32, k_offset=2.0, dtype=torch.float16)
-    lay = _kernel_layout(patterns.local(45, 40, kv_len=70, block_q=32, block_k=64), True, 45, 70, "cpu")
-    res = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(launch, "FUSE_Q", fuse)
-        res[fuse] = sage_attention_op(q, k, v, lay, quant="int8", granularity=gran, smooth_k=True)
-    assert torch.equal(res[True][0], res[False][0])
-    assert torch.equal(res[True][1], res[False][1])

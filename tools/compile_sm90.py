@@ -31,7 +31,7 @@ def signature(fn, consts):
             sig[name] = "*i32"
         elif name in SCALES_F32:
             sig[name] = "*fp32"
-        elif name == "K" and consts.get("QUANT", 0) or name == "Q" and consts.get("QUANT", 0) and not consts.get("Q_SPAN"):
+        elif name in ("Q", "K") and consts.get("QUANT", 0):
             sig[name] = "*i8"
         elif name == "V" and consts.get("QUANT", 0) == 2:
             sig[name] = "*fp8e4nv"
@@ -50,7 +50,7 @@ def divisibility(fn, sig):
 
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, K_SCALE_SPAN=0, Q_SPAN=0, Q_PERIOD=1)
+    fwd = dict(base, K_SCALE_SPAN=0)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                  CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
@@ -66,10 +66,6 @@ def variants():
     for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=tma, QUANT=quant, PV_SKIP=False, K_SCALE_SPAN=span)
-    # 8-bit with Q quantized in the kernel (per_warp and per_thread groups) on the 8-bit space's 64-row tile
-    for quant, period in itertools.product((1, 2), (1, 8)):
-        yield K.fwd_kernel, dict(fwd, BLOCK_M=64, BLOCK_N=128, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
-                                 USE_TMA=True, QUANT=quant, PV_SKIP=False, K_SCALE_SPAN=128, Q_SPAN=16, Q_PERIOD=period)
     for n_terms, varlen, (fused, dq_tma), qdo_tma in itertools.product(
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True)):
         yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, FUSED_DQ=fused,
@@ -84,7 +80,7 @@ def main():
     failed = 0
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
-                                                                 "PV_SKIP", "K_SCALE_SPAN", "Q_SPAN", "Q_PERIOD", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
+                                                                 "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

@@ -18,8 +18,6 @@ per-block/warp/thread groups expanded to rows); 2 as 1 plus FP8 e4m3 P.V with V 
 import triton
 import triton.language as tl
 
-from ..int8_rows import int8_rows
-
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 N_FIELDS = tl.constexpr(7)
@@ -193,17 +191,13 @@ def fwd_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
-    Q_SPAN: tl.constexpr, Q_PERIOD: tl.constexpr,
 ):
     """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
     PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step).
     K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
     tiles start at multiples of BLOCK_N from the sequence's first key, so where BLOCK_N divides the
-    span each tile sees one K scale; packed (varlen) sequences start anywhere, so never there.
-    Q_SPAN > 0 (8-bit only): Q arrives in fp16/bf16 and the program quantizes its own tile to int8 with
-    groups (Q_SPAN, Q_PERIOD) (ops/int8_rows.py), Q_SCALE unused: one pass over Q less than quantizing
-    it beforehand. BLOCK_M must be a multiple of Q_SPAN."""
+    span each tile sees one K scale; packed (varlen) sequences start anywhere, so never there."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -251,13 +245,8 @@ def fwd_kernel(
         else:
             desc_ks = K_SCALE
         # per-row Q scale folded with the softmax scale (1 past the end: no 0 * -inf)
-        if Q_SPAN > 0:
-            tl.static_assert(BLOCK_M % Q_SPAN == 0, "a fused Q quantization needs whole scale groups per tile")
-            b_q, b_qs = int8_rows(b_q.to(tl.float32), Q_SPAN, Q_PERIOD)
-            b_rs = b_qs * qk_scale
-        else:
-            b_rs = tl.load(Q_SCALE + i_b.to(tl.int64) * stride_qsb + i_h.to(tl.int64) * stride_qsh + q0 + o_m,
-                           mask=m_m, other=1.0) * qk_scale
+        b_rs = tl.load(Q_SCALE + i_b.to(tl.int64) * stride_qsb + i_h.to(tl.int64) * stride_qsh + q0 + o_m,
+                       mask=m_m, other=1.0) * qk_scale
     else:  # unused placeholders: _scores takes the plain q.k product
         ks_base = 0
         ks_row = 0

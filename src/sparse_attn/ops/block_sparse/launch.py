@@ -43,9 +43,6 @@ if BWD_QDO not in ("tma", "ptr"):
 BWD_SPACE_OVERRIDE: dict = {}
 
 
-MIN_TILE = 16  # the smallest query / key tile any config uses
-
-
 def _divisors(block: int, options=(16, 32, 64, 128)) -> list[int]:
     return [t for t in options if t <= block and block % t == 0]
 
@@ -257,7 +254,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
             scales: tuple | None = None, quant: int = 0, out_dtype: torch.dtype | None = None,
             pv_threshold: float = 0.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            k_scale_span: int = 0, q_groups: tuple[int, int] | None = None):
+            k_scale_span: int = 0):
     """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen). The layout arrives as its
     schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked.
     ``out`` / ``lse``: write there instead (views of any strides, shaped as the results; callers
@@ -268,9 +265,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     in out_dtype (quant 1) or FP8 transposed (quant 2); ``out_dtype`` is the output's dtype.
     ``pv_threshold`` in (0, 1): skip K/V tiles whose probabilities are all below it (0: off).
     ``k_scale_span``: the 8-bit K scales are constant over aligned runs of this many keys (0: per key);
-    where a kernel tile fits in one run, its scale joins the per-row factor (kernels._scores).
-    ``q_groups = (span, period)``: q arrives in fp16/bf16 and the kernel quantizes it with these groups
-    (dense inputs, span dividing every query tile: 16); ``scales[0]`` is then unused."""
+    where a kernel tile fits in one run, its scale joins the per-row factor (kernels._scores)."""
     varlen = cu_q is not None
     v_trans = quant == 2
     if varlen:
@@ -306,7 +301,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         H, H // hkv, Lq, Lk, seq_step,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        K_SCALE_SPAN=k_scale_span, Q_SPAN=q_groups[0] if q_groups else 0, Q_PERIOD=q_groups[1] if q_groups else 1)
+        K_SCALE_SPAN=k_scale_span)
     return out, lse
 
 

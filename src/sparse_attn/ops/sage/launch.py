@@ -18,8 +18,6 @@ TILE = 128  # rows per quantization program: a multiple of every group span
 # H100, 16K x 32 heads x d128 (benchmarks/results/quant-probe-h100.json): 8 warps 0.077 ms, 4 warps 0.095,
 # against 0.068 ms for the bytes at copy speed
 ROW_WARPS = 8
-# quantize Q inside the attention kernel where its groups allow (benchmarks flip it for an A/B)
-FUSE_Q = True
 
 
 def _as_bhld(x: torch.Tensor, varlen: bool) -> tuple:
@@ -85,11 +83,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     """Returns (out in q's dtype, lse of the smoothed scores, fp32). quant: 1 int8 Q.K, 2 also FP8 P.V."""
     varlen = cu_q is not None
     (qs, qp), (ks, kp) = GRANULARITY[granularity]
-    # Q groups that fit in every query tile the forward may pick (16 rows and up) are quantized by the
-    # attention kernel itself, which saves a pass over Q; packed sequences start anywhere relative to
-    # the groups, so varlen Q is quantized here
-    fuse_q = FUSE_Q and not varlen and bs_launch.MIN_TILE % qs == 0
-    q8, q_scale = (q, None) if fuse_q else quantize_rows(q, qs, qp, None, varlen)
+    q8, q_scale = quantize_rows(q, qs, qp, None, varlen)
     k8, k_scale = quantize_rows(k, ks, kp, k_mean(k, varlen) if smooth_k else None, varlen)
     if quant == 2:
         vq, v_scale = quantize_v_fp8(v, varlen)
@@ -97,5 +91,4 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         vq, v_scale = v, None
     return bs_launch.forward(q8, k8, vq, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
                              cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, 1, (q_scale, k_scale, v_scale),
-                             quant, q.dtype, k_scale_span=ks if kp == 1 else 0,
-                             q_groups=(qs, qp) if fuse_q else None)
+                             quant, q.dtype, k_scale_span=ks if kp == 1 else 0)
