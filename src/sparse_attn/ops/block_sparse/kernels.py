@@ -116,8 +116,9 @@ def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_le
     the raw q.k product, or for int8 inputs the int32 product. Per-key K scales multiply the scores,
     unless KS_PER_TILE (one K scale covers the whole tile): then it joins the per-row factor, which
     _softmax_step applies in the exponent's FMA, and the tile costs BM scale multiplies, not BM * BN.
-    The per-key K scales come by TMA when K does: a pointer load per tile is not pipelined and its
-    latency would stall every iteration."""
+    That one scalar load is pipelined (cp.async, like the index loads). The per-key K scales come by
+    TMA when K does: their masked pointer load was not pipelined, and its latency stalled every
+    iteration (benchmarks/NOTES.md, 8-bit v1 -> v2)."""
     if QUANT == 0:
         b_s = tl.dot(b_q, b_k)
         b_rs_t = b_rs
