@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe import layouts  # noqa: E402
 
 from sparse_attn.bench.results import make_header  # noqa: E402
-from sparse_attn.ops.block_sparse import launch, layout_inputs  # noqa: E402
+from sparse_attn.ops.block_sparse import forward_layout_inputs, launch  # noqa: E402
 from sparse_attn.ops.sage import launch as sage_launch  # noqa: E402
 from sparse_attn.ops.sage.granularity import GRANULARITY  # noqa: E402
 
@@ -39,8 +39,7 @@ def run_case(case: str, quant: int, rows: list, configs: list):
     H, D = 32, 128
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    ins = layout_inputs(layout, False)
-    args = ins[:6] + ins[-2:]
+    args = forward_layout_inputs(layout)
     scale = 1 / math.sqrt(D)
     scales = None
     if quant:

@@ -23,7 +23,7 @@ import torch
 import sparse_attn
 from sparse_attn import patterns
 from sparse_attn.bench.results import make_header
-from sparse_attn.ops.block_sparse import attention_op, launch, layout_inputs
+from sparse_attn.ops.block_sparse import attention_op, forward_layout_inputs, launch, layout_inputs
 
 
 def per_call_us(fn, n=200, runs=5) -> float:
@@ -46,11 +46,11 @@ def main():
     a = ap.parse_args()
     q, k, v = (torch.randn(1, 32, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     lay = patterns.causal(256, 256, block_q=128, block_k=128, device="cuda")
-    args = layout_inputs(lay, False)
+    args = forward_layout_inputs(lay)
     scale = 128 ** -0.5
 
     def raw_launch():
-        launch.forward(q, k, v, *args[:6], *args[10:], None, None, lay.block_q, lay.block_k, scale, 256, 256)
+        launch.forward(q, k, v, *args, None, None, lay.block_q, lay.block_k, scale, 256, 256)
 
     rows = {
         "empty_like (floor: one torch op)": per_call_us(lambda: torch.empty_like(q)),

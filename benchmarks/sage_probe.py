@@ -16,7 +16,7 @@ import sparse_attn
 from sparse_attn import patterns
 from sparse_attn.api import _kernel_layout
 from sparse_attn.ops.block_sparse import launch as bs_launch
-from sparse_attn.ops.block_sparse import layout_inputs
+from sparse_attn.ops.block_sparse import forward_layout_inputs
 from sparse_attn.ops.sage import launch as sage_launch
 from sparse_attn.ops.sage.granularity import GRANULARITY
 
@@ -36,8 +36,7 @@ def kernel_only(q, k, v, lay, quant, gran, per_key_scales=False):
     q8, q_s = sage_launch.quantize_rows(q, qs, qp, None, False)
     k8, k_s = sage_launch.quantize_rows(k, ks, kp, sage_launch.k_mean(k, False), False)
     vq, v_s = sage_launch.quantize_v_fp8(v, False) if quant == 2 else (v, None)
-    rows = layout_inputs(lay, False)
-    args = rows[:6] + rows[-2:]
+    args = forward_layout_inputs(lay)
     scale = 1 / math.sqrt(q.shape[-1])
     span = 0 if per_key_scales or kp != 1 else ks
     return lambda: bs_launch.forward(q8, k8, vq, *args, None, None, lay.block_q, lay.block_k, scale, q.shape[2],

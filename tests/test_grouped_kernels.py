@@ -211,4 +211,3 @@ def test_kernel_path_layout_errors():
                                                                 patterns.dense(10, 15, block_q=32, block_k=16)])
     with pytest.raises(TypeError, match="one BlockLayout per group"):
         sparse_attn.grouped_attention(q, k, v, groups, layouts=patterns.dense(10, 30))
-

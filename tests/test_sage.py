@@ -199,8 +199,8 @@ def test_one_k_scale_per_tile_equals_per_key_scales(one_thread):
     import math
 
     from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.block_sparse import forward_layout_inputs
     from sparse_attn.ops.block_sparse import launch as bs_launch
-    from sparse_attn.ops.block_sparse import layout_inputs
     from sparse_attn.ops.sage import launch
     (qs, qp), (ks, kp) = GRANULARITY["per_warp"]
     assert (ks, kp) == (128, 1)
@@ -211,10 +211,10 @@ def test_one_k_scale_per_tile_equals_per_key_scales(one_thread):
     k8, k_s = launch.quantize_rows(k, ks, kp, launch.k_mean(k, False), False)
     poisoned = torch.full((1, 1, 256), float("nan"))
     poisoned[..., :lk] = k_s
-    rows = layout_inputs(lay, False)
+    rows = forward_layout_inputs(lay)
     outs = []
     for span, scales in ((0, k_s), (ks, poisoned[..., :lk])):
-        out, lse = bs_launch.forward(q8, k8, v, *rows[:6], *rows[-2:], None, None, lay.block_q, lay.block_k,
+        out, lse = bs_launch.forward(q8, k8, v, *rows, None, None, lay.block_q, lay.block_k,
                                      1 / math.sqrt(32), lq, lk, 1, (q_s, scales, None), 1, q.dtype, k_scale_span=span)
         assert not out.isnan().any() and not lse.isnan().any()
         outs.append(out.float())

@@ -21,7 +21,7 @@ from .flops import attention_flops, block_density, tflops
 from .registry import get_provider
 from .results import Row
 from .suites import DTYPES, Case, Suite
-from .timing import peak_memory, time_fn, time_interleaved
+from .timing import peak_memory, reset_grads, time_fn, time_interleaved
 
 
 @dataclass(frozen=True)
@@ -211,8 +211,7 @@ def _run_group(group: list[Point], device, inputs: _Inputs, layouts: _Layouts, d
             q, k, v = inputs.get(p)
             run = get_provider(p.provider).make_run(q, k, v, layout, p.case.pattern.causal, p.mode)
             if len(group) > 1:  # compile / autotune / first touch before the interleaved timing, never timed
-                for t in run.grad_to_none:
-                    t.grad = None
+                reset_grads(run.grad_to_none)
                 run.fn()
             ready.append((row, run, flops, memo_key))
         except Exception as e:  # noqa: BLE001 - one row's failure must not stop the suite

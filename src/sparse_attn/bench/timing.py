@@ -35,7 +35,8 @@ def _flush() -> torch.Tensor:
     return _flush_buf[dev]
 
 
-def _reset(grad_to_none: Sequence[torch.Tensor]) -> None:
+def reset_grads(grad_to_none: Sequence[torch.Tensor]) -> None:
+    """``.grad = None`` on each tensor: a backward being timed must not accumulate into old grads."""
     for t in grad_to_none:
         t.grad = None
 
@@ -53,24 +54,24 @@ def time_cuda(fn: Callable[[], object], *, reps: int | None = None, warmup: int 
               grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0) -> float:
     """Median milliseconds of ``fn`` on the current CUDA device."""
     flush = _flush()
-    _reset(grad_to_none)
+    reset_grads(grad_to_none)
     fn()  # compile / autotune / first-touch
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(2):
-        _reset(grad_to_none)
+        reset_grads(grad_to_none)
         fn()
     end.record()
     torch.cuda.synchronize()
     reps, warmup = _counts(start.elapsed_time(end) / 2, reps, warmup, target_ms, 100)
     for _ in range(warmup):
-        _reset(grad_to_none)
+        reset_grads(grad_to_none)
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
-        _reset(grad_to_none)
+        reset_grads(grad_to_none)
         flush.zero_()
         starts[i].record()
         fn()
@@ -88,15 +89,16 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
     1.4 and 2.0 GHz within seconds (benchmarks/results/gqa-spread-power-h100.json): timed back to back
     in blocks, two providers' ratio picked up whatever the board did in between. A kernel also inherits
     its predecessor's power state, so the order rotates every round and each fn follows every other
-    equally often. Every fn gets the same number of repetitions, chosen from the slowest one's estimate. CUDA: events and an L2 flush before
-    each call, as :func:`time_cuda`; CPU: ``time.perf_counter``."""
+    equally often. Every fn gets the same number of repetitions, chosen from the slowest one's
+    estimate. CUDA: events and an L2 flush before each call, as :func:`time_cuda`; CPU:
+    ``time.perf_counter``."""
     grads = list(grad_to_none) if grad_to_none is not None else [()] * len(fns)
     if len(grads) != len(fns):
         raise ValueError(f"grad_to_none has {len(grads)} entries for {len(fns)} functions")
     cuda = torch.device(device).type == "cuda"
 
     def once(i: int) -> float:
-        _reset(grads[i])
+        reset_grads(grads[i])
         if not cuda:
             t0 = time.perf_counter()
             fns[i]()
@@ -117,7 +119,7 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
 
     for w in range(warmup):
         for i in order(w):
-            _reset(grads[i])
+            reset_grads(grads[i])
             fns[i]()
     if not cuda:
         times = [[] for _ in fns]
@@ -130,7 +132,7 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
               for _ in fns]
     for r in range(reps):
         for i in order(r):
-            _reset(grads[i])
+            reset_grads(grads[i])
             flush.zero_()
             events[i][r][0].record()
             fns[i]()
@@ -142,17 +144,17 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
 def time_cpu(fn: Callable[[], object], *, reps: int | None = None, warmup: int | None = None,
              grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0) -> float:
     """Median milliseconds of ``fn`` by ``time.perf_counter``."""
-    _reset(grad_to_none)
+    reset_grads(grad_to_none)
     t0 = time.perf_counter()
     fn()  # first call: lazy imports, allocator warm-up
     first_ms = (time.perf_counter() - t0) * 1e3
     reps, warmup = _counts(first_ms, reps, warmup, target_ms, 20)
     for _ in range(min(warmup, 2)):
-        _reset(grad_to_none)
+        reset_grads(grad_to_none)
         fn()
     times = []
     for _ in range(reps):
-        _reset(grad_to_none)
+        reset_grads(grad_to_none)
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -168,12 +170,12 @@ def peak_memory(fn: Callable[[], object], device: torch.device,
     """Extra bytes one call of ``fn`` allocates at its peak (CUDA); None elsewhere."""
     if torch.device(device).type != "cuda":
         return None
-    _reset(grad_to_none)
+    reset_grads(grad_to_none)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    _reset(grad_to_none)
+    reset_grads(grad_to_none)
     return int(peak)

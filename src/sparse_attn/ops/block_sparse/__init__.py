@@ -67,6 +67,13 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     return rows + trans + (terms, n_terms)
 
 
+
+def forward_layout_inputs(layout: BlockLayout, kv_lens=None) -> tuple:
+    """The arguments :func:`launch.forward` takes for the layout: the forward schedule (counts,
+    n_full, full_start, indices, mask_ids, contiguous) and the term table (terms, n_terms)."""
+    rows = layout_inputs(layout, False, kv_lens)
+    return rows[:6] + rows[-2:]
+
 def _prepared(layout: BlockLayout, needs_grad: bool, kv_lens) -> bool:
     if schedule_key(kv_lens) not in layout._derived:
         return False
@@ -101,12 +108,10 @@ def forward_into(q, k, v, layout: BlockLayout, out: torch.Tensor, lse: torch.Ten
     ones with ``cu_q`` / ``cu_k`` / ``max_q`` / ``max_k`` / ``kv_lens`` as
     :func:`grouped_attention_op` (``seq_step`` 2) or :func:`varlen_attention_op` (1)."""
     q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
-    counts, n_full, full_start, indices, mask_ids, contiguous, *_, terms, n_terms = \
-        layout_inputs(layout, False, kv_lens)
     if cu_q is None:
         max_q, max_k = q.shape[2], k.shape[2]
-    launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms, cu_q, cu_k,
-                   layout.block_q, layout.block_k, scale, max_q, max_k, seq_step, out=out, lse=lse)
+    launch.forward(q, k, v, *forward_layout_inputs(layout, kv_lens), cu_q, cu_k, layout.block_q, layout.block_k, scale,
+                   max_q, max_k, seq_step, out=out, lse=lse)
 
 
 def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,

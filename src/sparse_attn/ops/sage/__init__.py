@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...layout import BlockLayout
-from ..block_sparse import check_kernel_inputs, layout_inputs, softmax_scale
+from ..block_sparse import check_kernel_inputs, forward_layout_inputs, softmax_scale
 from .granularity import GRANULARITY, QUANT_MODES, check_quant
 
 __all__ = ["GRANULARITY", "QUANT_MODES", "check_quant", "check_fp8_device", "sage_attention_op",
@@ -39,8 +39,7 @@ def sage_attention_op(q, k, v, layout: BlockLayout, *, quant: str, granularity: 
     from .function import sage_fwd
     mode, (q, k, v) = _prepare(q, k, v, quant, granularity)
     scale = softmax_scale(q, scale)
-    rows = layout_inputs(layout, False)
-    fwd = rows[:6] + rows[-2:]  # forward schedule + term table (no transposed rows)
+    fwd = forward_layout_inputs(layout)
     return sage_fwd(q, k, v, *fwd, None, None, layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
                     mode, granularity, smooth_k)
 
@@ -51,7 +50,6 @@ def sage_varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: i
     from .function import sage_fwd
     mode, (q, k, v) = _prepare(q, k, v, quant, granularity)
     scale = softmax_scale(q, scale)
-    rows = layout_inputs(stacked, False, kv_lens)
-    fwd = rows[:6] + rows[-2:]
+    fwd = forward_layout_inputs(stacked, kv_lens)
     return sage_fwd(q, k, v, *fwd, cu_q, cu_k, stacked.block_q, stacked.block_k, scale, max_q, max_k,
                     mode, granularity, smooth_k)
