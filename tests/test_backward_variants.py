@@ -1,6 +1,7 @@
 """The backward's two schedules under TRITON_INTERPRET=1: "fused" (dQ by atomic adds inside the dK/dV
 kernel, the default) and "split" (a separate dQ kernel, deterministic), and the fused delta pre-pass.
-Both schedules must meet rule 3 against the fp64 oracle on GQA, odd lengths, partial blocks, varlen."""
+Both schedules, with block indices loaded per iteration or read in register chunks, must meet rule 3
+against the fp64 oracle on GQA, odd lengths, partial blocks, varlen."""
 from __future__ import annotations
 
 import os
@@ -21,10 +22,14 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(params=["fused", "split"])
+# (schedule, IDX_CHUNK): block indices per iteration (0), or in register chunks of 2 blocks, so the tiny
+# layouts here span several chunks (the default chunk, 64, would hold every row in one)
+@pytest.fixture(params=[("fused", 2), ("split", 2), ("fused", 0), ("split", 0)], ids=lambda p: f"{p[0]}-chunk{p[1]}")
 def variant(request, monkeypatch):
-    monkeypatch.setattr(launch, "BWD_VARIANT", request.param)
-    return request.param
+    schedule, chunk = request.param
+    monkeypatch.setattr(launch, "BWD_VARIANT", schedule)
+    monkeypatch.setattr(launch, "BWD_IDX_CHUNK", chunk)
+    return f"{schedule}-chunk{chunk}"
 
 
 def _qkv(hq, hkv, lq, lk, d, seed, dtype=torch.float16):

@@ -50,6 +50,29 @@ def test_backward_spaces_offer_small_tiles_only_where_no_large_one_fits(gpu_spac
     assert _tiles(launch.bwd_configs(64, 64, 128, "dkdv"))[0][:2] == (64, 64)
 
 
+def test_backward_spaces_hold_the_measured_best_large_tile(gpu_spaces, monkeypatch):
+    # one config each (no autotune pick that a first small call could fix for good); with register
+    # indices the third stage pays (bwd-flex-sweep-h100.json), with per-iteration index loads it did not
+    monkeypatch.setattr(launch, "BWD_IDX_CHUNK", 64)
+    assert _tiles(launch.bwd_configs(128, 128, 128, "dkdv")) == [(64, 128, 8, 3)]
+    assert _tiles(launch.bwd_configs(128, 128, 128, "dkdv-fused")) == [(64, 128, 8, 3)]
+    assert _tiles(launch.bwd_configs(128, 128, 128, "dq")) == [(128, 64, 8, 3)]
+    assert _tiles(launch.bwd_configs(128, 64, 128, "dkdv")) == [(128, 64, 8, 2)]  # 64-key blocks
+    monkeypatch.setattr(launch, "BWD_IDX_CHUNK", 0)
+    assert _tiles(launch.bwd_configs(128, 128, 128, "dkdv")) == [(64, 128, 8, 2)]
+    assert _tiles(launch.bwd_configs(128, 128, 128, "dq")) == [(128, 128, 8, 2)]
+
+
+def test_bad_index_chunk_is_a_clear_error():
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, SPARSE_ATTN_BWD_IDX_CHUNK="48")
+    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "SPARSE_ATTN_BWD_IDX_CHUNK must be 0 or a power of two, got 48" in r.stderr
+
+
 def test_eight_bit_space_keeps_only_tiles_dividing_the_layout_blocks(gpu_spaces):
     # 64-row query blocks: the 64-row tiles stay, the 128-row one goes (a tile must divide its block)
     assert _tiles(launch.fwd_configs(64, 128, 128, "tma", eight_bit=True)) == [(64, 128, 4, 3), (64, 128, 4, 2)]

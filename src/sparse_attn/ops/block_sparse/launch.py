@@ -23,12 +23,14 @@ AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
 FWD_VARIANT = os.environ.get("SPARSE_ATTN_FWD", "tma")
 # benchmarks only: visit even contiguous runs through per-tile index loads (the bookkeeping cost)
 FORCE_INDEXED = False
-# backward schedule: "fused" (one kernel: dQ accumulated by fp32 atomic adds next to dK/dV, five matmuls
-# per block pair; dQ's summation order, so its last bits, vary run to run) or "split" (a second kernel
-# recomputes P for dQ: seven matmuls, deterministic). SPARSE_ATTN_BWD=split for bitwise-reproducible dQ.
-# Fused measured 2.5-6.5% faster on H100 (bwd-fused-h100.json). "fused-ptr" (benchmarks): fused with
-# per-element atomics instead of TMA reduce-adds.
-BWD_VARIANT = os.environ.get("SPARSE_ATTN_BWD", "fused")
+# backward schedule: "split" (the dK/dV kernel, then a dQ kernel that recomputes P: seven matmuls per
+# block pair, deterministic) or "fused" (one kernel: dQ accumulated by fp32 TMA reduce-adds next to
+# dK/dV, five matmuls; dQ's summation order, so its last bits, vary run to run). With block indices
+# read from registers (BWD_IDX_CHUNK) split is the faster, H100 bf16 16K (bwd-flex-regs-h100.json,
+# bwd-flex-sweep-h100.json): 28.0 vs 29.5 ms dense, 7.41 vs 7.69 random 0.25, 14.5 vs 15.1 causal; the
+# fused kernel's dQ staging keeps its tensor pipe 40% busy against 53% for split's dK/dV kernel (ncu).
+# "fused-ptr" (benchmarks): fused with per-element atomics instead of TMA reduce-adds.
+BWD_VARIANT = os.environ.get("SPARSE_ATTN_BWD", "split")
 if BWD_VARIANT not in ("fused", "split", "fused-ptr"):
     raise ValueError(f"SPARSE_ATTN_BWD must be 'fused' or 'split' (or 'fused-ptr'), got {BWD_VARIANT!r}")
 # split schedule's dK/dV kernel, Q and dO tiles: "tma" (descriptors; Hopper+, 16-byte aligned rows) or
@@ -38,6 +40,13 @@ if BWD_VARIANT not in ("fused", "split", "fused-ptr"):
 BWD_QDO = os.environ.get("SPARSE_ATTN_BWD_QDO", "tma")
 if BWD_QDO not in ("tma", "ptr"):
     raise ValueError(f"SPARSE_ATTN_BWD_QDO must be 'tma' or 'ptr', got {BWD_QDO!r}")
+# backward kernels: block indices read IDX_CHUNK at a time into registers instead of one load per
+# iteration (0: the per-iteration load). With the load inside the pipelined loop the Q/dO loads
+# became indirect and Triton issued them right before their use; from registers they run one
+# iteration ahead at 3 stages (benchmarks/NOTES.md, backward).
+BWD_IDX_CHUNK = int(os.environ.get("SPARSE_ATTN_BWD_IDX_CHUNK", "64"))
+if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
+    raise ValueError(f"SPARSE_ATTN_BWD_IDX_CHUNK must be 0 or a power of two, got {BWD_IDX_CHUNK}")
 # benchmarks only (benchmarks/bwd_probe.py): kind ("dkdv" / "dkdv-fused" / "dq") -> configs replacing bwd_configs;
 # clear _TUNED after changing it
 BWD_SPACE_OVERRIDE: dict = {}
@@ -115,27 +124,33 @@ def bwd_configs(block_q: int, block_k: int, d_pad: int, kind: str = "dkdv") -> l
     """``kind`` "dkdv", "dkdv-fused" (dK/dV kernel with dQ atomics) or "dq". For dK/dV BLOCK_N is the
     key tile and BLOCK_M the inner query tile; for dQ the reverse.
 
-    Measured on H100 (bf16, d128, 16K causal and random 0.25; benchmarks/results/bwd-configs-h100.json,
-    bwd-fused-h100.json): 8 warps beat 4 by 1.4-2.4x at 64x128 tiles, 3 stages gain nothing over 2
-    (the fused kernel loses 3-7% with them), dQ's 128x128 tile is 2-3% faster than 128x64, and the
-    fused kernel's 128x128 tile does not fit in shared memory."""
+    Measured on H100 (bf16, d128, 16K; benchmarks/results/bwd-configs-h100.json, bwd-fused-h100.json,
+    bwd-flex-regs-h100.json, bwd-flex-sweep-h100.json): 8 warps beat 4 by 1.4-2.4x at 64x128 tiles.
+    With block indices read from registers (BWD_IDX_CHUNK > 0) 3 stages put the Q/dO (K/V) loads one
+    iteration ahead: dK/dV at 64x128 and dQ at 128x64 with 3 stages are the fastest measured (a 4th
+    stage or dQ's 128x128 tile at 2 stages, which fits no 3rd, lose 2-11%). With per-iteration index
+    loads extra stages bought nothing and dQ's 128x128 tile led. The fused kernel's 128x128 tile
+    does not fit in shared memory."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1}, num_warps=4, num_stages=1)]
-    # Large tiles only where they fit: the autotune key leaves out sequence lengths (a new length must
-    # not re-tune) and Triton caches its choice on disk, so a space holding 64x64 tiles let the first
-    # small call pick them for good, 1.6-1.7x slower at 16K (measured). 64x64 is the fallback for small
-    # layout blocks and d256. Best first: default_config takes the first.
+    # One large tile, the measured best that divides the layout's blocks: the autotune key leaves out
+    # sequence lengths (a new length must not re-tune) and Triton caches its choice on disk, so a space
+    # holding 64x64 tiles let the first small call pick them for good, 1.6-1.7x slower at 16K
+    # (measured). 64x64 is the fallback for small layout blocks and d256.
+    regs = BWD_IDX_CHUNK > 0
     if kind == "dkdv-fused":  # 128x64 needs 241 KB of shared memory with the dQ staging: no fit
-        big = ((64, 128, 8),)
+        big = ((64, 128, 8, 3 if regs else 2),)
+    elif kind == "dkdv":  # 128x64 holds 128-row Q/dO tiles: no 3rd stage fits
+        big = ((64, 128, 8, 3 if regs else 2), (128, 64, 8, 2))
     else:
-        big = ((64, 128, 8), (128, 64, 8)) if kind == "dkdv" else ((128, 128, 8), (128, 64, 8))
+        big = ((128, 64, 8, 3), (128, 128, 8, 2)) if regs else ((128, 128, 8, 2), (128, 64, 8, 2))
 
     def fitting(tiles):
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": 2}, num_warps=w, num_stages=2)
-                for m, n, w in tiles if block_q % m == 0 and block_k % n == 0]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s}, num_warps=w, num_stages=s)
+                for m, n, w, s in tiles if block_q % m == 0 and block_k % n == 0]
 
-    space = (fitting(big) if d_pad <= 128 else []) or fitting(((64, 64, 8), (64, 64, 4)))
+    space = (fitting(big)[:1] if d_pad <= 128 else []) or fitting(((64, 64, 8, 2), (64, 64, 4, 2)))
     if not space:
         m, n = _divisors(block_q)[-1], _divisors(block_k)[-1]
         space = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": 2}, num_warps=4, num_stages=2)]
@@ -387,7 +402,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
-        hkv, H // hkv, Lq, Lk, seq_step, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, **common)
+        hkv, H // hkv, Lq, Lk, seq_step, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma,
+        IDX_CHUNK=BWD_IDX_CHUNK, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
@@ -397,7 +413,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
             q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
             *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
             *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-            H, H // hkv, Lq, Lk, seq_step, **common)
+            H, H // hkv, Lq, Lk, seq_step, IDX_CHUNK=BWD_IDX_CHUNK, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)

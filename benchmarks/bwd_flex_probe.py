@@ -1,0 +1,142 @@
+"""The backward alone, ours against FlexAttention's, on the same inputs and layout.
+
+The kernels suite times forward+backward; this takes the forward out, so the two backwards can be
+compared directly (same q/k/v/dO, ours through ``launch.backward`` after our forward, Flex through
+``torch.autograd.grad`` on its compiled forward's output, each including its own delta pre-pass).
+Timing: ``timing.time_interleaved`` (rotating order, L2 flushed, medians). Our variants: the fused
+and split schedules, each with
+the block indices loaded per iteration ("load") or read a chunk at a time into registers ("regs",
+``launch.BWD_IDX_CHUNK``), at fixed tile configs (``VARIANTS``).
+
+With ``--profile`` it instead runs each backward once inside ``cudaProfilerStart/Stop`` after
+warm-up, for ``ncu --profile-from-start off`` (see benchmarks/NOTES.md for the command).
+
+    python benchmarks/bwd_flex_probe.py --out $OUT/bwd-flex-h100.json [--cases dense:16384 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe import layouts  # noqa: E402
+
+from sparse_attn.bench.flops import attention_flops, tflops  # noqa: E402
+from sparse_attn.bench.providers import _flex_fn, with_causal  # noqa: E402
+from sparse_attn.bench.results import make_header  # noqa: E402
+from sparse_attn.bench.timing import time_interleaved  # noqa: E402
+from sparse_attn.ops.block_sparse import launch, layout_inputs  # noqa: E402
+from sparse_attn.ops.block_sparse.function import block_sparse_fwd  # noqa: E402
+from sparse_attn.patterns import to_flex  # noqa: E402
+
+
+# name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config); configs (BLOCK_M, BLOCK_N, warps, stages)
+VARIANTS = {
+    "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
+    "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
+    "split-load": ("split", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
+    "split-regs": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3)),
+}
+# --sweep: tile configs of the split schedule with register indices
+SWEEP = {
+    "split-regs": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3)),
+    "split-regs-dkdv4": ("split", 64, (64, 128, 8, 4), (128, 64, 8, 3)),
+    "split-regs-dq4": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 4)),
+    "split-regs-dq128": ("split", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
+    "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
+}
+
+
+def cfg(m, n, w, s):
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s}, num_warps=w, num_stages=s)
+
+
+def backwards(case: str, hkv: int, variants: dict):
+    """{name: zero-argument backward} on one case's inputs, and the case's backward FLOP count."""
+    which, L = case.split(":")
+    L = int(L)
+    layout, _ = layouts(L, which)
+    H, D = 32, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    do = torch.randn_like(q)
+    ins = layout_inputs(layout, True)
+    (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = ins
+    scale = 1 / math.sqrt(D)
+    out, lse = block_sparse_fwd(q, k, v, *ins, None, None, layout.block_q, layout.block_k, scale, L, L)
+
+    def ours(variant, chunk, dkdv, dq):
+        space = {"dkdv": [cfg(*dkdv)], "dkdv-fused": [cfg(*dkdv)], "dq": [cfg(*dq)]}
+
+        def bwd():
+            launch.BWD_VARIANT, launch.BWD_IDX_CHUNK = variant, chunk
+            if space != launch.BWD_SPACE_OVERRIDE:
+                launch.BWD_SPACE_OVERRIDE.clear()
+                launch.BWD_SPACE_OVERRIDE.update(space)
+                launch._TUNED.clear()
+            return launch.backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,
+                                   t_indices, t_mask_ids, terms, n_terms, None, None, layout.block_q,
+                                   layout.block_k, scale, L, L)
+        return bwd
+
+    qf, kf, vf = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    flex_out = _flex_fn("cuda")(qf, kf, vf, block_mask=to_flex(with_causal(layout, False)), scale=scale,
+                                enable_gqa=hkv != H)
+
+    def flex():
+        return torch.autograd.grad(flex_out, (qf, kf, vf), do, retain_graph=True)
+
+    fns = {name: ours(*spec) for name, spec in variants.items()}
+    fns["flex"] = flex
+    return fns, attention_flops(layout, batch=1, heads=H, head_dim=D, mode="bwd")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["dense:16384", "random0.25:16384", "causal:16384"])
+    ap.add_argument("--hkv", type=int, default=32)
+    ap.add_argument("--sweep", action="store_true", help="the SWEEP variants instead of VARIANTS")
+    ap.add_argument("--profile", action="store_true", help="one call of each inside cudaProfilerStart/Stop")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    rows: list = []
+    for case in a.cases:
+        fns, flops = backwards(case, a.hkv, SWEEP if a.sweep else VARIANTS)
+        ref = None
+        for name, fn in fns.items():  # compile, autotune, and check the three agree
+            grads = fn()
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = grads
+            diff = [((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(grads, ref)]
+            print(f"{case} {name}: max |diff| / max |ref| vs {next(iter(fns))} (dq, dk, dv) = {diff}", flush=True)
+        if a.profile:
+            for fn in fns.values():
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            for fn in fns.values():
+                fn()
+                torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            continue
+        ms = time_interleaved(list(fns.values()), "cuda")
+        ms = dict(zip(fns, ms))
+        row = dict(case=case, hkv=a.hkv, ms=ms, tflops={n: tflops(flops, t) for n, t in ms.items()},
+                   speedup_over_flex={n: ms["flex"] / t for n, t in ms.items() if n != "flex"})
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if a.out:
+        header = make_header("cuda", "probe", script="benchmarks/bwd_flex_probe.py")
+        Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
