@@ -86,11 +86,13 @@ def backwards(case: str, hkv: int, variants: dict):
                                    layout.block_k, scale, L, L)
         return bwd
 
+    # a compiled backward with donated buffers refuses retain_graph (seen on Flex's causal graph)
+    torch._functorch.config.donated_buffer = False
     qf, kf, vf = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     flex_out = _flex_fn("cuda")(qf, kf, vf, block_mask=to_flex(with_causal(layout, False)), scale=scale,
                                 enable_gqa=hkv != H)
 
-    def flex():
+    def flex():  # retain_graph: the same graph's backward, timed again and again
         return torch.autograd.grad(flex_out, (qf, kf, vf), do, retain_graph=True)
 
     fns = {name: ours(*spec) for name, spec in variants.items()}
@@ -103,12 +105,16 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense:16384", "random0.25:16384", "causal:16384"])
     ap.add_argument("--hkv", type=int, default=32)
     ap.add_argument("--sweep", action="store_true", help="the SWEEP variants instead of VARIANTS")
+    ap.add_argument("--only", nargs="+", help="keep these variants (names from VARIANTS or SWEEP)")
     ap.add_argument("--profile", action="store_true", help="one call of each inside cudaProfilerStart/Stop")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows: list = []
     for case in a.cases:
-        fns, flops = backwards(case, a.hkv, SWEEP if a.sweep else VARIANTS)
+        variants = SWEEP if a.sweep else VARIANTS
+        if a.only:
+            variants = {n: spec for n, spec in {**VARIANTS, **SWEEP}.items() if n in a.only}
+        fns, flops = backwards(case, a.hkv, variants)
         ref = None
         for name, fn in fns.items():  # compile, autotune, and check the three agree
             grads = fn()

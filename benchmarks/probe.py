@@ -21,6 +21,9 @@ def layouts(L, which):
         return mk(ElementMask((causal_term(),))), True
     if which == "window4096":
         return mk(ElementMask((window_term(4095, 0),))), True
+    if which == "streaming4096":  # the suite's streaming-128+4096: 128 sinks + a 4096 causal window
+        from sparse_attn.patterns import streaming
+        return streaming(L, 4096, 128, device="cuda"), True
     if which == "blockdiag4096":
         return mk(ElementMask((document_term(4096),))), False
     if which.startswith("random"):
