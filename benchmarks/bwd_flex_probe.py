@@ -36,12 +36,14 @@ from sparse_attn.ops.block_sparse.function import block_sparse_fwd  # noqa: E402
 from sparse_attn.patterns import to_flex  # noqa: E402
 
 
-# name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config); configs (BLOCK_M, BLOCK_N, warps, stages)
+# name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, dQ on a side stream (default True)]);
+# configs (BLOCK_M, BLOCK_N, warps, stages)
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
     "split-load": ("split", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "split-regs": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3)),
+    "split-regs-1stream": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), False),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {
@@ -72,11 +74,11 @@ def backwards(case: str, hkv: int, variants: dict):
     scale = 1 / math.sqrt(D)
     out, lse = block_sparse_fwd(q, k, v, *ins, None, None, layout.block_q, layout.block_k, scale, L, L)
 
-    def ours(variant, chunk, dkdv, dq):
+    def ours(variant, chunk, dkdv, dq, side_stream=True):
         space = {"dkdv": [cfg(*dkdv)], "dkdv-fused": [cfg(*dkdv)], "dq": [cfg(*dq)]}
 
         def bwd():
-            launch.BWD_VARIANT, launch.BWD_IDX_CHUNK = variant, chunk
+            launch.BWD_VARIANT, launch.BWD_IDX_CHUNK, launch.BWD_DQ_SIDE_STREAM = variant, chunk, side_stream
             if space != launch.BWD_SPACE_OVERRIDE:
                 launch.BWD_SPACE_OVERRIDE.clear()
                 launch.BWD_SPACE_OVERRIDE.update(space)

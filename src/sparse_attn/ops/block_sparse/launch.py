@@ -5,6 +5,7 @@ varlen inputs are packed ``[T, H, D]`` with ``cu_seqlens`` (int32 [B + 1]).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -47,6 +48,11 @@ if BWD_QDO not in ("tma", "ptr"):
 BWD_IDX_CHUNK = int(os.environ.get("SPARSE_ATTN_BWD_IDX_CHUNK", "64"))
 if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
     raise ValueError(f"SPARSE_ATTN_BWD_IDX_CHUNK must be 0 or a power of two, got {BWD_IDX_CHUNK}")
+# split schedule: the dQ kernel on a second CUDA stream, concurrent with the dK/dV kernel (both read
+# only the forward's tensors and delta), so its programs fill the SMs the dK/dV grid's last wave leaves
+# idle, as FlexAttention's one-grid backward does. Off: one stream, the two kernels back to back.
+BWD_DQ_SIDE_STREAM = os.environ.get("SPARSE_ATTN_BWD_DQ_STREAM", "1") != "0"
+_SIDE_STREAMS: dict = {}
 # benchmarks only (benchmarks/bwd_probe.py): kind ("dkdv" / "dkdv-fused" / "dq") -> configs replacing bwd_configs;
 # clear _TUNED after changing it
 BWD_SPACE_OVERRIDE: dict = {}
@@ -118,6 +124,39 @@ def _ensure_allocator() -> None:
     Triton keeps the allocator in a context variable, so it is set on every launch: autograd runs the
     backward on its own thread, where one set during the forward is not visible."""
     triton.set_allocator(_scratch)
+
+
+def _fork(t: torch.Tensor):
+    """An event on the current stream marking where a side stream may start (None when the side
+    stream is off: BWD_DQ_SIDE_STREAM, CUDA only)."""
+    if not (BWD_DQ_SIDE_STREAM and t.is_cuda) or INTERPRET:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
+@contextlib.contextmanager
+def _side_stream(fork, *tensors):
+    """Run the block's launches on a second stream of the tensors' device, started at the event
+    ``fork`` (from :func:`_fork`; None: stay on the current stream) and joined back into the current
+    stream at the end. The tensors it reads or writes are recorded on the side stream, so the caching
+    allocator cannot hand their memory to other work before the side stream is done with it."""
+    if fork is None:
+        yield
+        return
+    device = tensors[0].device
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_event(fork)
+    with torch.cuda.stream(side):
+        yield
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t.record_stream(side)
+    main.wait_stream(side)
 
 
 def bwd_configs(block_q: int, block_k: int, d_pad: int, kind: str = "dkdv") -> list[triton.Config]:
@@ -396,6 +435,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
                   _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA"), variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}",
                   reset_to_zero=("DQA",) if fused else ())
+    fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
         q, k, v, do, lse, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
@@ -409,11 +449,12 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
         grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
-        kern[grid](
-            q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
-            *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen), *_qkv_strides(do, varlen),
-            *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-            H, H // hkv, Lq, Lk, seq_step, IDX_CHUNK=BWD_IDX_CHUNK, **common)
+        with _side_stream(fork, q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k):
+            kern[grid](
+                q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
+                *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
+                *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
+                H, H // hkv, Lq, Lk, seq_step, IDX_CHUNK=BWD_IDX_CHUNK, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
