@@ -17,22 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe import layouts  # noqa: E402
+from bwd_probe import case_inputs, cfg  # noqa: E402
 
-from sparse_attn.bench.flops import attention_flops, tflops  # noqa: E402
-from sparse_attn.bench.providers import _flex_fn, with_causal  # noqa: E402
+from sparse_attn.bench.flops import tflops  # noqa: E402
+from sparse_attn.bench.providers import _flex_fn  # noqa: E402
 from sparse_attn.bench.results import make_header  # noqa: E402
 from sparse_attn.bench.timing import time_interleaved  # noqa: E402
-from sparse_attn.ops.block_sparse import launch, layout_inputs  # noqa: E402
-from sparse_attn.ops.block_sparse.function import block_sparse_fwd  # noqa: E402
+from sparse_attn.ops.block_sparse import launch  # noqa: E402
 from sparse_attn.patterns import to_flex  # noqa: E402
 
 
@@ -55,24 +52,12 @@ SWEEP = {
 }
 
 
-def cfg(m, n, w, s):
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s}, num_warps=w, num_stages=s)
-
 
 def backwards(case: str, hkv: int, variants: dict):
     """{name: zero-argument backward} on one case's inputs, and the case's backward FLOP count."""
-    which, L = case.split(":")
-    L = int(L)
-    layout, _ = layouts(L, which)
-    H, D = 32, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(1, hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    do = torch.randn_like(q)
-    ins = layout_inputs(layout, True)
-    (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = ins
-    scale = 1 / math.sqrt(D)
-    out, lse = block_sparse_fwd(q, k, v, *ins, None, None, layout.block_q, layout.block_k, scale, L, L)
+    c = case_inputs(case, hkv)
+    layout, L, H, q, k, v, do, scale, out, lse = c.layout, c.L, c.H, c.q, c.k, c.v, c.do, c.scale, c.out, c.lse
+    (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = c.ins
 
     def ours(variant, chunk, dkdv, dq, side_stream=True):
         space = {"dkdv": [cfg(*dkdv)], "dkdv-fused": [cfg(*dkdv)], "dq": [cfg(*dq)]}
@@ -91,7 +76,7 @@ def backwards(case: str, hkv: int, variants: dict):
     # a compiled backward with donated buffers refuses retain_graph (seen on Flex's causal graph)
     torch._functorch.config.donated_buffer = False
     qf, kf, vf = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    flex_out = _flex_fn("cuda")(qf, kf, vf, block_mask=to_flex(with_causal(layout, False)), scale=scale,
+    flex_out = _flex_fn("cuda")(qf, kf, vf, block_mask=to_flex(layout), scale=scale,
                                 enable_gqa=hkv != H)
 
     def flex():  # retain_graph: the same graph's backward, timed again and again
@@ -99,7 +84,7 @@ def backwards(case: str, hkv: int, variants: dict):
 
     fns = {name: ours(*spec) for name, spec in variants.items()}
     fns["flex"] = flex
-    return fns, attention_flops(layout, batch=1, heads=H, head_dim=D, mode="bwd")
+    return fns, c.flops_bwd
 
 
 def main():

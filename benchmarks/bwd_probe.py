@@ -18,6 +18,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -45,7 +46,9 @@ def cfg(m, n, w, s):
     return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s}, num_warps=w, num_stages=s)
 
 
-def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool = False, default_only: bool = False):
+def case_inputs(case: str, hkv: int) -> SimpleNamespace:
+    """One case ("which:L", benchmarks/probe.py's layouts) at H=32, D=128, bf16: seeded q/k/v/dO, the
+    layout's kernel arguments (ins), our forward's out and lse, and the backward's FLOP count."""
     which, L = case.split(":")
     L = int(L)
     layout, _ = layouts(L, which)
@@ -55,10 +58,16 @@ def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool 
     k, v = (torch.randn(1, hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     do = torch.randn_like(q)
     ins = layout_inputs(layout, True)
-    (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = ins
     scale = 1 / math.sqrt(D)
     out, lse = block_sparse_fwd(q, k, v, *ins, None, None, layout.block_q, layout.block_k, scale, L, L)
-    flops_bwd = attention_flops(layout, batch=1, heads=H, head_dim=D, mode="bwd")
+    return SimpleNamespace(layout=layout, L=L, H=H, q=q, k=k, v=v, do=do, ins=ins, scale=scale, out=out, lse=lse,
+                           flops_bwd=attention_flops(layout, batch=1, heads=H, head_dim=D, mode="bwd"))
+
+
+def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool = False, default_only: bool = False):
+    c = case_inputs(case, hkv)
+    layout, L, q, k, v, do, scale, out, lse, flops_bwd = c.layout, c.L, c.q, c.k, c.v, c.do, c.scale, c.out, c.lse, c.flops_bwd
+    (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = c.ins
 
     def bwd():
         return launch.backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,

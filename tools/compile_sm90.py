@@ -66,12 +66,15 @@ def variants():
     for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=tma, QUANT=quant, PV_SKIP=False, K_SCALE_SPAN=span)
-    for n_terms, varlen, (fused, dq_tma), qdo_tma in itertools.product(
-            (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True)):
-        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, FUSED_DQ=fused,
-                                      DQ_TMA=dq_tma, QDO_TMA=qdo_tma)
-    for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dq_kernel, dict(base, NUM_STAGES=2, BLOCK_M=128, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen)
+    # backward: block indices per iteration (IDX_CHUNK 0, 2 stages) or from registers (64, 3 stages:
+    # the configs bwd_configs gives; the fused kernel's 3 stages are the tightest fit, ~214 KB)
+    for n_terms, varlen, (fused, dq_tma), qdo_tma, chunk in itertools.product(
+            (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True), (0, 64)):
+        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms,
+                                      IS_VARLEN=varlen, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, IDX_CHUNK=chunk)
+    for n_terms, varlen, chunk in itertools.product((0, 2), (False, True), (0, 64)):
+        yield K.bwd_dq_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
+                                    N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk)
     yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64)
 
 
@@ -80,7 +83,7 @@ def main():
     failed = 0
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
-                                                                 "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA")}
+                                                                 "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

@@ -326,6 +326,13 @@ def bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, 
 
 
 @triton.jit
+def _pick(values, o_c, slot):
+    """values[slot] for a chunk held in registers (o_c = its arange): a dynamic index into a register
+    tensor, as a masked sum."""
+    return tl.sum(tl.where(o_c == slot, values, 0))
+
+
+@triton.jit
 def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
                dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, stride_dqm, qk_scale,
                sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
@@ -442,7 +449,7 @@ def bwd_dkdv_kernel(
             for c0 in range(0, n_full, IDX_CHUNK):
                 blocks = tl.load(T_INDICES + p_row + c0 + o_c, mask=c0 + o_c < n_full, other=0)
                 for it in tl.range(0, tl.minimum(n_full - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                    start_m = tl.sum(tl.where(o_c == it // SUB, blocks, 0)) * BLOCK_Q + (it % SUB) * BLOCK_M
+                    start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                     b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq,
                                             q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k,
                                             stride_qm, stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, 0,
@@ -451,9 +458,8 @@ def bwd_dkdv_kernel(
                 blocks = tl.load(T_INDICES + p_row + c0 + o_c, mask=c0 + o_c < count, other=0)
                 mids = tl.load(T_MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < count, other=-1)
                 for it in tl.range(0, tl.minimum(count - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                    sel = o_c == it // SUB
-                    start_m = tl.sum(tl.where(sel, blocks, 0)) * BLOCK_Q + (it % SUB) * BLOCK_M
-                    mid = tl.sum(tl.where(sel, mids, 0))
+                    start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
+                    mid = _pick(mids, o_c, it // SUB)
                     b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq,
                                             q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k,
                                             stride_qm, stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS,
@@ -549,16 +555,15 @@ def bwd_dq_kernel(
         for c0 in range(0, n_full, IDX_CHUNK):
             blocks = tl.load(INDICES + p_row + c0 + o_c, mask=c0 + o_c < n_full, other=0)
             for it in tl.range(0, tl.minimum(n_full - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                start_n = tl.sum(tl.where(o_c == it // SUB, blocks, 0)) * BLOCK_K + (it % SUB) * BLOCK_N
+                start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
                 b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
                                 stride_kn, stride_vn, qk_scale, TERMS, 0, BLOCK_N, HEAD_DIM, N_TERMS, False)
         for c0 in range(n_full, count, IDX_CHUNK):
             blocks = tl.load(INDICES + p_row + c0 + o_c, mask=c0 + o_c < count, other=0)
             mids = tl.load(MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < count, other=-1)
             for it in tl.range(0, tl.minimum(count - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                sel = o_c == it // SUB
-                start_n = tl.sum(tl.where(sel, blocks, 0)) * BLOCK_K + (it % SUB) * BLOCK_N
-                mid = tl.sum(tl.where(sel, mids, 0))
+                start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
+                mid = _pick(mids, o_c, it // SUB)
                 b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
                                 stride_kn, stride_vn, qk_scale, TERMS, mid, BLOCK_N, HEAD_DIM, N_TERMS, N_TERMS > 0)
     else:
