@@ -1,9 +1,10 @@
 """The backward's two schedules under TRITON_INTERPRET=1: "fused" (dQ by atomic adds inside the dK/dV
-kernel, the default) and "split" (a separate dQ kernel, deterministic), and the fused delta pre-pass.
+kernel) and "split" (a separate dQ kernel, deterministic; the default), and the row-terms pre-pass.
 Both schedules, with block indices loaded per iteration or read in register chunks, must meet rule 3
 against the fp64 oracle on GQA, odd lengths, partial blocks, varlen."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -39,15 +40,20 @@ def _qkv(hq, hkv, lq, lk, d, seed, dtype=torch.float16):
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "packed"])
-def test_delta_kernel_matches_rowsum(dense):
+def test_row_terms_kernel_gives_rowsum_and_log2_lse(dense):
     g = torch.Generator().manual_seed(5)
     shape = (2, 3, 37, 40) if dense else (37, 3, 40)
     out, do = (torch.randn(*shape, generator=g).half() for _ in range(2))
-    got = launch._delta(out, do, varlen=not dense)
+    lse = torch.randn(*((2, 3, 37) if dense else (3, 37)), generator=g)
+    lse[..., 5] = float("-inf")  # a row that sees no key: +inf, so its probabilities are 0
+    delta, lse2, strides = launch._row_terms(out, do, lse, varlen=not dense)
     want = (out.float() * do.float()).sum(-1)
     want = want if dense else want.transpose(0, 1)
-    assert got.shape == want.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert delta.shape == lse2.shape == want.shape and delta.dtype == lse2.dtype == torch.float32
+    assert strides == (delta.stride() if dense else (0, *delta.stride()))
+    torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse2, torch.where(lse == float("-inf"), float("inf"), lse / math.log(2)),
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mask,lq,lk,hq,hkv", [

@@ -15,7 +15,7 @@ from sparse_attn.ops.block_sparse import kernels as K
 POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
                 "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK"}
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may have
-SCALES_F32 = {"LSE", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE", "DQA"}
+SCALES_F32 = {"LSE", "LSE2", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE", "DQA"}
 
 
 def signature(fn, consts):

@@ -304,11 +304,13 @@ def fwd_kernel(
 
 
 @triton.jit
-def bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                     stride_lb, stride_lh, stride_lm, H, L,
+def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                     stride_sb, stride_sh, stride_sm, stride_lb, stride_lh, stride_lm, H, L,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Grid (token tiles, B * H): delta = rowsum(O * dO) in fp32, the softmax-gradient term both
-    backward kernels subtract. One read of O and dO (the PyTorch expression made three fp32 copies)."""
+    """Grid (token tiles, B * H): the per-row terms both backward kernels read, in fp32 with the
+    strides stride_l*: DELTA = rowsum(O * dO) (one read of O and dO; the PyTorch expression made three
+    fp32 copies), and LSE2 = LSE (strides stride_s*) in log2 units with -inf (a row with no key) as
+    +inf, so that row's probabilities come out 0 without a select per score element."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -322,7 +324,11 @@ def bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, 
     b_do = tl.load(DO + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh
                    + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
     b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), axis=1)
-    tl.store(DELTA + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_m * stride_lm, b_delta, mask=m_m)
+    b_lse = tl.load(LSE + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_m * stride_sm, mask=m_m)
+    b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
+    p_l = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_m * stride_lm
+    tl.store(DELTA + p_l, b_delta, mask=m_m)
+    tl.store(LSE2 + p_l, b_lse, mask=m_m)
 
 
 @triton.jit
@@ -333,13 +339,14 @@ def _pick(values, o_c, slot):
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
+def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
                dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_lm, stride_dqm, qk_scale,
                sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
                MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr):
     """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products).
     FUSED_DQ: also add the tile's dQ share, sm_scale * dS @ K, into the fp32 accumulator DQA (TMA
-    reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0."""
+    reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0. LSE2 / DELTA: the
+    rows' terms from bwd_delta_kernel."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     m_m = o_m < q_len
     m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
@@ -349,10 +356,11 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, de
     else:
         b_q = tl.load(Q + q_base + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :], mask=m_md, other=0.0)
         b_do = tl.load(DO + do_base + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
-    # rows past the end or with no allowed key carry +inf, so their probabilities are 0
-    b_lse = tl.load(LSE + l_base + o_m * stride_lm, mask=m_m, other=float("inf"))
-    b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
-    b_delta = tl.load(DELTA + l_base + o_m * stride_lm, mask=m_m, other=0.0)
+    # Rows past q_len read 0 (cp.async's own zero fill: an `other` of +inf cost a select per score
+    # element, as the LSE broadcasts over the tile's keys). Harmless: their Q and dO rows are 0, so
+    # S = 0 and P = 1 there, but dV += P^T dO and dS = P (V dO^T - delta) gain exactly 0.
+    b_lse = tl.load(LSE2 + l_base + o_m * stride_lm, mask=m_m)
+    b_delta = tl.load(DELTA + l_base + o_m * stride_lm, mask=m_m)
     b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
     if MASKED:
         if mid >= 0:
@@ -372,7 +380,7 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, de
 
 @triton.jit
 def bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQA,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
     T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K, CU_DK,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
@@ -450,7 +458,7 @@ def bwd_dkdv_kernel(
                 blocks = tl.load(T_INDICES + p_row + c0 + o_c, mask=c0 + o_c < n_full, other=0)
                 for it in tl.range(0, tl.minimum(n_full - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-                    b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq,
+                    b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
                                             q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k,
                                             stride_qm, stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, 0,
                                             BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA)
@@ -460,14 +468,14 @@ def bwd_dkdv_kernel(
                 for it in tl.range(0, tl.minimum(count - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                     mid = _pick(mids, o_c, it // SUB)
-                    b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq,
+                    b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
                                             q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k,
                                             stride_qm, stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS,
                                             mid, BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
         else:
             for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
                 start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-                b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base,
+                b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base,
                                         do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm,
                                         stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, 0,
                                         BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA)
@@ -475,7 +483,7 @@ def bwd_dkdv_kernel(
                 slot = it // SUB
                 start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
                 mid = tl.load(T_MASK_IDS + p_row + slot)
-                b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE, DELTA, DQA, desc_q, desc_do, desc_dq, q_base,
+                b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base,
                                         do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm,
                                         stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, mid,
                                         BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
@@ -509,7 +517,7 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k
 
 @triton.jit
 def bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE2, DELTA, DQ,
     COUNTS, N_FULL, INDICES, MASK_IDS, TERMS, CU_Q, CU_K,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
@@ -542,8 +550,7 @@ def bwd_dq_kernel(
     b_q = tl.load(Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :], mask=m_md, other=0.0)
     b_do = tl.load(DO + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + (q0 + o_m.to(tl.int64))[:, None] * stride_dom + o_d[None, :], mask=m_md, other=0.0)
     l_off = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm
-    b_lse = tl.load(LSE + l_off, mask=m_m, other=float("inf"))
-    b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse) * LOG2E
+    b_lse = tl.load(LSE2 + l_off, mask=m_m, other=float("inf"))  # once per program: the mask costs nothing
     b_delta = tl.load(DELTA + l_off, mask=m_m, other=0.0)
     kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
     vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn

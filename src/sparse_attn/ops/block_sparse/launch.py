@@ -359,24 +359,27 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     return out, lse
 
 
-def _delta(out: torch.Tensor, do: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """fp32 ``rowsum(out * do)``: ``[B, H, L]`` for dense ``[B, H, L, Dv]`` inputs, ``[H, T]`` (the
-    LSE's layout) for packed ``[T, H, Dv]`` ones."""
+def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, varlen: bool):
+    """(delta, lse2, their strides (b, h, row)): fp32 ``rowsum(out * do)`` and the LSE in log2 units
+    with -inf as +inf (bwd_delta_kernel); ``[B, H, L]`` for dense ``[B, H, L, Dv]`` inputs, ``[H, T]``
+    (the LSE's layout) for packed ``[T, H, Dv]`` ones."""
     if varlen:
         L, H, dv = out.shape
         B = 1
         delta = torch.empty(H, L, device=out.device, dtype=torch.float32)
-        l_strides = (0, delta.stride(0), delta.stride(1))
+        strides = (0, delta.stride(0), delta.stride(1))
+        lse_strides = (0, lse.stride(0), lse.stride(1))
     else:
         B, H, L, dv = out.shape
         delta = torch.empty(B, H, L, device=out.device, dtype=torch.float32)
-        l_strides = delta.stride()
+        strides, lse_strides = delta.stride(), lse.stride()
+    lse2 = torch.empty_like(delta)
     if delta.numel():
         block_m = 16 if INTERPRET else 64
         kernels.bwd_delta_kernel[(triton.cdiv(L, block_m), B * H)](
-            out, do, delta, *_qkv_strides(out, varlen), *_qkv_strides(do, varlen), *l_strides, H, L,
-            HEAD_DIM=dv, D_PAD=_d_pad(dv), BLOCK_M=block_m, num_warps=4)
-    return delta
+            out, do, lse, delta, lse2, *_qkv_strides(out, varlen), *_qkv_strides(do, varlen), *lse_strides, *strides,
+            H, L, HEAD_DIM=dv, D_PAD=_d_pad(dv), BLOCK_M=block_m, num_warps=4)
+    return delta, lse2, strides
 
 
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
@@ -401,12 +404,10 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         B = _num_seqs(cu_q, seq_step)
         Lq, Lk = max_q, max_k
         hkv = k.shape[1]
-        l_strides = (0, lse.stride(0), lse.stride(1))
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
-        l_strides = lse.stride()
-    delta = _delta(out, do, varlen)
+    delta, lse2, l_strides = _row_terms(out, do, lse, varlen)
     d_pad = _d_pad(D)
     # the fused kernel's extra dQ tile does not fit in shared memory beside d256 tiles: split there
     fused = BWD_VARIANT in ("fused", "fused-ptr") and d_pad <= 128
@@ -438,7 +439,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
-        q, k, v, do, lse, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
+        q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
@@ -449,9 +450,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
         grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
-        with _side_stream(fork, q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k):
+        with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k):
             kern[grid](
-                q, k, v, do, lse, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
+                q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
                 H, H // hkv, Lq, Lk, seq_step, IDX_CHUNK=BWD_IDX_CHUNK, **common)
