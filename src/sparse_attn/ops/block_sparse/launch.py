@@ -387,8 +387,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
              seq_step: int = 1, cu_dk=None, dk_rows=None, dkv_dtype: torch.dtype | None = None):
     """Returns (dq, dk, dv). dK/dV walk the transposed schedule; each program owns one key tile of
     one kv head and loops over that head's query-head group, so dK/dV need no atomics. dQ: with
-    BWD_VARIANT "fused" the same programs add it into an fp32 buffer (atomics); "split" runs a dQ
-    kernel over the forward schedule.
+    BWD_VARIANT "split" (the default) a dQ kernel walks the forward schedule, on a side stream beside
+    the dK/dV kernel (BWD_DQ_SIDE_STREAM); with "fused" the dK/dV programs add it into an fp32 buffer
+    (atomics).
 
     Overlapping key slices (grouped attention, ``seq_step`` 2): each sequence writes its dK/dV rows
     into an fp32 scratch buffer at the (start, end) pairs ``cu_dk``; ``dk_rows`` (int64 [scratch
