@@ -134,6 +134,26 @@ def test_dense_default_layout_matches_sdpa():
         assert (ours.float() - ref.float()).abs().max().item() < 2e-2
 
 
+def test_side_stream_dq_gives_the_same_gradients_as_one_stream(monkeypatch):
+    """The split backward runs its dQ kernel on a side stream beside the dK/dV kernel. Both kernels
+    are deterministic, so the gradients must be bitwise those of the one-stream order (GQA, a random
+    per-head layout, a length that leaves partial blocks)."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "BWD_VARIANT", "split")
+    monkeypatch.setattr(launch, "_SIDE_STREAMS", {})  # so the check below sees this test's use
+    layout = _random_layout(1000, 1000, 128, 128, heads=8, density=0.4, seed=7)
+    q = _rand((1, 8, 1000, 128), torch.bfloat16).requires_grad_()
+    k, v = (_rand((1, 2, 1000, 128), torch.bfloat16).requires_grad_() for _ in range(2))
+    do = _rand((1, 8, 1000, 128), torch.bfloat16)
+    grads = {}
+    for side in (True, False):
+        monkeypatch.setattr(launch, "BWD_DQ_SIDE_STREAM", side)
+        grads[side] = torch.autograd.grad(sparse_attn.attention(q, k, v, layout), (q, k, v), do)
+    assert q.device in launch._SIDE_STREAMS  # the side stream was used
+    for name, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+        assert torch.equal(a, b), f"{name} differs between side-stream and one-stream dQ"
+
+
 def test_no_memory_growth_over_repeated_calls():
     layout = BlockLayout.from_mask(_mask("local"), q_len=4096, block_q=128, block_k=128, device="cuda")
     q, k, v = (_rand((1, 8, 4096, 128), torch.bfloat16).requires_grad_() for _ in range(3))
