@@ -67,12 +67,12 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     return rows + trans + (terms, n_terms)
 
 
-
 def forward_layout_inputs(layout: BlockLayout, kv_lens=None) -> tuple:
     """The arguments :func:`launch.forward` takes for the layout: the forward schedule (counts,
     n_full, full_start, indices, mask_ids, contiguous) and the term table (terms, n_terms)."""
     rows = layout_inputs(layout, False, kv_lens)
     return rows[:6] + rows[-2:]
+
 
 def _prepared(layout: BlockLayout, needs_grad: bool, kv_lens) -> bool:
     if schedule_key(kv_lens) not in layout._derived:

@@ -449,44 +449,34 @@ def bwd_dkdv_kernel(
         else:
             desc_q = Q
             desc_do = DO
-        if IDX_CHUNK > 0:
-            # Query-block indices come from registers, one chunk at a time: an index load inside the
-            # pipelined loop makes the Q/dO loads indirect, and the pipeliner then issued them only at
-            # the end of the iteration before their use, exposing their latency every iteration.
-            o_c = tl.arange(0, IDX_CHUNK)
-            for c0 in range(0, n_full, IDX_CHUNK):
-                blocks = tl.load(T_INDICES + p_row + c0 + o_c, mask=c0 + o_c < n_full, other=0)
-                for it in tl.range(0, tl.minimum(n_full - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                    start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-                    b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
-                                            q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k,
-                                            stride_qm, stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, 0,
-                                            BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA)
-            for c0 in range(n_full, count, IDX_CHUNK):
-                blocks = tl.load(T_INDICES + p_row + c0 + o_c, mask=c0 + o_c < count, other=0)
-                mids = tl.load(T_MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < count, other=-1)
-                for it in tl.range(0, tl.minimum(count - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                    start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-                    mid = _pick(mids, o_c, it // SUB)
+        # phase 0: the query blocks no element mask touches; phase 1: masked ones or crossing the end.
+        # (In phase 0 the mask ids are never used: their loads are dead code and compile away.)
+        for phase in tl.static_range(2):
+            lo = 0 if phase == 0 else n_full
+            hi = n_full if phase == 0 else count
+            if IDX_CHUNK > 0:
+                # Indices come from registers, one chunk at a time: an index load inside the pipelined
+                # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
+                # of the iteration before their use, exposing their latency every iteration.
+                o_c = tl.arange(0, IDX_CHUNK)
+                for c0 in range(lo, hi, IDX_CHUNK):
+                    blocks = tl.load(T_INDICES + p_row + c0 + o_c, mask=c0 + o_c < hi, other=0)
+                    mids = tl.load(T_MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < hi, other=-1)
+                    for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
+                        start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
+                        b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
+                                                desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d,
+                                                pos_k, stride_qm, stride_dom, stride_lm, stride_dqam, qk_scale,
+                                                sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
+                                                N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
+            else:
+                for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
+                    start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                     b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
                                             q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k,
                                             stride_qm, stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS,
-                                            mid, BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
-        else:
-            for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
-                start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-                b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base,
-                                        do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm,
-                                        stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, 0,
-                                        BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA)
-            for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
-                slot = it // SUB
-                start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
-                mid = tl.load(T_MASK_IDS + p_row + slot)
-                b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base,
-                                        do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm,
-                                        stride_dom, stride_lm, stride_dqam, qk_scale, sm_scale, TERMS, mid,
-                                        BLOCK_M, HEAD_DIM, N_TERMS, N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
+                                            tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
+                                            phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
@@ -557,33 +547,25 @@ def bwd_dq_kernel(
     pos_q = (o_m + offset)[:, None]
     qk_scale = sm_scale * LOG2E
     b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if IDX_CHUNK > 0:  # key-block indices from registers, as in bwd_dkdv_kernel
-        o_c = tl.arange(0, IDX_CHUNK)
-        for c0 in range(0, n_full, IDX_CHUNK):
-            blocks = tl.load(INDICES + p_row + c0 + o_c, mask=c0 + o_c < n_full, other=0)
-            for it in tl.range(0, tl.minimum(n_full - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
+    for phase in tl.static_range(2):  # as in bwd_dkdv_kernel: unmasked blocks, then masked ones
+        lo = 0 if phase == 0 else n_full
+        hi = n_full if phase == 0 else count
+        if IDX_CHUNK > 0:  # key-block indices from registers, as in bwd_dkdv_kernel
+            o_c = tl.arange(0, IDX_CHUNK)
+            for c0 in range(lo, hi, IDX_CHUNK):
+                blocks = tl.load(INDICES + p_row + c0 + o_c, mask=c0 + o_c < hi, other=0)
+                mids = tl.load(MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < hi, other=-1)
+                for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
+                    start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
+                    b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d,
+                                    pos_q, stride_kn, stride_vn, qk_scale, TERMS, _pick(mids, o_c, it // SUB),
+                                    BLOCK_N, HEAD_DIM, N_TERMS, phase == 1 and N_TERMS > 0)
+        else:
+            for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
+                start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
                 b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
-                                stride_kn, stride_vn, qk_scale, TERMS, 0, BLOCK_N, HEAD_DIM, N_TERMS, False)
-        for c0 in range(n_full, count, IDX_CHUNK):
-            blocks = tl.load(INDICES + p_row + c0 + o_c, mask=c0 + o_c < count, other=0)
-            mids = tl.load(MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < count, other=-1)
-            for it in tl.range(0, tl.minimum(count - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
-                mid = _pick(mids, o_c, it // SUB)
-                b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
-                                stride_kn, stride_vn, qk_scale, TERMS, mid, BLOCK_N, HEAD_DIM, N_TERMS, N_TERMS > 0)
-    else:
-        for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
-            start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
-            b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
-                            stride_kn, stride_vn, qk_scale, TERMS, 0, BLOCK_N, HEAD_DIM, N_TERMS, False)
-        for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
-            slot = it // SUB
-            start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
-            mid = tl.load(MASK_IDS + p_row + slot)
-            b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
-                            stride_kn, stride_vn, qk_scale, TERMS, mid, BLOCK_N, HEAD_DIM, N_TERMS, N_TERMS > 0)
+                                stride_kn, stride_vn, qk_scale, TERMS, tl.load(MASK_IDS + p_row + it // SUB),
+                                BLOCK_N, HEAD_DIM, N_TERMS, phase == 1 and N_TERMS > 0)
     b_dq = b_dq * sm_scale
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh + (q0 + o_m.to(tl.int64))[:, None] * stride_dqm + o_d[None, :]
     tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_md)
