@@ -39,21 +39,45 @@ def _qkv(hq, hkv, lq, lk, d, seed, dtype=torch.float16):
     return mk(1, hq, lq, d), mk(1, hkv, lk, d), mk(1, hkv, lk, d)
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["dense", "packed"])
-def test_row_terms_kernel_gives_rowsum_and_log2_lse(dense):
+def _log2_lse(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(lse == float("-inf"), float("inf"), lse / math.log(2))
+
+
+def test_row_terms_dense_are_padded_to_whole_query_blocks():
     g = torch.Generator().manual_seed(5)
-    shape = (2, 3, 37, 40) if dense else (37, 3, 40)
-    out, do = (torch.randn(*shape, generator=g).half() for _ in range(2))
-    lse = torch.randn(*((2, 3, 37) if dense else (3, 37)), generator=g)
+    out, do = (torch.randn(2, 3, 37, 40, generator=g).half() for _ in range(2))
+    lse = torch.randn(2, 3, 37, generator=g)
     lse[..., 5] = float("-inf")  # a row that sees no key: +inf, so its probabilities are 0
-    delta, lse2, strides = launch._row_terms(out, do, lse, varlen=not dense)
-    want = (out.float() * do.float()).sum(-1)
-    want = want if dense else want.transpose(0, 1)
-    assert delta.shape == lse2.shape == want.shape and delta.dtype == lse2.dtype == torch.float32
-    assert strides == (delta.stride() if dense else (0, *delta.stride()))
-    torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse2, torch.where(lse == float("-inf"), float("inf"), lse / math.log(2)),
-                               rtol=1e-6, atol=1e-6)
+    delta, lse2, strides, starts = launch._row_terms(out, do, lse, 16)
+    assert delta.shape == lse2.shape == (2, 3, 48) and delta.dtype == lse2.dtype == torch.float32
+    assert strides == delta.stride()[:2] and starts is None
+    torch.testing.assert_close(delta[..., :37], (out.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse2[..., :37], _log2_lse(lse), rtol=1e-6, atol=1e-6)
+    # rows past the end (read unmasked by the dK/dV loop) give probabilities 0 and no delta
+    assert (delta[..., 37:] == 0).all() and (lse2[..., 37:] == float("inf")).all()
+
+
+@pytest.mark.parametrize("seq_step", [1, 2], ids=["cu_seqlens", "pairs"])
+def test_row_terms_packed_start_each_sequence_at_a_block_boundary(seq_step):
+    g = torch.Generator().manual_seed(6)
+    out, do = (torch.randn(60, 3, 40, generator=g).half() for _ in range(2))
+    lse = torch.randn(3, 60, generator=g)
+    lse[1, 20] = float("-inf")
+    if seq_step == 1:  # sequences [0, 19), [19, 20), [20, 53)
+        spans = [(0, 19), (19, 20), (20, 53)]
+        cu = torch.tensor([0, 19, 20, 53], dtype=torch.int32)
+    else:  # grouped attention's pairs: any order, gaps between query slices
+        spans = [(30, 60), (2, 19), (19, 19)]
+        cu = torch.tensor([x for sp in spans for x in sp], dtype=torch.int32)
+    delta, lse2, strides, starts = launch._row_terms(out, do, lse, 16, cu, seq_step, max(e - b for b, e in spans))
+    padded = [-(-(e - b) // 16) * 16 for b, e in spans]
+    assert starts.tolist() == [sum(padded[:i]) for i in range(len(spans))]
+    assert strides == (0, delta.stride(0)) and delta.stride(0) % 16 == 0 and delta.shape[1] >= sum(padded)
+    want = (out.float() * do.float()).sum(-1).transpose(0, 1)
+    for (b, e), s0, n in zip(spans, starts.tolist(), padded):
+        torch.testing.assert_close(delta[:, s0:s0 + e - b], want[:, b:e], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse2[:, s0:s0 + e - b], _log2_lse(lse[:, b:e]), rtol=1e-6, atol=1e-6)
+        assert (delta[:, s0 + e - b:s0 + n] == 0).all() and (lse2[:, s0 + e - b:s0 + n] == float("inf")).all()
 
 
 @pytest.mark.parametrize("mask,lq,lk,hq,hkv", [

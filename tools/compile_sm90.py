@@ -13,7 +13,7 @@ from triton.compiler import ASTSource
 from sparse_attn.ops.block_sparse import kernels as K
 
 POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
-                "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK"}
+                "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK", "CU_L"}
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may have
 SCALES_F32 = {"LSE", "LSE2", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE", "DQA"}
 
@@ -75,7 +75,8 @@ def variants():
     for n_terms, varlen, chunk in itertools.product((0, 2), (False, True), (0, 64)):
         yield K.bwd_dq_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
                                     N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk)
-    yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64)
+    for varlen in (False, True):
+        yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen)
 
 
 def main():

@@ -359,27 +359,42 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     return out, lse
 
 
-def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, varlen: bool):
-    """(delta, lse2, their strides (b, h, row)): fp32 ``rowsum(out * do)`` and the LSE in log2 units
-    with -inf as +inf (bwd_delta_kernel); ``[B, H, L]`` for dense ``[B, H, L, Dv]`` inputs, ``[H, T]``
-    (the LSE's layout) for packed ``[T, H, Dv]`` ones."""
-    if varlen:
-        L, H, dv = out.shape
-        B = 1
-        delta = torch.empty(H, L, device=out.device, dtype=torch.float32)
-        strides = (0, delta.stride(0), delta.stride(1))
-        lse_strides = (0, lse.stride(0), lse.stride(1))
+def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: int, cu_q=None, seq_step: int = 1,
+               max_q: int | None = None):
+    """(delta, lse2, their (batch, head) strides, starts): fp32 ``rowsum(out * do)`` and the LSE in
+    log2 units with -inf as +inf (bwd_delta_kernel), for dense ``[B, H, L, Dv]`` or packed
+    ``[T, H, Dv]`` inputs (``cu_q`` / ``seq_step`` / ``max_q`` as in :func:`backward`).
+
+    Each sequence's rows are padded to a multiple of ``block_q`` (the layout's query block), past its
+    end delta 0 and LSE2 +inf, so the dK/dV loop reads whole query tiles without a mask. Dense:
+    ``[B, H, roundup(L, block_q)]``, ``starts`` None. Packed: ``[H, rows]``, sequence b's rows from
+    ``starts[b]`` (int32 ``[B]`` on the device, multiples of block_q; computed there, no sync)."""
+    if cu_q is not None:
+        T, H, dv = out.shape
+        B = _num_seqs(cu_q, seq_step)
+        bounds = cu_q.view(B, 2) if seq_step == 2 else torch.stack([cu_q[:-1], cu_q[1:]], 1)
+        padded = (bounds[:, 1] - bounds[:, 0] + block_q - 1) // block_q * block_q
+        starts = (padded.cumsum(0) - padded).to(torch.int32)
+        # query slices do not overlap (checked by the callers), so their padded rows fit in this
+        rows = -(-(T + B * block_q) // 16) * 16
+        delta = torch.empty(H, rows, device=out.device, dtype=torch.float32)
+        strides, lse_strides = (0, delta.stride(0)), (0, lse.stride(0), lse.stride(1))
+        longest = max_q
     else:
         B, H, L, dv = out.shape
-        delta = torch.empty(B, H, L, device=out.device, dtype=torch.float32)
-        strides, lse_strides = delta.stride(), lse.stride()
+        starts = None
+        delta = torch.empty(B, H, -(-L // block_q) * block_q, device=out.device, dtype=torch.float32)
+        strides, lse_strides = delta.stride()[:2], lse.stride()
+        longest = L
     lse2 = torch.empty_like(delta)
-    if delta.numel():
+    if B * H and longest:
         block_m = 16 if INTERPRET else 64
-        kernels.bwd_delta_kernel[(triton.cdiv(L, block_m), B * H)](
-            out, do, lse, delta, lse2, *_qkv_strides(out, varlen), *_qkv_strides(do, varlen), *lse_strides, *strides,
-            H, L, HEAD_DIM=dv, D_PAD=_d_pad(dv), BLOCK_M=block_m, num_warps=4)
-    return delta, lse2, strides
+        rows_max = -(-longest // block_q) * block_q
+        kernels.bwd_delta_kernel[(triton.cdiv(rows_max, block_m), B * H)](
+            out, do, lse, delta, lse2, cu_q, starts, *_qkv_strides(out, cu_q is not None),
+            *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, H, longest, seq_step, HEAD_DIM=dv,
+            D_PAD=_d_pad(dv), BLOCK_M=block_m, BLOCK_Q=block_q, IS_VARLEN=cu_q is not None, num_warps=4)
+    return delta, lse2, strides, starts
 
 
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
@@ -408,7 +423,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
-    delta, lse2, l_strides = _row_terms(out, do, lse, varlen)
+    delta, lse2, l_strides, l_starts = _row_terms(out, do, lse, block_q, cu_q, seq_step, max_q)
     d_pad = _d_pad(D)
     # the fused kernel's extra dQ tile does not fit in shared memory beside d256 tiles: split there
     fused = BWD_VARIANT in ("fused", "fused-ptr") and d_pad <= 128
@@ -441,6 +456,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
         q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
+        l_starts,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
@@ -451,9 +467,10 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
         grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
-        with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k):
+        with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k,
+                          l_starts):
             kern[grid](
-                q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, sm_scale,
+                q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
                 H, H // hkv, Lq, Lk, seq_step, IDX_CHUNK=BWD_IDX_CHUNK, **common)
