@@ -33,14 +33,15 @@ from sparse_attn.ops.block_sparse import launch  # noqa: E402
 from sparse_attn.patterns import to_flex  # noqa: E402
 
 
-# name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, dQ on a side stream (default True)]);
-# configs (BLOCK_M, BLOCK_N, warps, stages)
+# name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, dQ on a side stream (default True)[,
+# the dQ kernel's K/V loads, launch.BWD_DQ_KV (default "tma")]]); configs (BLOCK_M, BLOCK_N, warps, stages)
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
     "split-load": ("split", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "split-regs": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3)),
     "split-regs-1stream": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), False),
+    "split-regs-dqkvptr": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), True, "ptr"),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {
@@ -59,11 +60,12 @@ def backwards(case: str, hkv: int, variants: dict):
     layout, L, H, q, k, v, do, scale, out, lse = c.layout, c.L, c.H, c.q, c.k, c.v, c.do, c.scale, c.out, c.lse
     (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = c.ins
 
-    def ours(variant, chunk, dkdv, dq, side_stream=True):
+    def ours(variant, chunk, dkdv, dq, side_stream=True, dq_kv="tma"):
         space = {"dkdv": [cfg(*dkdv)], "dkdv-fused": [cfg(*dkdv)], "dq": [cfg(*dq)]}
 
         def bwd():
             launch.BWD_VARIANT, launch.BWD_IDX_CHUNK, launch.BWD_DQ_SIDE_STREAM = variant, chunk, side_stream
+            launch.BWD_DQ_KV = dq_kv
             if space != launch.BWD_SPACE_OVERRIDE:
                 launch.BWD_SPACE_OVERRIDE.clear()
                 launch.BWD_SPACE_OVERRIDE.update(space)

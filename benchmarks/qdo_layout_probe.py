@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lk", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dq-kv", nargs="+", default=["tma"], choices=["tma", "ptr"],
+                    help="the dQ kernel's K/V loads (launch.BWD_DQ_KV), one pass each")
     ap.add_argument("--ncu", action="store_true",
                     help="no torch.profiler (which Nsight Compute's own CUPTI session excludes): each config runs "
                          "one backward, in the order printed; pick launches with ncu's --launch-skip")
@@ -55,12 +57,26 @@ def main(argv=None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     mk = lambda n, h: torch.randn(n, h, 128, generator=g, device=dev).bfloat16()  # noqa: E731
     q_p, k_p, v_p, do_p = mk(a.lq, 32), mk(a.lk, 8), mk(a.lk, 8), mk(a.lq, 32)
-    k, v = as_layout(k_p, "packed"), as_layout(v_p, "packed")
     layout = patterns.causal(a.lq, a.lk).to(dev)
-    (counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, terms,
-     n_terms) = layout_inputs(layout, True)
     scale = 128 ** -0.5
     rows = []
+    for dq_kv in a.dq_kv:
+        launch.BWD_DQ_KV = dq_kv
+        print(f"dQ kernel K/V loads: {dq_kv}")
+        rows += run_layouts(a, dev, q_p, k_p, v_p, do_p, layout, scale)
+    if a.out:
+        Path(a.out).write_text(json.dumps({**make_header(dev, "qdo-layout"), "config": vars(a), "rows": rows},
+                                          indent=1))
+        print(f"wrote {a.out}")
+    return 0
+
+
+def run_layouts(a, dev, q_p, k_p, v_p, do_p, layout, scale) -> list[dict]:
+    """The dense layouts (Q, dO packed or head-major), then the packed kernels; one row each."""
+    rows = []
+    k, v = as_layout(k_p, "packed"), as_layout(v_p, "packed")
+    (counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, terms,
+     n_terms) = layout_inputs(layout, True)
     for q_kind in ("packed", "head-major"):
         for do_kind in ("packed", "head-major"):
             q, do = as_layout(q_p, q_kind), as_layout(do_p, do_kind)
@@ -74,7 +90,7 @@ def main(argv=None) -> int:
             per = run_plain(step) if a.ncu else kernel_ms(step, a.reps)
             print(f"q {q_kind:10s} dO {do_kind:10s} " + "  ".join(f"{n} {ms:.3f}" for n, ms in per.items()
                                                               if "kernel" in n and "at::" not in n), flush=True)
-            rows.append({"q": q_kind, "do": do_kind, "kernels": per})
+            rows.append({"q": q_kind, "do": do_kind, "dq_kv": launch.BWD_DQ_KV, "kernels": per})
     # the same data through the packed (varlen) kernels: one sequence, as cu_seqlens (seq_step 1) or as
     # grouped attention's (start, end) pairs (seq_step 2)
     for seq_step in (1, 2):
@@ -91,12 +107,9 @@ def main(argv=None) -> int:
         per = run_plain(step) if a.ncu else kernel_ms(step, a.reps)
         print(f"packed, seq_step {seq_step}: " + "  ".join(f"{n} {ms:.3f}" for n, ms in per.items()
                                                           if "kernel" in n and "at::" not in n), flush=True)
-        rows.append({"q": "packed", "do": "packed", "varlen_seq_step": seq_step, "kernels": per})
-    if a.out:
-        Path(a.out).write_text(json.dumps({**make_header(dev, "qdo-layout"), "config": vars(a), "rows": rows},
-                                          indent=1))
-        print(f"wrote {a.out}")
-    return 0
+        rows.append({"q": "packed", "do": "packed", "varlen_seq_step": seq_step, "dq_kv": launch.BWD_DQ_KV,
+                     "kernels": per})
+    return rows
 
 
 if __name__ == "__main__":

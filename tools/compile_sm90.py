@@ -72,9 +72,9 @@ def variants():
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True), (0, 64)):
         yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms,
                                       IS_VARLEN=varlen, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, IDX_CHUNK=chunk)
-    for n_terms, varlen, chunk in itertools.product((0, 2), (False, True), (0, 64)):
+    for n_terms, varlen, chunk, kv_tma in itertools.product((0, 2), (False, True), (0, 64), (False, True)):
         yield K.bwd_dq_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
-                                    N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk)
+                                    N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk, KV_TMA=kv_tma)
     for varlen in (False, True):
         yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen)
 
@@ -84,7 +84,7 @@ def main():
     failed = 0
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
-                                                                 "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK")}
+                                                                 "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

@@ -520,14 +520,21 @@ def bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
+def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base, start_n, k_len, o_d, pos_q,
              stride_kn, stride_vn, qk_scale, TERMS, mid,
-             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr):
-    """Accumulate one key tile's contribution to dQ. Keys past the end load as 0 and add nothing."""
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr,
+             KV_TMA: tl.constexpr):
+    """Accumulate one key tile's contribution to dQ. Keys past the end load as 0 (V = 0 gives dP = 0,
+    K = 0 then adds nothing). KV_TMA: K/V tiles through the per-head descriptors."""
     o_n = start_n + tl.arange(0, BLOCK_N)
-    m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
-    b_k = tl.load(K + kv_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)  # [BN, D]
-    b_v = tl.load(V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)  # [BN, D]
+    if KV_TMA:  # no per-element addresses or masks (on packed inputs k_len is not known to be a multiple
+        # of 16, and the masked pointer loads fall back to narrow copies)
+        b_k = desc_k.load([start_n, 0])  # [BN, D]
+        b_v = desc_v.load([start_n, 0])  # [BN, D]
+    else:
+        m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
+        b_k = tl.load(K + kv_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)
+        b_v = tl.load(V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)
     b_p = tl.math.exp2(tl.dot(b_q, tl.trans(b_k)) * qk_scale - b_lse[:, None])  # [BM, BN]
     if MASKED:
         if mid >= 0:
@@ -553,8 +560,10 @@ def bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_CHUNK: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
-    """Grid (query tiles, B * H), visiting the same schedule as the forward."""
+    """Grid (query tiles, B * H), visiting the same schedule as the forward. KV_TMA: K/V tiles through
+    TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -575,6 +584,14 @@ def bwd_dq_kernel(
     b_delta = tl.load(DELTA + l_off, mask=m_m, other=0.0)
     kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
     vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
+    if KV_TMA:  # this kv head's keys of the sequence: rows past k_len (and head-dim padding) read as 0
+        desc_k = tl.make_tensor_descriptor(K + kv_base, shape=[k_len, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, D_PAD])
+        desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, D_PAD])
+    else:
+        desc_k = K
+        desc_v = V
     pos_q = (o_m + offset)[:, None]
     qk_scale = sm_scale * LOG2E
     b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -588,15 +605,17 @@ def bwd_dq_kernel(
                 mids = tl.load(MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < hi, other=-1)
                 for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
-                    b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d,
-                                    pos_q, stride_kn, stride_vn, qk_scale, TERMS, _pick(mids, o_c, it // SUB),
-                                    BLOCK_N, HEAD_DIM, N_TERMS, phase == 1 and N_TERMS > 0)
+                    b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base,
+                                    start_n, k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS,
+                                    _pick(mids, o_c, it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
+                                    phase == 1 and N_TERMS > 0, KV_TMA)
         else:
             for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
                 start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
-                b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, kv_base, vv_base, start_n, k_len, o_d, pos_q,
-                                stride_kn, stride_vn, qk_scale, TERMS, tl.load(MASK_IDS + p_row + it // SUB),
-                                BLOCK_N, HEAD_DIM, N_TERMS, phase == 1 and N_TERMS > 0)
+                b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base, start_n,
+                                k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS,
+                                tl.load(MASK_IDS + p_row + it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
+                                phase == 1 and N_TERMS > 0, KV_TMA)
     b_dq = b_dq * sm_scale
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh + (q0 + o_m.to(tl.int64))[:, None] * stride_dqm + o_d[None, :]
     tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_md)

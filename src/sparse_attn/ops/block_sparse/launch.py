@@ -41,6 +41,10 @@ if BWD_VARIANT not in ("fused", "split", "fused-ptr"):
 BWD_QDO = os.environ.get("SPARSE_ATTN_BWD_QDO", "tma")
 if BWD_QDO not in ("tma", "ptr"):
     raise ValueError(f"SPARSE_ATTN_BWD_QDO must be 'tma' or 'ptr', got {BWD_QDO!r}")
+# the dQ kernel's K and V tiles, the same choice
+BWD_DQ_KV = os.environ.get("SPARSE_ATTN_BWD_DQ_KV", "tma")
+if BWD_DQ_KV not in ("tma", "ptr"):
+    raise ValueError(f"SPARSE_ATTN_BWD_DQ_KV must be 'tma' or 'ptr', got {BWD_DQ_KV!r}")
 # backward kernels: block indices read IDX_CHUNK at a time into registers instead of one load per
 # iteration (0: the per-iteration load). With the load inside the pipelined loop the Q/dO loads
 # became indirect and Triton issued them right before their use; from registers they run one
@@ -465,7 +469,11 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     if fused:
         dq = dqa.to(q.dtype)
     else:
-        kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY)
+        kv_tma = BWD_DQ_KV == "tma" and _tma_ok(k, v)
+        if kv_tma:
+            _ensure_allocator()
+        kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY + ("KV_TMA",),
+                      variant=f"kv-{kv_tma}")
         grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
         with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k,
                           l_starts):
@@ -473,7 +481,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-                H, H // hkv, Lq, Lk, seq_step, IDX_CHUNK=BWD_IDX_CHUNK, **common)
+                H, H // hkv, Lq, Lk, seq_step, IDX_CHUNK=BWD_IDX_CHUNK, KV_TMA=kv_tma, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
