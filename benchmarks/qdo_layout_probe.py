@@ -7,8 +7,13 @@ same code. One difference is memory layout: grouped attention passes packed ``[T
 head-major contiguous dO from autograd. This runs one plain causal attention (Lq 8192 at the end of
 Lk 32768, as the zigzag group with the longest K/V slice; H=32, Hkv=8, D=128, bf16) with Q and dO
 each packed or head-major (launch.backward called directly: the autograd op makes dO contiguous,
-i.e. head-major, for any [B, H, L, D] view), and prints the GPU ms per backward of each kernel
-(torch.profiler).
+i.e. head-major, for any [B, H, L, D] view), then the same data through the packed kernels, and
+prints the GPU ms per backward of each kernel (torch.profiler). ``--dq-kv ptr tma`` repeats it all
+for each way the dQ kernel loads K/V (launch.BWD_DQ_KV).
+
+Found (H100, results/qdo-layout*-h100.json): the layout of Q/dO does not matter; the packed dK/dV
+kernel was 23% slower than the dense one on the same data until its row terms were padded
+(NOTES.md, backward item 10).
 
     python benchmarks/qdo_layout_probe.py --out /tmp/qdo-layout.json
 """

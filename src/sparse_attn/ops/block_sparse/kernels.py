@@ -432,9 +432,10 @@ def bwd_dkdv_kernel(
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
     rows of sequence b start at CU_DK[b * SEQ_STEP] (CU_K itself, or a scratch buffer's offsets
-    when key slices overlap); its row terms (LSE2, DELTA) at CU_L[b], padded (bwd_delta_kernel). FUSED_DQ: dQ is accumulated here too, into the zeroed fp32 DQA (same
-    row layout as Q), by atomic adds, and the dQ kernel is not run (FA2/FA3's schedule: five
-    matmuls per block pair instead of seven)."""
+    when key slices overlap), its row terms (LSE2, DELTA, padded: bwd_delta_kernel) at CU_L[b].
+    FUSED_DQ: dQ is accumulated here too, into the zeroed fp32 DQA (same row layout as Q), by atomic
+    adds, and the dQ kernel is not run (FA2/FA3's schedule: five matmuls per block pair instead of
+    seven)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
