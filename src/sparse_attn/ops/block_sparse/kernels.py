@@ -82,6 +82,20 @@ def _query_tile(CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride
 
 
 @triton.jit
+def _rows_desc(P, offset, n_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr, USE_TMA: tl.constexpr):
+    """A TMA descriptor over one head's ``[n_rows, HEAD_DIM]`` rows at ``P + offset`` (row stride
+    ``stride_row``, unit column stride), read ``[BLOCK_ROWS, D_PAD]`` at a time: rows past n_rows
+    and head-dim padding read as zeros. Without USE_TMA, ``P`` itself (the callers then use pointer
+    loads). P must be a tensor: triton 3.6 cannot pass None through a helper."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(P + offset, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                         block_shape=[BLOCK_ROWS, D_PAD])
+    else:
+        return P
+
+
+@triton.jit
 def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn, stride_vd,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   USE_TMA: tl.constexpr, BOUND: tl.constexpr, V_TRANS: tl.constexpr):
@@ -219,19 +233,13 @@ def fwd_kernel(
     vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
     pos_q = (o_m + offset)[:, None]
     V_TRANS: tl.constexpr = QUANT == 2
-    if USE_TMA:
-        # per-head descriptors: rows past k_len (and head-dim padding) read as zeros
-        desc_k = tl.make_tensor_descriptor(K + kv_base, shape=[k_len, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, D_PAD])
-        if V_TRANS:
-            desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[HEAD_DIM, k_len], strides=[stride_vd, 1],
-                                               block_shape=[D_PAD, BLOCK_N])
-        else:
-            desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
-                                               block_shape=[BLOCK_N, D_PAD])
+    # per-head descriptors (USE_TMA): rows past k_len (and head-dim padding) read as zeros
+    desc_k = _rows_desc(K, kv_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
+    if USE_TMA and V_TRANS:  # FP8 V stored [D, L]: its rows are channels
+        desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[HEAD_DIM, k_len], strides=[stride_vd, 1],
+                                           block_shape=[D_PAD, BLOCK_N])
     else:
-        desc_k = K
-        desc_v = V
+        desc_v = _rows_desc(V, vv_base, k_len, stride_vn, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
 
     qk_scale = sm_scale * LOG2E
     LOG2_P_SCALE: tl.constexpr = 8.807354922057604 if QUANT == 2 else 0.0  # log2(448), FP8 e4m3's max
@@ -304,6 +312,16 @@ def fwd_kernel(
 
 
 @triton.jit
+def _rows_start(CU_L, i_b, IS_VARLEN: tl.constexpr):
+    """First row of sequence i_b in the padded row terms (bwd_delta_kernel): a multiple of 16."""
+    if IS_VARLEN:
+        l0 = tl.multiple_of(tl.load(CU_L + i_b), 16)
+    else:
+        l0 = 0
+    return l0
+
+
+@triton.jit
 def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
                      stride_dom, stride_sb, stride_sh, stride_sm, stride_lb, stride_lh, H, L, SEQ_STEP,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -320,14 +338,8 @@ def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, stride_ob, stride_oh, 
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    if IS_VARLEN:
-        q0 = tl.load(CU_Q + i_b * SEQ_STEP)
-        q_len = tl.load(CU_Q + i_b * SEQ_STEP + 1) - q0
-        l0 = tl.load(CU_L + i_b)
-    else:
-        q0 = 0
-        q_len = L
-        l0 = 0
+    q0, q_len, _, _ = _seq_bounds(CU_Q, CU_Q, i_b, L, L, SEQ_STEP, IS_VARLEN)  # (the key side is unused)
+    l0 = _rows_start(CU_L, i_b, IS_VARLEN)
     n_rows = tl.cdiv(q_len, BLOCK_Q) * BLOCK_Q
     if i_m * BLOCK_M >= n_rows:
         return
@@ -348,16 +360,6 @@ def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, stride_ob, stride_oh, 
     m_l = o_m < n_rows
     tl.store(DELTA + p_l, b_delta, mask=m_l)
     tl.store(LSE2 + p_l, b_lse, mask=m_l)
-
-
-@triton.jit
-def _rows_start(CU_L, i_b, IS_VARLEN: tl.constexpr):
-    """First row of sequence i_b in the padded row terms (bwd_delta_kernel): a multiple of 16."""
-    if IS_VARLEN:
-        l0 = tl.multiple_of(tl.load(CU_L + i_b), 16)
-    else:
-        l0 = 0
-    return l0
 
 
 @triton.jit
@@ -469,18 +471,12 @@ def bwd_dkdv_kernel(
         l_base = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + l0
         dq_base = i_b.to(tl.int64) * stride_dqab + i_h.to(tl.int64) * stride_dqah + q0.to(tl.int64) * stride_dqam
         if DQ_TMA:  # this head's rows of the sequence; the reduce-add clips rows past q_len
-            desc_dq = tl.make_tensor_descriptor(DQA + dq_base, shape=[q_len, HEAD_DIM], strides=[stride_dqam, 1],
-                                                block_shape=[BLOCK_M, D_PAD])
-        else:
+            desc_dq = _rows_desc(DQA, dq_base, q_len, stride_dqam, BLOCK_M, HEAD_DIM, D_PAD, True)
+        else:  # DQA is None outside the fused schedule
             desc_dq = DQA
-        if QDO_TMA:  # this head's rows of the sequence, [q_len, D]
-            desc_q = tl.make_tensor_descriptor(Q + q_base, shape=[q_len, HEAD_DIM], strides=[stride_qm, 1],
-                                               block_shape=[BLOCK_M, D_PAD])
-            desc_do = tl.make_tensor_descriptor(DO + do_base, shape=[q_len, HEAD_DIM], strides=[stride_dom, 1],
-                                                block_shape=[BLOCK_M, D_PAD])
-        else:
-            desc_q = Q
-            desc_do = DO
+        # this head's rows of the sequence, [q_len, D]
+        desc_q = _rows_desc(Q, q_base, q_len, stride_qm, BLOCK_M, HEAD_DIM, D_PAD, QDO_TMA)
+        desc_do = _rows_desc(DO, do_base, q_len, stride_dom, BLOCK_M, HEAD_DIM, D_PAD, QDO_TMA)
         # phase 0: the query blocks no element mask touches; phase 1: masked ones or crossing the end.
         # (In phase 0 the mask ids are never used: their loads are dead code and compile away.)
         for phase in tl.static_range(2):
@@ -585,14 +581,9 @@ def bwd_dq_kernel(
     b_delta = tl.load(DELTA + l_off, mask=m_m, other=0.0)
     kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
     vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
-    if KV_TMA:  # this kv head's keys of the sequence: rows past k_len (and head-dim padding) read as 0
-        desc_k = tl.make_tensor_descriptor(K + kv_base, shape=[k_len, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, D_PAD])
-        desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, D_PAD])
-    else:
-        desc_k = K
-        desc_v = V
+    # this kv head's keys of the sequence (KV_TMA): rows past k_len read as 0
+    desc_k = _rows_desc(K, kv_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, KV_TMA)
+    desc_v = _rows_desc(V, vv_base, k_len, stride_vn, BLOCK_N, HEAD_DIM, D_PAD, KV_TMA)
     pos_q = (o_m + offset)[:, None]
     qk_scale = sm_scale * LOG2E
     b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)

@@ -365,6 +365,10 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     return out, lse
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return triton.cdiv(n, multiple) * multiple
+
+
 def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: int, cu_q=None, seq_step: int = 1,
                max_q: int | None = None):
     """(delta, lse2, their (batch, head) strides, starts): fp32 ``rowsum(out * do)`` and the LSE in
@@ -382,21 +386,20 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
         padded = (bounds[:, 1] - bounds[:, 0] + block_q - 1) // block_q * block_q
         starts = (padded.cumsum(0) - padded).to(torch.int32)
         # query slices do not overlap (checked by the callers), so their padded rows fit in this
-        rows = -(-(T + B * block_q) // 16) * 16
+        rows = _round_up(T + B * block_q, 16)
         delta = torch.empty(H, rows, device=out.device, dtype=torch.float32)
         strides, lse_strides = (0, delta.stride(0)), (0, lse.stride(0), lse.stride(1))
         longest = max_q
     else:
         B, H, L, dv = out.shape
         starts = None
-        delta = torch.empty(B, H, -(-L // block_q) * block_q, device=out.device, dtype=torch.float32)
+        delta = torch.empty(B, H, _round_up(L, block_q), device=out.device, dtype=torch.float32)
         strides, lse_strides = delta.stride()[:2], lse.stride()
         longest = L
     lse2 = torch.empty_like(delta)
     if B * H and longest:
         block_m = 16 if INTERPRET else 64
-        rows_max = -(-longest // block_q) * block_q
-        kernels.bwd_delta_kernel[(triton.cdiv(rows_max, block_m), B * H)](
+        kernels.bwd_delta_kernel[(triton.cdiv(_round_up(longest, block_q), block_m), B * H)](
             out, do, lse, delta, lse2, cu_q, starts, *_qkv_strides(out, cu_q is not None),
             *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, H, longest, seq_step, HEAD_DIM=dv,
             D_PAD=_d_pad(dv), BLOCK_M=block_m, BLOCK_Q=block_q, IS_VARLEN=cu_q is not None, num_warps=4)
