@@ -163,10 +163,38 @@ def test_quantize_kernel_matches_twin_exactly(gran):
     k8, s = launch.quantize_rows(k, ks, kp, mean, False)
     r8, rs = twin.quantize_rows(k, ks, kp, k.float().mean(-2))
     assert torch.equal(k8, r8) and torch.equal(s, rs)
+    # packed: each sequence's groups start at its first token, as if it were quantized alone
     packed = k[0].transpose(0, 1).contiguous()  # [T, H, D]
-    p8, ps = launch.quantize_rows(packed, qs, qp, None, True)
-    r8, rs = twin.quantize_rows(k[0], qs, qp)
-    assert torch.equal(p8, r8.transpose(0, 1)) and torch.equal(ps, rs)
+    cu = torch.tensor([0, 21, 150, 200], dtype=torch.int32)
+    p8, ps = launch.quantize_rows(packed, qs, qp, None, True, cu, 129)
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        r8, rs = twin.quantize_rows(k[0, :, a:e], qs, qp)
+        assert torch.equal(p8[a:e], r8.transpose(0, 1)) and torch.equal(ps[:, a:e], rs)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        launch.quantize_rows(packed, qs, qp, None, True)
+
+
+@interp
+@pytest.mark.interpreter
+def test_packed_fp8_v_starts_every_sequence_at_an_aligned_column():
+    """The packed FP8 V^T puts sequence b at column vt_column0 (a multiple of 16, for TMA), zeros up
+    to its next multiple of 16; the values equal the one-long-row quantization's (same channel scale)."""
+    from sparse_attn.ops.sage import launch
+    lens = [1, 21, 16, 130]
+    cu = torch.tensor([0, 1, 22, 38, 168], dtype=torch.int32)
+    v = torch.randn(168, 2, 32, dtype=torch.float16)
+    vt, scale = launch.quantize_v_fp8(v, True, cu, max(lens))
+    flat, flat_scale = launch.quantize_v_fp8(v.transpose(0, 1)[None], False)  # [1, H, D, Lp], token-major columns
+    assert torch.equal(scale, flat_scale[0]) and vt.shape[-1] == launch.vt_columns(168, 4)
+    ends = []
+    for b, (a, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        c0 = (a + 16 * b + 15) // 16 * 16
+        assert c0 % 16 == 0 and c0 >= (ends[-1] if ends else 0)
+        assert torch.equal(vt[..., c0:c0 + n].view(torch.uint8), flat[0, ..., a:a + n].view(torch.uint8))
+        pad = -n % 16
+        assert torch.all(vt[..., c0 + n:c0 + n + pad].float() == 0)
+        ends.append(c0 + n + pad)
+    assert ends[-1] <= vt.shape[-1]
 
 
 @interp
@@ -187,6 +215,29 @@ def test_int8_kernel_matches_twin(case, one_thread):
     assert (out.float() - ref.float()).abs().max() < 4e-3
     cos, l1 = _accuracy(out.float(), reference.attention(q.float(), k.float(), v.float(), lay, causal=causal))
     assert cos >= 0.999 and l1 <= 0.02
+
+
+@interp
+@pytest.mark.interpreter
+@pytest.mark.parametrize("gran", ["per_warp", "per_thread"])
+def test_int8_varlen_kernel_equals_per_sequence_calls(gran, one_thread):
+    """Packed sequences are quantized in groups that start at each sequence (the kernel then takes one
+    K scale per key tile there too), so without smoothing (whose K mean is over all packed tokens)
+    each sequence's output is bit for bit that of a call on it alone."""
+    from sparse_attn import varlen
+    from sparse_attn.ops.sage import sage_attention_op, sage_varlen_attention_op
+    lens = [37, 1, 90]
+    cu = torch.tensor([0, 37, 38, 128], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(128, 2, 32, generator=g).half() for _ in range(3))
+    per_seq = varlen.build_layouts(lens, lens, None, None, causal=True)
+    stacked = varlen.stack(per_seq, max(lens), max(lens), 2)
+    out, _ = sage_varlen_attention_op(q, k, v, stacked, cu, cu, max(lens), max(lens), tuple(lens), quant="int8",
+                                      granularity=gran, smooth_k=False)
+    for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        one, _ = sage_attention_op(*(t[a:e].transpose(0, 1)[None] for t in (q, k, v)), per_seq[b], quant="int8",
+                                   granularity=gran, smooth_k=False)
+        assert torch.equal(out[a:e], one[0].transpose(0, 1)), b
 
 
 @interp

@@ -66,6 +66,11 @@ def variants():
     for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=tma, QUANT=quant, PV_SKIP=False, K_SCALE_SPAN=span)
+    # 8-bit on packed (varlen) inputs: TMA K/V (FP8 V^T from each sequence's aligned column), K scales
+    # by pointer loads (per key) or one per tile
+    for quant, span in itertools.product((1, 2), (0, 128)):
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=64, BLOCK_N=128, N_TERMS=2, IS_VARLEN=True, CONTIGUOUS=True,
+                                 USE_TMA=True, QUANT=quant, PV_SKIP=False, K_SCALE_SPAN=span)
     # backward: block indices per iteration (IDX_CHUNK 0, 2 stages) or from registers (64, 3 stages:
     # the configs bwd_configs gives; the fused kernel's 3 stages are the tightest fit, ~214 KB)
     for n_terms, varlen, (fused, dq_tma), qdo_tma, chunk in itertools.product(

@@ -13,7 +13,7 @@ Varlen: sequence b spans tokens [BOUNDS[b * SEQ_STEP], BOUNDS[b * SEQ_STEP + 1])
 cu_seqlens (adjacent sequences), 2 reads (start, end) pairs (grouped attention: K/V slices may overlap).
 QUANT (forward only): 0 fp16/bf16 inputs; 1 int8 Q/K with per-row fp32 scales (SageAttention's
 per-block/warp/thread groups expanded to rows); 2 as 1 plus FP8 e4m3 P.V with V transposed
-[.., D, L] and scaled per channel.
+[.., D, L] and scaled per channel (packed: [H, D, columns], sequence b from column vt_column0).
 """
 import triton
 import triton.language as tl
@@ -82,6 +82,15 @@ def _query_tile(CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride
 
 
 @triton.jit
+def vt_column0(s0, i_b):
+    """First column of packed sequence i_b (first token s0) in a varlen FP8 V^T [H, D, columns]: the
+    least multiple of 16 at or above s0 + 16 * i_b, so its TMA descriptor starts 16-byte aligned.
+    Sequence b's columns, rounded up to 16, end at or before sequence b + 1's first, and the last
+    end within round_up(T + 16 * B, 16) (sparse_attn.ops.sage.launch.vt_columns)."""
+    return (s0 + 16 * i_b + 15) // 16 * 16
+
+
+@triton.jit
 def _rows_desc(P, offset, n_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                D_PAD: tl.constexpr, USE_TMA: tl.constexpr):
     """A TMA descriptor over one head's ``[n_rows, HEAD_DIM]`` rows at ``P + offset`` (row stride
@@ -125,7 +134,7 @@ def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, s
 
 @triton.jit
 def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N: tl.constexpr,
-            QUANT: tl.constexpr, USE_TMA: tl.constexpr, KS_PER_TILE: tl.constexpr):
+            QUANT: tl.constexpr, USE_TMA: tl.constexpr, KS_PER_TILE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Scores of one tile [BM, BN] and the factor taking them to log2 units (b_rs, see _softmax_step):
     the raw q.k product, or for int8 inputs the int32 product. Per-key K scales multiply the scores,
     unless KS_PER_TILE (one K scale covers the whole tile): then it joins the per-row factor, which
@@ -142,7 +151,7 @@ def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_le
         # read the last key's scale there, never past the row (scales are > 0: no 0 * -inf)
         b_rs_t = b_rs * tl.load(K_SCALE + ks_base + tl.minimum(start_n, k_len - 1))
     else:
-        if USE_TMA:
+        if USE_TMA and not IS_VARLEN:
             b_ks = desc_ks.load([ks_row, k0 + start_n])  # [1, BN]; zeros past the sequence end
         else:
             o_n = start_n + tl.arange(0, BLOCK_N)
@@ -212,7 +221,8 @@ def fwd_kernel(
     PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step).
     K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
     tiles start at multiples of BLOCK_N from the sequence's first key, so where BLOCK_N divides the
-    span each tile sees one K scale; packed (varlen) sequences start anywhere, so never there."""
+    span each tile sees one K scale (the quantization kernels start the runs at every packed
+    sequence's first key too)."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -230,9 +240,13 @@ def fwd_kernel(
     p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, D]
     kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
-    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
-    pos_q = (o_m + offset)[:, None]
     V_TRANS: tl.constexpr = QUANT == 2
+    if V_TRANS and IS_VARLEN:  # packed FP8 V^T: each sequence's columns start 16-byte aligned
+        v0 = vt_column0(k0, i_b)
+    else:
+        v0 = k0
+    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + v0.to(tl.int64) * stride_vn
+    pos_q = (o_m + offset)[:, None]
     # per-head descriptors (USE_TMA): rows past k_len (and head-dim padding) read as zeros
     desc_k = _rows_desc(K, kv_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
     if USE_TMA and V_TRANS:  # FP8 V stored [D, L]: its rows are channels
@@ -243,12 +257,14 @@ def fwd_kernel(
 
     qk_scale = sm_scale * LOG2E
     LOG2_P_SCALE: tl.constexpr = 8.807354922057604 if QUANT == 2 else 0.0  # log2(448), FP8 e4m3's max
-    KS_PER_TILE: tl.constexpr = QUANT != 0 and not IS_VARLEN and K_SCALE_SPAN > 0 and K_SCALE_SPAN % BLOCK_N == 0
+    KS_PER_TILE: tl.constexpr = QUANT != 0 and K_SCALE_SPAN > 0 and K_SCALE_SPAN % BLOCK_N == 0
     if QUANT != 0:
         ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
         ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
-        if USE_TMA and not KS_PER_TILE:
-            # one descriptor over all K-scale rows (row stride padded to 16 bytes by the launcher)
+        if USE_TMA and not KS_PER_TILE and not IS_VARLEN:
+            # one descriptor over all K-scale rows (row stride padded to 16 bytes by the launcher).
+            # Not on packed inputs: a TMA read must start 16-byte aligned (else an illegal instruction
+            # on the H100), and a sequence's first key k0 may be any token.
             desc_ks = tl.make_tensor_descriptor(K_SCALE, shape=[ks_row + 1, k0 + k_len], strides=[stride_ksh, 1],
                                                 block_shape=[1, BLOCK_N])
         else:
@@ -279,7 +295,7 @@ def fwd_kernel(
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
         b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
-                              USE_TMA, KS_PER_TILE)
+                              USE_TMA, KS_PER_TILE, IS_VARLEN)
         b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
                                         ROW_SCALE)
     # phase 2: blocks with an element mask or crossing the sequence end
@@ -290,7 +306,7 @@ def fwd_kernel(
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
         b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
-                              USE_TMA, KS_PER_TILE)
+                              USE_TMA, KS_PER_TILE, IS_VARLEN)
         b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
         if N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)

@@ -343,10 +343,10 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype) if out is None else out
     q_scale, k_scale, v_scale = scales if scales is not None else (None, None, None)
     d_pad = _d_pad(D)
-    # 8-bit varlen runs on pointer loads: the FP8 V^T descriptor of a packed sequence would start
-    # mid-row (k0 bytes in; TMA needs 16-byte bases), and int8 varlen with TMA hit an illegal
-    # instruction on the H100 (not understood yet; the dense 8-bit path uses TMA and passes)
-    variant = FWD_VARIANT if _tma_ok(q, k, v) and not (quant and varlen) else "ptr"
+    # 8-bit varlen on TMA too: packed FP8 V^T starts each sequence at a 16-byte aligned column
+    # (kernels.vt_column0), and per-key K scales of packed sequences come by pointer loads (a TMA
+    # read at a sequence's first key, any token, is unaligned: an illegal instruction on the H100)
+    variant = FWD_VARIANT if _tma_ok(q, k, v) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP"),

@@ -7,37 +7,54 @@ Symbol legend
     SPAN, PERIOD a scale group: rows of one SPAN-row span that are equal modulo PERIOD
                  (PERIOD 1: SPAN contiguous rows; SageAttention's per-block / per-warp groups;
                  PERIOD 8: the rows one MMA thread holds, its per-thread groups)
+Varlen (IS_VARLEN): packed [T, H, D] inputs, sequence b spans tokens [CU[b], CU[b + 1]) and i_b is the
+sequence; row offsets count from its first token, so scale groups start at every sequence's start
+(as on a dense batch row) and never straddle two sequences.
 """
 import triton
 import triton.language as tl
+
+from ..block_sparse.kernels import vt_column0
 
 INT8_MAX = tl.constexpr(127.0)
 
 
 @triton.jit
-def _row_tile(H, TILE: tl.constexpr, D_PAD: tl.constexpr):
-    """(batch, head, row offsets, head-dim offsets) of a (row tile, batch * head) program."""
+def _row_tile(CU, H, L, TILE: tl.constexpr, D_PAD: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(batch or sequence, head, row offsets within it, head-dim offsets, its first token, its
+    length) of a (row tile, batch * head) program."""
     i_bh = tl.program_id(1)
-    return i_bh // H, i_bh % H, tl.program_id(0) * TILE + tl.arange(0, TILE), tl.arange(0, D_PAD)
+    i_b = i_bh // H
+    if IS_VARLEN:
+        s0 = tl.load(CU + i_b)
+        n = tl.load(CU + i_b + 1) - s0
+    else:
+        s0 = 0
+        n = L
+    return i_b, i_bh % H, tl.program_id(0) * TILE + tl.arange(0, TILE), tl.arange(0, D_PAD), s0, n
 
 
 @triton.jit
 def quant_rows_kernel(
-    X, MEAN, XQ, SCALE,
+    X, MEAN, XQ, SCALE, CU,
     stride_xb, stride_xh, stride_xm,
     stride_mb, stride_mh,
     stride_qb, stride_qh, stride_qm,
     stride_sb, stride_sh,
     H, L,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr,
-    PERIOD: tl.constexpr, SMOOTH: tl.constexpr,
+    PERIOD: tl.constexpr, SMOOTH: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """Grid (row tiles, B * H). int8 rows of X (minus MEAN [.., D] when SMOOTH) with one fp32 scale
-    per group, written per row to SCALE (token stride 1) so the attention kernel needs no group logic."""
-    i_b, i_h, o_m, o_d = _row_tile(H, TILE, D_PAD)
-    m_m = o_m < L
+    """Grid (row tiles, B * H), B the sequences when IS_VARLEN. int8 rows of X (minus MEAN [.., D]
+    when SMOOTH) with one fp32 scale per group, written per row to SCALE (token stride 1) so the
+    attention kernel needs no group logic."""
+    i_b, i_h, o_m, o_d, s0, n = _row_tile(CU, H, L, TILE, D_PAD, IS_VARLEN)
+    if tl.program_id(0) * TILE >= n:
+        return
+    m_m = o_m < n
     m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
-    p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh + o_m.to(tl.int64)[:, None] * stride_xm + o_d[None, :]
+    o_t = s0 + o_m  # token index (the row within a dense batch row)
+    p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh + o_t.to(tl.int64)[:, None] * stride_xm + o_d[None, :]
     b_x = tl.load(p_x, mask=m_md, other=0.0).to(tl.float32)  # [TILE, D]
     if SMOOTH:
         b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < HEAD_DIM, other=0.0)
@@ -48,27 +65,38 @@ def quant_rows_kernel(
     b_scale = tl.where(b_amax > 0, b_amax / INT8_MAX, 1.0)
     b_xs = b_x / b_scale[:, None]
     b_q = (b_xs + tl.where(b_xs >= 0, 0.5, -0.5)).to(tl.int8)  # round half away from zero
-    p_q = XQ + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :]
+    p_q = XQ + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_t.to(tl.int64)[:, None] * stride_qm + o_d[None, :]
     tl.store(p_q, b_q, mask=m_md)
-    tl.store(SCALE + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_m, b_scale, mask=m_m)
+    tl.store(SCALE + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_t, b_scale, mask=m_m)
 
 
 @triton.jit
 def quant_v_fp8_kernel(
-    V, SCALE, VT,
+    V, SCALE, VT, CU,
     stride_vb, stride_vh, stride_vm,
     stride_sb, stride_sh,
     stride_tb, stride_th, stride_td,
     H, L,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """Grid (row tiles, B * H). V / SCALE (one scale per channel) as FP8 e4m3, stored transposed
-    [.., D, L] (token stride 1) so P.V reads V K-major, as FP8 tensor-core MMAs want it."""
-    i_b, i_h, o_m, o_d = _row_tile(H, TILE, D_PAD)
-    m_md = (o_m < L)[:, None] & (o_d < HEAD_DIM)[None, :]
-    p_v = V + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh + o_m.to(tl.int64)[:, None] * stride_vm + o_d[None, :]
+    """Grid (row tiles, B * H), B the sequences when IS_VARLEN. V / SCALE (one scale per channel) as
+    FP8 e4m3, stored transposed [.., D, L] (token stride 1) so P.V reads V K-major, as FP8
+    tensor-core MMAs want it. Varlen: sequence b's columns start at vt_column0(CU[b], b), a multiple of
+    16 (TMA needs 16-byte aligned starts), and its columns up to the next multiple of 16 are zeros."""
+    i_b, i_h, o_m, o_d, s0, n = _row_tile(CU, H, L, TILE, D_PAD, IS_VARLEN)
+    if tl.program_id(0) * TILE >= n:
+        return
+    m_d = o_d < HEAD_DIM
+    m_md = (o_m < n)[:, None] & m_d[None, :]
+    p_v = V + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh + (s0 + o_m).to(tl.int64)[:, None] * stride_vm + o_d[None, :]
     b_v = tl.load(p_v, mask=m_md, other=0.0).to(tl.float32)  # [TILE, D]
-    b_s = tl.load(SCALE + i_b * stride_sb + i_h * stride_sh + o_d, mask=o_d < HEAD_DIM, other=1.0)
+    b_s = tl.load(SCALE + i_b * stride_sb + i_h * stride_sh + o_d, mask=m_d, other=1.0)
     b_v8 = tl.trans((b_v / b_s[None, :]).to(VT.dtype.element_ty))  # [D, TILE]
-    p_t = VT + i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + o_d.to(tl.int64)[:, None] * stride_td + o_m[None, :]
-    tl.store(p_t, b_v8, mask=tl.trans(m_md))
+    if IS_VARLEN:
+        c0 = vt_column0(s0, i_b)
+        m_t = (o_m < (n + 15) // 16 * 16)[:, None] & m_d[None, :]  # zeros up to the aligned end
+    else:
+        c0 = 0
+        m_t = m_md
+    p_t = VT + i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + o_d.to(tl.int64)[:, None] * stride_td + (c0 + o_m)[None, :]
+    tl.store(p_t, b_v8, mask=tl.trans(m_t))

@@ -1,9 +1,10 @@
 """Launchers of the 8-bit path: quantize Q/K (int8) and V (FP8, transposed), then run the
 block-sparse forward kernel with its QUANT flag. No autograd here.
 
-Dense inputs are ``[B, H, L, D]``; varlen inputs packed ``[T, H, D]`` (then B = 1 for the
-quantization kernels, which see one long row range per head: groups that straddle two sequences
-just share a scale).
+Dense inputs are ``[B, H, L, D]``; varlen inputs packed ``[T, H, D]`` with ``cu_seqlens``: the
+quantization kernels then run per sequence, so scale groups start at every sequence's first token
+(as on a dense batch row) and never straddle two sequences, and the attention kernel sees one K scale
+per key tile on packed inputs too. K's mean and V's channel scales stay per head over all tokens.
 """
 from __future__ import annotations
 
@@ -27,9 +28,28 @@ def _as_bhld(x: torch.Tensor, varlen: bool) -> tuple:
     return x.shape[0], x.shape[1], x.shape[2], (x.stride(0), x.stride(1), x.stride(2))
 
 
-def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | None, varlen: bool):
+def _grid(varlen: bool, cu: torch.Tensor | None, B: int, H: int, L: int, max_len: int | None) -> tuple:
+    """(row tiles, B * H) over dense rows, or over the packed sequences of ``cu`` (int32 [S + 1],
+    the longest ``max_len``)."""
+    if not varlen:
+        return triton.cdiv(L, TILE), B * H
+    if cu is None or max_len is None:
+        raise ValueError("packed 8-bit quantization needs cu_seqlens and the longest sequence's length")
+    return triton.cdiv(max(max_len, 1), TILE), (cu.numel() - 1) * H
+
+
+def vt_columns(total: int, num_seqs: int) -> int:
+    """Columns of the packed FP8 V^T: sequence b starts at kernels.vt_column0 (16-aligned, after
+    sequence b - 1's columns rounded up to 16), so T + 16 * S rounded up to 16 hold them all."""
+    return triton.cdiv(total + 16 * num_seqs, 16) * 16
+
+
+def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | None, varlen: bool,
+                  cu: torch.Tensor | None = None, max_len: int | None = None):
     """int8 copy of x (same shape, contiguous) and fp32 scales per row: dense ``[B, H, L]``,
-    varlen ``[H, T]``. ``mean`` (fp32 ``[B, H, D]`` / ``[H, D]``) is subtracted first when given."""
+    varlen ``[H, T]``. ``mean`` (fp32 ``[B, H, D]`` / ``[H, D]``) is subtracted first when given.
+    Varlen: ``cu`` (int32 cu_seqlens, on x's device) and ``max_len`` (its longest sequence): the
+    groups start at each sequence."""
     B, H, L, (sxb, sxh, sxm) = _as_bhld(x, varlen)
     D = x.shape[-1]
     xq = torch.empty(x.shape, device=x.device, dtype=torch.int8)
@@ -42,30 +62,33 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
         smb, smh = (0, mean.stride(0)) if varlen else (mean.stride(0), mean.stride(1))
     else:
         smb = smh = 0
-    kernels.quant_rows_kernel[(triton.cdiv(L, TILE), B * H)](
-        x, mean, xq, scale, sxb, sxh, sxm, smb, smh, sqb, sqh, sqm, ssb, ssh, H, L,
+    kernels.quant_rows_kernel[_grid(varlen, cu, B, H, L, max_len)](
+        x, mean, xq, scale, cu, sxb, sxh, sxm, smb, smh, sqb, sqh, sqm, ssb, ssh, H, L,
         HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, SPAN=span, PERIOD=period, SMOOTH=mean is not None,
-        num_warps=ROW_WARPS)
+        IS_VARLEN=varlen, num_warps=ROW_WARPS)
     return xq, scale
 
 
-def quantize_v_fp8(v: torch.Tensor, varlen: bool):
-    """(FP8 e4m3 V^T: dense ``[B, H, D, Lp]`` / varlen ``[H, D, Tp]`` with the token dim padded to a
-    multiple of 16 for TMA, fp32 per-channel scale ``[B, H, D]`` / ``[H, D]``)."""
+def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None, max_len: int | None = None):
+    """(FP8 e4m3 V^T, fp32 per-channel scale ``[B, H, D]`` / ``[H, D]``). V^T is dense ``[B, H, D, Lp]``
+    (the token dim padded to a multiple of 16 for TMA, the pad zeroed); varlen ``[H, D, columns]``,
+    with ``cu`` / ``max_len`` as in quantize_rows, each sequence from its own 16-aligned column
+    (vt_columns; zeros up to its next multiple of 16, the rest of the gaps never read)."""
     B, H, L, (svb, svh, svm) = _as_bhld(v, varlen)
     D = v.shape[-1]
     mn, mx = torch.aminmax(v, dim=0 if varlen else 2)  # one read of V; abs() would write a copy first
     amax = torch.maximum(mx, -mn).float()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    lp = triton.cdiv(max(L, 1), 16) * 16
+    grid = _grid(varlen, cu, B, H, L, max_len)
+    lp = vt_columns(L, cu.numel() - 1) if varlen else triton.cdiv(max(L, 1), 16) * 16
     vt = torch.empty(((H, D, lp) if varlen else (B, H, D, lp)), device=v.device, dtype=torch.float8_e4m3fn)
-    if lp > L:
+    if lp > L and not varlen:
         vt[..., L:].zero_()
     ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
     stb, sth, std = (0, vt.stride(0), vt.stride(1)) if varlen else (vt.stride(0), vt.stride(1), vt.stride(2))
-    kernels.quant_v_fp8_kernel[(triton.cdiv(L, TILE), B * H)](
-        v, scale, vt, svb, svh, svm, ssb, ssh, stb, sth, std, H, L,
-        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, num_warps=4)
+    kernels.quant_v_fp8_kernel[grid](
+        v, scale, vt, cu, svb, svh, svm, ssb, ssh, stb, sth, std, H, L,
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, IS_VARLEN=varlen, num_warps=4)
     return vt, scale
 
 
@@ -83,10 +106,10 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     """Returns (out in q's dtype, lse of the smoothed scores, fp32). quant: 1 int8 Q.K, 2 also FP8 P.V."""
     varlen = cu_q is not None
     (qs, qp), (ks, kp) = GRANULARITY[granularity]
-    q8, q_scale = quantize_rows(q, qs, qp, None, varlen)
-    k8, k_scale = quantize_rows(k, ks, kp, k_mean(k, varlen) if smooth_k else None, varlen)
+    q8, q_scale = quantize_rows(q, qs, qp, None, varlen, cu_q, max_q)
+    k8, k_scale = quantize_rows(k, ks, kp, k_mean(k, varlen) if smooth_k else None, varlen, cu_k, max_k)
     if quant == 2:
-        vq, v_scale = quantize_v_fp8(v, varlen)
+        vq, v_scale = quantize_v_fp8(v, varlen, cu_k, max_k)
     else:
         vq, v_scale = v, None
     return bs_launch.forward(q8, k8, vq, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
