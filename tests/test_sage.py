@@ -178,19 +178,20 @@ def test_quantize_kernel_matches_twin_exactly(gran):
 @pytest.mark.interpreter
 def test_packed_fp8_v_starts_every_sequence_at_an_aligned_column():
     """The packed FP8 V^T puts sequence b at column vt_column0 (a multiple of 16, for TMA), zeros up
-    to its next multiple of 16; the values equal the one-long-row quantization's (same channel scale)."""
+    to its next multiple of 16; values and channel scales equal those of the sequence quantized alone."""
     from sparse_attn.ops.sage import launch
     lens = [1, 21, 16, 130]
     cu = torch.tensor([0, 1, 22, 38, 168], dtype=torch.int32)
-    v = torch.randn(168, 2, 32, dtype=torch.float16)
+    v = torch.randn(168, 2, 32, dtype=torch.float16) * torch.tensor([1.0, 5.0])[:, None]
     vt, scale = launch.quantize_v_fp8(v, True, cu, max(lens))
-    flat, flat_scale = launch.quantize_v_fp8(v.transpose(0, 1)[None], False)  # [1, H, D, Lp], token-major columns
-    assert torch.equal(scale, flat_scale[0]) and vt.shape[-1] == launch.vt_columns(168, 4)
+    assert scale.shape == (4, 2, 32) and vt.shape[-1] == launch.vt_columns(168, 4)
     ends = []
     for b, (a, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        alone, alone_scale = launch.quantize_v_fp8(v[a:a + n].transpose(0, 1)[None], False)  # [1, H, D, Lp]
+        assert torch.equal(scale[b], alone_scale[0])
         c0 = (a + 16 * b + 15) // 16 * 16
         assert c0 % 16 == 0 and c0 >= (ends[-1] if ends else 0)
-        assert torch.equal(vt[..., c0:c0 + n].view(torch.uint8), flat[0, ..., a:a + n].view(torch.uint8))
+        assert torch.equal(vt[..., c0:c0 + n].view(torch.uint8), alone[0, ..., :n].view(torch.uint8))
         pad = -n % 16
         assert torch.all(vt[..., c0 + n:c0 + n + pad].float() == 0)
         ends.append(c0 + n + pad)
@@ -219,11 +220,30 @@ def test_int8_kernel_matches_twin(case, one_thread):
 
 @interp
 @pytest.mark.interpreter
+def test_packed_statistics_are_per_sequence():
+    """K's mean and V's channel amax of packed inputs are taken per sequence (an empty one: 0)."""
+    from sparse_attn.ops.sage import launch
+    cu = torch.tensor([0, 3, 3, 1500, 1501], dtype=torch.int32)  # 1497 tokens: two chunks of 1024
+    x = torch.randn(1501, 2, 48, dtype=torch.float16) + torch.arange(48) / 8
+    mean = launch.k_mean(x, True, cu, 1497)
+    amax = launch.seq_stats(x, cu, 1497, True)
+    assert mean.shape == amax.shape == (4, 2, 48)
+    for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        seg = x[a:e].float()
+        want_mean = seg.mean(0) if e > a else torch.zeros(2, 48)
+        want_amax = seg.abs().amax(0) if e > a else torch.zeros(2, 48)
+        torch.testing.assert_close(mean[b], want_mean, rtol=1e-5, atol=1e-5)
+        assert torch.equal(amax[b], want_amax)
+
+
+@interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("gran", ["per_warp", "per_thread"])
 def test_int8_varlen_kernel_equals_per_sequence_calls(gran, one_thread):
-    """Packed sequences are quantized in groups that start at each sequence (the kernel then takes one
-    K scale per key tile there too), so without smoothing (whose K mean is over all packed tokens)
-    each sequence's output is bit for bit that of a call on it alone."""
+    """Packed sequences are quantized as if alone: scale groups start at each sequence (the kernel
+    then takes one K scale per key tile there too) and K's mean is the sequence's own. Without
+    smoothing each sequence's output is bit for bit that of a call on it alone; with it, up to the
+    mean's summation order (a chunked sum here, torch's mean there)."""
     from sparse_attn import varlen
     from sparse_attn.ops.sage import sage_attention_op, sage_varlen_attention_op
     lens = [37, 1, 90]
@@ -232,12 +252,17 @@ def test_int8_varlen_kernel_equals_per_sequence_calls(gran, one_thread):
     q, k, v = (torch.randn(128, 2, 32, generator=g).half() for _ in range(3))
     per_seq = varlen.build_layouts(lens, lens, None, None, causal=True)
     stacked = varlen.stack(per_seq, max(lens), max(lens), 2)
-    out, _ = sage_varlen_attention_op(q, k, v, stacked, cu, cu, max(lens), max(lens), tuple(lens), quant="int8",
-                                      granularity=gran, smooth_k=False)
-    for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        one, _ = sage_attention_op(*(t[a:e].transpose(0, 1)[None] for t in (q, k, v)), per_seq[b], quant="int8",
-                                   granularity=gran, smooth_k=False)
-        assert torch.equal(out[a:e], one[0].transpose(0, 1)), b
+    for smooth in (False, True):
+        out, _ = sage_varlen_attention_op(q, k, v, stacked, cu, cu, max(lens), max(lens), tuple(lens), quant="int8",
+                                          granularity=gran, smooth_k=smooth)
+        for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            one, _ = sage_attention_op(*(t[a:e].transpose(0, 1)[None] for t in (q, k, v)), per_seq[b],
+                                       quant="int8", granularity=gran, smooth_k=smooth)
+            one = one[0].transpose(0, 1)
+            if smooth:
+                assert metrics.relative_l1(out[a:e], one) <= 1e-3, b
+            else:
+                assert torch.equal(out[a:e], one), b
 
 
 @interp

@@ -144,8 +144,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             ``lambda lq, lk: patterns.local(lq, 256, kv_len=lk)``); neither = dense.
         causal: bottom-right aligned per sequence (query i of a sequence sees key j iff
             ``j <= i + kv_len - q_len``), combined with the layout by intersection.
-        quant, quant_granularity, smooth_k: 8-bit attention as in :func:`attention` (K's mean is
-            taken over all packed tokens of a head: still one constant per query row).
+        quant, quant_granularity, smooth_k: 8-bit attention as in :func:`attention`; each packed
+            sequence is quantized as if it were called alone (its own scale groups, K mean and V
+            channel scales), so its result does not depend on what else is packed with it.
 
     Returns: out ``[Tq, Hq, D]`` (and lse fp32 ``[Hq, Tq]``).
     """

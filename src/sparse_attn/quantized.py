@@ -56,8 +56,7 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, plan, *, scale
             out, lse = sage_varlen_attention_op(q, k, v, plan.stacked, cu_q, cu_k, max_q, max_k, plan.kv_lens,
                                                 quant=quant, granularity=granularity, smooth_k=smooth_k, scale=scale)
             if return_lse and smooth_k and k.shape[0] > 0:
-                # [T, H, D] . [H, D] -> [H, T], the varlen LSE layout
-                lse = lse + lse_shift(q.transpose(0, 1)[None], k_mean(k, True)[None], scale)[0]
+                lse = lse + _packed_lse_shift(q, k_mean(k, True, cu_k, max_k), cu_q, scale)
         else:
             out, lse = _varlen_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), plan.per_seq, scale, quant,
                                          granularity, smooth_k)
@@ -65,6 +64,17 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, plan, *, scale
         out_hp = hp_call()
         out = out_hp + (out - out_hp).detach()
     return (out, lse) if return_lse else out
+
+
+def _packed_lse_shift(q: torch.Tensor, mean: torch.Tensor, cu_q: torch.Tensor, scale) -> torch.Tensor:
+    """What smoothing removed from packed rows' scores, ``[H, T]`` (the varlen LSE layout): each query
+    token's ``scale * q . mean_k`` with its own sequence's K mean (``mean [S, Hkv, D]``). No host sync."""
+    T, H, D = q.shape
+    S, hkv = mean.shape[:2]
+    seq = torch.repeat_interleave(torch.arange(S, device=q.device), cu_q[1:] - cu_q[:-1], output_size=T)
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.float().view(T, hkv, H // hkv, D)
+    return torch.einsum("tkgd,tkd->kgt", qg, mean[seq]).reshape(H, T) * scale
 
 
 def _varlen_reference(q, k, v, cq, ck, per_seq, scale, quant, granularity, smooth_k):

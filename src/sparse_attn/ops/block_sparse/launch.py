@@ -300,6 +300,11 @@ def _scale_strides(t: torch.Tensor | None, varlen: bool) -> tuple:
     return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
 
 
+def _channel_scale_strides(t: torch.Tensor | None) -> tuple:
+    """(batch or sequence, head) strides of the per-channel V scales [B | S, H, D]."""
+    return (0, 0) if t is None else (t.stride(0), t.stride(1))
+
+
 def _v_strides(v: torch.Tensor, varlen: bool, v_trans: bool) -> tuple:
     """(batch, head, token, channel) strides of V: [B, H, L, D] / [T, H, D], or with v_trans the
     transposed FP8 copies [B, H, D, L] / [H, D, T]."""
@@ -321,7 +326,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     outside autograd only, e.g. context parallelism filling slices of its own buffers).
 
     8-bit inputs (``quant`` 1 or 2, see kernels.py): q/k int8, ``scales = (q_scale, k_scale, v_scale)``
-    (fp32 per row ``[B, H, L]`` / ``[H, T]``, and per V channel ``[B, Hkv, D]`` / ``[Hkv, D]``), v
+    (fp32 per row ``[B, H, L]`` / ``[H, T]``, and per V channel ``[B, Hkv, D]`` / per sequence ``[S, Hkv, D]``), v
     in out_dtype (quant 1) or FP8 transposed (quant 2); ``out_dtype`` is the output's dtype.
     ``pv_threshold`` in (0, 1): skip K/V tiles whose probabilities are all below it (0: off).
     ``k_scale_span``: the 8-bit K scales are constant over aligned runs of this many keys (0: per key);
@@ -357,7 +362,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
         *l_strides, *_layout_strides(counts, indices),
-        *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_scale_strides(v_scale, varlen),
+        *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
         H, H // hkv, Lq, Lk, seq_step,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,

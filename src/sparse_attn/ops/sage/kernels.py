@@ -100,3 +100,40 @@ def quant_v_fp8_kernel(
         m_t = m_md
     p_t = VT + i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + o_d.to(tl.int64)[:, None] * stride_td + (c0 + o_m)[None, :]
     tl.store(p_t, b_v8, mask=tl.trans(m_t))
+
+
+@triton.jit
+def seq_partials_kernel(
+    X, OUT, CU,
+    stride_xm, stride_xh,
+    stride_ob, stride_oh, stride_oc,
+    H,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, ABS_MAX: tl.constexpr,
+):
+    """Grid (chunks, S * H) over packed [T, H, D] rows: per (sequence, head, CHUNK-token chunk) the fp32
+    sum of the rows (ABS_MAX: the max of |x|) into OUT [S, H, chunks, D]; chunks past a sequence's
+    end write zeros, neutral for both, so the caller reduces over all chunks in a fixed order."""
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    s0 = tl.load(CU + i_b)
+    n = tl.load(CU + i_b + 1) - s0
+    o_d = tl.arange(0, D_PAD)
+    m_d = o_d < HEAD_DIM
+    # elementwise over [ROWS, D] tiles, one cross-row reduction at the end (not one per tile)
+    b_acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    hi = tl.minimum((i_c + 1) * CHUNK, n)
+    for r0 in range(i_c * CHUNK, hi, ROWS):
+        o_m = r0 + tl.arange(0, ROWS)
+        p_x = X + (s0 + o_m).to(tl.int64)[:, None] * stride_xm + i_h.to(tl.int64) * stride_xh + o_d[None, :]
+        b_x = tl.load(p_x, mask=(o_m < hi)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        if ABS_MAX:
+            b_acc = tl.maximum(b_acc, tl.abs(b_x))
+        else:
+            b_acc += b_x
+    if ABS_MAX:
+        b_out = tl.max(b_acc, 0)
+    else:
+        b_out = tl.sum(b_acc, 0)
+    tl.store(OUT + i_b.to(tl.int64) * stride_ob + i_h * stride_oh + i_c * stride_oc + o_d, b_out, mask=m_d)

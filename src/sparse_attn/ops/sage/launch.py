@@ -1,10 +1,11 @@
 """Launchers of the 8-bit path: quantize Q/K (int8) and V (FP8, transposed), then run the
 block-sparse forward kernel with its QUANT flag. No autograd here.
 
-Dense inputs are ``[B, H, L, D]``; varlen inputs packed ``[T, H, D]`` with ``cu_seqlens``: the
-quantization kernels then run per sequence, so scale groups start at every sequence's first token
-(as on a dense batch row) and never straddle two sequences, and the attention kernel sees one K scale
-per key tile on packed inputs too. K's mean and V's channel scales stay per head over all tokens.
+Dense inputs are ``[B, H, L, D]``; varlen inputs packed ``[T, H, D]`` with ``cu_seqlens``: every
+statistic is then taken per sequence, as for a dense batch row: K's mean and V's channel scales
+(``seq_stats``), and the scale groups, which start at every sequence's first token and never straddle
+two sequences (so the attention kernel sees one K scale per key tile on packed inputs too). A packed
+sequence is quantized as if it were called alone, as the CPU twin does.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def vt_columns(total: int, num_seqs: int) -> int:
 def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | None, varlen: bool,
                   cu: torch.Tensor | None = None, max_len: int | None = None):
     """int8 copy of x (same shape, contiguous) and fp32 scales per row: dense ``[B, H, L]``,
-    varlen ``[H, T]``. ``mean`` (fp32 ``[B, H, D]`` / ``[H, D]``) is subtracted first when given.
+    varlen ``[H, T]``. ``mean`` (fp32 ``[B, H, D]``, varlen ``[S, H, D]``: k_mean) is subtracted first when given.
     Varlen: ``cu`` (int32 cu_seqlens, on x's device) and ``max_len`` (its longest sequence): the
     groups start at each sequence."""
     B, H, L, (sxb, sxh, sxm) = _as_bhld(x, varlen)
@@ -58,10 +59,7 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     lp = triton.cdiv(max(L, 1), 4) * 4
     scale = torch.empty((H, lp) if varlen else (B, H, lp), device=x.device, dtype=torch.float32)[..., :L]
     ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
-    if mean is not None:
-        smb, smh = (0, mean.stride(0)) if varlen else (mean.stride(0), mean.stride(1))
-    else:
-        smb = smh = 0
+    smb, smh = (mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)  # [B or S, H, D]
     kernels.quant_rows_kernel[_grid(varlen, cu, B, H, L, max_len)](
         x, mean, xq, scale, cu, sxb, sxh, sxm, smb, smh, sqb, sqh, sqm, ssb, ssh, H, L,
         HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, SPAN=span, PERIOD=period, SMOOTH=mean is not None,
@@ -70,34 +68,58 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
 
 
 def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None, max_len: int | None = None):
-    """(FP8 e4m3 V^T, fp32 per-channel scale ``[B, H, D]`` / ``[H, D]``). V^T is dense ``[B, H, D, Lp]``
+    """(FP8 e4m3 V^T, fp32 per-channel scale ``[B, H, D]``, varlen per sequence ``[S, H, D]``). V^T is dense ``[B, H, D, Lp]``
     (the token dim padded to a multiple of 16 for TMA, the pad zeroed); varlen ``[H, D, columns]``,
     with ``cu`` / ``max_len`` as in quantize_rows, each sequence from its own 16-aligned column
     (vt_columns; zeros up to its next multiple of 16, the rest of the gaps never read)."""
     B, H, L, (svb, svh, svm) = _as_bhld(v, varlen)
     D = v.shape[-1]
-    mn, mx = torch.aminmax(v, dim=0 if varlen else 2)  # one read of V; abs() would write a copy first
-    amax = torch.maximum(mx, -mn).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     grid = _grid(varlen, cu, B, H, L, max_len)
+    if varlen:  # per sequence [S, H, D]
+        amax = seq_stats(v, cu, max_len, True)
+    else:
+        mn, mx = torch.aminmax(v, dim=2)  # one read of V; abs() would write a copy first
+        amax = torch.maximum(mx, -mn).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     lp = vt_columns(L, cu.numel() - 1) if varlen else triton.cdiv(max(L, 1), 16) * 16
     vt = torch.empty(((H, D, lp) if varlen else (B, H, D, lp)), device=v.device, dtype=torch.float8_e4m3fn)
     if lp > L and not varlen:
         vt[..., L:].zero_()
-    ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
     stb, sth, std = (0, vt.stride(0), vt.stride(1)) if varlen else (vt.stride(0), vt.stride(1), vt.stride(2))
     kernels.quant_v_fp8_kernel[grid](
-        v, scale, vt, cu, svb, svh, svm, ssb, ssh, stb, sth, std, H, L,
+        v, scale, vt, cu, svb, svh, svm, scale.stride(0), scale.stride(1), stb, sth, std, H, L,
         HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, IS_VARLEN=varlen, num_warps=4)
     return vt, scale
 
 
-def k_mean(k: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """fp32 per-head mean of K over tokens (dense ``[B, Hkv, D]``, varlen ``[Hkv, D]``): subtracting
-    it changes every score of a query row by the same amount, which softmax ignores."""
-    dim = 0 if varlen else 2
+STAT_CHUNK, STAT_ROWS = 1024, 64  # tokens per seq_stats program, rows per load
+
+
+def seq_stats(x: torch.Tensor, cu: torch.Tensor, max_len: int, abs_max: bool) -> torch.Tensor:
+    """Per packed sequence and head of ``x [T, H, D]``: the fp32 sum over its tokens (``abs_max``: the
+    max of |x|), ``[S, H, D]``. Deterministic: fixed chunks, reduced in order (no atomics)."""
+    S, (T, H, D) = cu.numel() - 1, x.shape
+    chunks = triton.cdiv(max(max_len, 1), STAT_CHUNK)
+    part = torch.empty(S, H, chunks, D, device=x.device, dtype=torch.float32)
+    kernels.seq_partials_kernel[(chunks, S * H)](
+        x, part, cu, x.stride(0), x.stride(1), part.stride(0), part.stride(1), part.stride(2), H,
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, ABS_MAX=abs_max, num_warps=4)
+    return part.amax(2) if abs_max else part.sum(2)
+
+
+def k_mean(k: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None,
+           max_len: int | None = None) -> torch.Tensor | None:
+    """fp32 per-head mean of K over tokens, dense ``[B, Hkv, D]``, varlen per sequence ``[S, Hkv, D]``
+    (``cu`` / ``max_len`` as in quantize_rows; an empty sequence's mean is 0): subtracting it changes
+    every score of a query row by the same amount, which softmax ignores."""
+    if varlen:
+        if k.shape[0] == 0:
+            return None
+        _grid(True, cu, 1, 1, 0, max_len)  # the clear error when cu / max_len are missing
+        lens = (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)
+        return seq_stats(k, cu, max_len, False) / lens[:, None, None]
     # dtype= accumulates in fp32 while reading k once (k.float() would write an fp32 copy first)
-    return k.mean(dim, dtype=torch.float32) if k.shape[dim] > 0 else None
+    return k.mean(2, dtype=torch.float32) if k.shape[2] > 0 else None
 
 
 def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
@@ -107,7 +129,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     varlen = cu_q is not None
     (qs, qp), (ks, kp) = GRANULARITY[granularity]
     q8, q_scale = quantize_rows(q, qs, qp, None, varlen, cu_q, max_q)
-    k8, k_scale = quantize_rows(k, ks, kp, k_mean(k, varlen) if smooth_k else None, varlen, cu_k, max_k)
+    k8, k_scale = quantize_rows(k, ks, kp, k_mean(k, varlen, cu_k, max_k) if smooth_k else None, varlen, cu_k, max_k)
     if quant == 2:
         vq, v_scale = quantize_v_fp8(v, varlen, cu_k, max_k)
     else:
