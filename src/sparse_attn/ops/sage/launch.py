@@ -29,13 +29,17 @@ def _as_bhld(x: torch.Tensor, varlen: bool) -> tuple:
     return x.shape[0], x.shape[1], x.shape[2], (x.stride(0), x.stride(1), x.stride(2))
 
 
+def _check_packed(cu: torch.Tensor | None, max_len: int | None) -> None:
+    if cu is None or max_len is None:
+        raise ValueError("packed 8-bit quantization needs cu_seqlens and the longest sequence's length")
+
+
 def _grid(varlen: bool, cu: torch.Tensor | None, B: int, H: int, L: int, max_len: int | None) -> tuple:
     """(row tiles, B * H) over dense rows, or over the packed sequences of ``cu`` (int32 [S + 1],
     the longest ``max_len``)."""
     if not varlen:
         return triton.cdiv(L, TILE), B * H
-    if cu is None or max_len is None:
-        raise ValueError("packed 8-bit quantization needs cu_seqlens and the longest sequence's length")
+    _check_packed(cu, max_len)
     return triton.cdiv(max(max_len, 1), TILE), (cu.numel() - 1) * H
 
 
@@ -48,7 +52,8 @@ def vt_columns(total: int, num_seqs: int) -> int:
 def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | None, varlen: bool,
                   cu: torch.Tensor | None = None, max_len: int | None = None):
     """int8 copy of x (same shape, contiguous) and fp32 scales per row: dense ``[B, H, L]``,
-    varlen ``[H, T]``. ``mean`` (fp32 ``[B, H, D]``, varlen ``[S, H, D]``: k_mean) is subtracted first when given.
+    varlen ``[H, T]``. ``mean`` (fp32 ``[B, H, D]``, varlen ``[S, H, D]``: k_mean) is subtracted
+    first when given.
     Varlen: ``cu`` (int32 cu_seqlens, on x's device) and ``max_len`` (its longest sequence): the
     groups start at each sequence."""
     B, H, L, (sxb, sxh, sxm) = _as_bhld(x, varlen)
@@ -115,7 +120,7 @@ def k_mean(k: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None,
     if varlen:
         if k.shape[0] == 0:
             return None
-        _grid(True, cu, 1, 1, 0, max_len)  # the clear error when cu / max_len are missing
+        _check_packed(cu, max_len)
         lens = (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)
         return seq_stats(k, cu, max_len, False) / lens[:, None, None]
     # dtype= accumulates in fp32 while reading k once (k.float() would write an fp32 copy first)
