@@ -386,6 +386,15 @@ def _pick(values, o_c, slot):
 
 
 @triton.jit
+def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c):
+    """The block indices and mask ids of a layout row's slots c0 + o_c (those at or past hi: block 0,
+    mask -1), read into registers at once for the backward loops (see bwd_dkdv_kernel)."""
+    m_c = c0 + o_c < hi
+    return (tl.load(INDICES + p_row + c0 + o_c, mask=m_c, other=0),
+            tl.load(MASK_IDS + p_row + c0 + o_c, mask=m_c, other=-1))
+
+
+@triton.jit
 def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
                dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqm, qk_scale,
                sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
@@ -504,8 +513,7 @@ def bwd_dkdv_kernel(
                 # of the iteration before their use, exposing their latency every iteration.
                 o_c = tl.arange(0, IDX_CHUNK)
                 for c0 in range(lo, hi, IDX_CHUNK):
-                    blocks = tl.load(T_INDICES + p_row + c0 + o_c, mask=c0 + o_c < hi, other=0)
-                    mids = tl.load(T_MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < hi, other=-1)
+                    blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c)
                     for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                         start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                         b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
@@ -609,8 +617,7 @@ def bwd_dq_kernel(
         if IDX_CHUNK > 0:  # key-block indices from registers, as in bwd_dkdv_kernel
             o_c = tl.arange(0, IDX_CHUNK)
             for c0 in range(lo, hi, IDX_CHUNK):
-                blocks = tl.load(INDICES + p_row + c0 + o_c, mask=c0 + o_c < hi, other=0)
-                mids = tl.load(MASK_IDS + p_row + c0 + o_c, mask=c0 + o_c < hi, other=-1)
+                blocks, mids = _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c)
                 for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
                     b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base,
