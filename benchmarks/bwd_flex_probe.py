@@ -50,6 +50,11 @@ SWEEP = {
     "split-regs-dq4": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 4)),
     "split-regs-dq128": ("split", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
+    # one warpgroup per CTA, small enough for two CTAs per SM (the 8-bit forward's way of overlapping
+    # one CTA's softmax with the other's MMAs)
+    "split-regs-dkdv64w4": ("split", 64, (64, 64, 4, 3), (128, 64, 8, 3)),
+    "split-regs-dq64w4": ("split", 64, (64, 128, 8, 3), (64, 64, 4, 3)),
+    "split-regs-both64w4": ("split", 64, (64, 64, 4, 3), (64, 64, 4, 3)),
 }
 
 
