@@ -46,7 +46,7 @@ def _grid(varlen: bool, cu: torch.Tensor | None, B: int, H: int, L: int, max_len
 def vt_columns(total: int, num_seqs: int) -> int:
     """Columns of the packed FP8 V^T: sequence b starts at kernels.vt_column0 (16-aligned, after
     sequence b - 1's columns rounded up to 16), so T + 16 * S rounded up to 16 hold them all."""
-    return triton.cdiv(total + 16 * num_seqs, 16) * 16
+    return bs_launch._round_up(total + 16 * num_seqs, 16)
 
 
 def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | None, varlen: bool,
@@ -61,7 +61,7 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     xq = torch.empty(x.shape, device=x.device, dtype=torch.int8)
     _, _, _, (sqb, sqh, sqm) = _as_bhld(xq, varlen)
     # rows padded to 16 bytes: the attention kernel reads K scales through a TMA descriptor
-    lp = triton.cdiv(max(L, 1), 4) * 4
+    lp = bs_launch._round_up(max(L, 1), 4)
     scale = torch.empty((H, lp) if varlen else (B, H, lp), device=x.device, dtype=torch.float32)[..., :L]
     ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
     smb, smh = (mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)  # [B or S, H, D]
@@ -86,7 +86,7 @@ def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None
         mn, mx = torch.aminmax(v, dim=2)  # one read of V; abs() would write a copy first
         amax = torch.maximum(mx, -mn).float()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    lp = vt_columns(L, cu.numel() - 1) if varlen else triton.cdiv(max(L, 1), 16) * 16
+    lp = vt_columns(L, cu.numel() - 1) if varlen else bs_launch._round_up(max(L, 1), 16)
     vt = torch.empty(((H, D, lp) if varlen else (B, H, D, lp)), device=v.device, dtype=torch.float8_e4m3fn)
     if lp > L and not varlen:
         vt[..., L:].zero_()
