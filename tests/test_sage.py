@@ -135,6 +135,23 @@ def test_bad_quant_arguments_are_clear_errors():
         sparse_attn.attention(q, k, v, quant="int8", quant_granularity="per_row")
 
 
+def test_kernel_shape_limits_are_clear_errors():
+    """What the 8-bit MMAs cannot take fails in validation, before any launch: head dims below 32 (an
+    int8 MMA reads 32 channels at a time; the compile failed) and, for FP8 P.V, key blocks below 32
+    (an FP8 MMA reads 32 keys at a time; kernel tiles divide the layout's blocks). Both found by
+    tests/gpu/test_fuzz_gpu.py."""
+    from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.sage import sage_attention_op
+    q, k, v = _qkv(2, 2, 64, 64, 16, dtype=torch.float16)
+    lay = _kernel_layout(None, False, 64, 64, "cpu")
+    with pytest.raises(ValueError, match="head_dim a multiple of 16 and at least 32.*got 16"):
+        sage_attention_op(q, k, v, lay, quant="int8", granularity="per_warp", smooth_k=True)
+    q, k, v = _qkv(2, 2, 64, 64, 32, dtype=torch.float16)
+    lay = patterns.local(64, 20, block_q=16, block_k=16)
+    with pytest.raises(ValueError, match="block_k >= 32.*got block_k=16.*quant='int8'"):
+        sage_attention_op(q, k, v, lay, quant="int8-fp8", granularity="per_warp", smooth_k=True)
+
+
 @pytest.mark.parametrize("gran", GRANS)
 def test_group_amax_shares_one_scale_per_group(gran):
     (qs, qp), (ks, kp) = GRANULARITY[gran]

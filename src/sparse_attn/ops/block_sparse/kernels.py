@@ -134,14 +134,14 @@ def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, s
 
 @triton.jit
 def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N: tl.constexpr,
-            QUANT: tl.constexpr, USE_TMA: tl.constexpr, KS_PER_TILE: tl.constexpr, IS_VARLEN: tl.constexpr):
+            QUANT: tl.constexpr, KS_TMA: tl.constexpr, KS_PER_TILE: tl.constexpr):
     """Scores of one tile [BM, BN] and the factor taking them to log2 units (b_rs, see _softmax_step):
     the raw q.k product, or for int8 inputs the int32 product. Per-key K scales multiply the scores,
     unless KS_PER_TILE (one K scale covers the whole tile): then it joins the per-row factor, which
     _softmax_step applies in the exponent's FMA, and the tile costs BM scale multiplies, not BM * BN.
     That one scalar load is pipelined (cp.async, like the index loads). The per-key K scales come by
     TMA when K does: their masked pointer load was not pipelined, and its latency stalled every
-    iteration (benchmarks/NOTES.md, 8-bit v1 -> v2)."""
+    iteration (benchmarks/NOTES.md, 8-bit v1 -> v2); KS_TMA says when (see fwd_kernel)."""
     if QUANT == 0:
         b_s = tl.dot(b_q, b_k)
         b_rs_t = b_rs
@@ -151,7 +151,7 @@ def _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_le
         # read the last key's scale there, never past the row (scales are > 0: no 0 * -inf)
         b_rs_t = b_rs * tl.load(K_SCALE + ks_base + tl.minimum(start_n, k_len - 1))
     else:
-        if USE_TMA and not IS_VARLEN:
+        if KS_TMA:
             b_ks = desc_ks.load([ks_row, k0 + start_n])  # [1, BN]; zeros past the sequence end
         else:
             o_n = start_n + tl.arange(0, BLOCK_N)
@@ -258,13 +258,16 @@ def fwd_kernel(
     qk_scale = sm_scale * LOG2E
     LOG2_P_SCALE: tl.constexpr = 8.807354922057604 if QUANT == 2 else 0.0  # log2(448), FP8 e4m3's max
     KS_PER_TILE: tl.constexpr = QUANT != 0 and K_SCALE_SPAN > 0 and K_SCALE_SPAN % BLOCK_N == 0
+    # Per-key K scales through one descriptor over all K-scale rows (row stride padded to 16 bytes by
+    # the launcher). Not on packed inputs: a TMA read must start 16-byte aligned (else an illegal
+    # instruction on the H100), and a sequence's first key k0 may be any token. Not for 16-key tiles:
+    # their 64-byte [1, 16] fp32 box faulted with "misaligned address" on the H100 (triton 3.6; the
+    # 128-byte box of 32-key tiles runs; tests/gpu/test_fuzz_gpu.py found it).
+    KS_TMA: tl.constexpr = USE_TMA and QUANT != 0 and not KS_PER_TILE and not IS_VARLEN and BLOCK_N >= 32
     if QUANT != 0:
         ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
         ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
-        if USE_TMA and not KS_PER_TILE and not IS_VARLEN:
-            # one descriptor over all K-scale rows (row stride padded to 16 bytes by the launcher).
-            # Not on packed inputs: a TMA read must start 16-byte aligned (else an illegal instruction
-            # on the H100), and a sequence's first key k0 may be any token.
+        if KS_TMA:
             desc_ks = tl.make_tensor_descriptor(K_SCALE, shape=[ks_row + 1, k0 + k_len], strides=[stride_ksh, 1],
                                                 block_shape=[1, BLOCK_N])
         else:
@@ -295,7 +298,7 @@ def fwd_kernel(
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
         b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
-                              USE_TMA, KS_PER_TILE, IS_VARLEN)
+                              KS_TMA, KS_PER_TILE)
         b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
                                         ROW_SCALE)
     # phase 2: blocks with an element mask or crossing the sequence end
@@ -306,7 +309,7 @@ def fwd_kernel(
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
         b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
-                              USE_TMA, KS_PER_TILE, IS_VARLEN)
+                              KS_TMA, KS_PER_TILE)
         b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
         if N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)

@@ -21,14 +21,19 @@ def check_fp8_device(device: torch.device) -> None:
                            f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}: use quant='int8'")
 
 
-def _prepare(q, k, v, quant: str, granularity: str):
+def _prepare(q, k, v, quant: str, granularity: str, block_k: int):
     check_kernel_inputs(q, v)
     mode = check_quant(quant, granularity)
     if mode == 2 and q.is_cuda:
         check_fp8_device(q.device)
-    if q.shape[-1] % 16:
-        raise ValueError(f"the 8-bit kernels need head_dim a multiple of 16 (int8 rows in 16-byte units), got "
-                         f"{q.shape[-1]}: pad q/k/v, or use quant=None")
+    d = q.shape[-1]
+    if d % 16 or d < 32:
+        raise ValueError(f"the 8-bit kernels need head_dim a multiple of 16 and at least 32 (int8 rows in 16-byte "
+                         f"units; an int8 MMA takes 32 channels at a time), got {d}: pad q/k/v, or use quant=None")
+    if mode == 2 and block_k < 32:
+        raise ValueError(f"quant='int8-fp8' needs the layout's block_k >= 32 (an FP8 MMA takes 32 keys at a time, "
+                         f"and kernel tiles divide the layout's blocks), got block_k={block_k}: build the layout "
+                         f"with block_k >= 32, or use quant='int8'")
     return mode, tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
 
 
@@ -37,7 +42,7 @@ def sage_attention_op(q, k, v, layout: BlockLayout, *, quant: str, granularity: 
     """8-bit kernels on validated ``[B, H, L, D]`` fp16/bf16 inputs. Returns (out, lse of the
     smoothed scores, fp32 ``[B, H, Lq]``)."""
     from .function import sage_fwd
-    mode, (q, k, v) = _prepare(q, k, v, quant, granularity)
+    mode, (q, k, v) = _prepare(q, k, v, quant, granularity, layout.block_k)
     scale = softmax_scale(q, scale)
     fwd = forward_layout_inputs(layout)
     return sage_fwd(q, k, v, *fwd, None, None, layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
@@ -48,7 +53,7 @@ def sage_varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: i
                              quant: str, granularity: str, smooth_k: bool, scale: float | None = None):
     """8-bit kernels on packed ``[T, H, D]`` inputs (see varlen_attention_op). Returns (out, lse [H, T])."""
     from .function import sage_fwd
-    mode, (q, k, v) = _prepare(q, k, v, quant, granularity)
+    mode, (q, k, v) = _prepare(q, k, v, quant, granularity, stacked.block_k)
     scale = softmax_scale(q, scale)
     fwd = forward_layout_inputs(stacked, kv_lens)
     return sage_fwd(q, k, v, *fwd, cu_q, cu_k, stacked.block_q, stacked.block_k, scale, max_q, max_k,
