@@ -230,6 +230,10 @@ def test_fuzz_quantized_vs_bf16(seed):
     if quant == "int8-fp8" and c["bk"] < 32:
         quant = "int8"  # FP8 P.V needs key blocks >= 32: a validation error (tests/test_sage.py)
     gran = rng.choice(("per_block", "per_warp", "per_thread"))
+    # The bound holds at the default softmax scale or below. A sharper softmax scales int8's score
+    # error with it, as x10 inputs do (test_sage_gpu.py): scale 0.3 at d=128 (3.4x the default) measured
+    # relative L1 0.0219 for int8 (cosine 0.9997), an 8-bit limit, not a bug.
+    c["scale"] = rng.choice((None, 0.05))
     what = _describe(c) + f", quant={quant}, granularity={gran}"
     layout = c["layout"].to(DEVICE)
     q = _rand((c["B"], c["hq"], c["lq"], c["d"]), torch.bfloat16)
