@@ -91,6 +91,25 @@ def test_backward_meets_rule3(variant, mask, lq, lk, hq, hkv):
     assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)
 
 
+def test_rows_with_very_negative_lse_keep_finite_gradients(variant):
+    """Every score of a row far below 0 puts its LSE below -88. A key tile crossing the sequence end
+    loads its missing keys as zeros, score 0, so P = 2**-lse2 overflowed to inf there and inf * 0 made
+    NaN in dQ (both schedules; tests/gpu/test_fuzz_gpu.py found it). Those keys' P is now 0."""
+    from sparse_attn.ops.block_sparse import attention_op
+    lq, lk, d = 40, 5, 16  # 5 keys: the 16-key tile crossing the end has 11 missing keys
+    g = torch.Generator().manual_seed(3)
+    q = (6 + torch.rand(1, 2, lq, d, generator=g)).half().requires_grad_(True)
+    k = -(6 + torch.rand(1, 2, lk, d, generator=g)).half()
+    k = k.requires_grad_(True)
+    v = torch.randn(1, 2, lk, d, generator=g).half().requires_grad_(True)
+    # a two-sided window: its rule allows the missing keys too (a causal one would mask them anyway)
+    layout = BlockLayout.from_mask(ElementMask((window_term(30, 30),)), q_len=lq, kv_len=lk, block_q=16, block_k=16)
+    out, lse = attention_op(q, k, v, layout, return_lse=True)
+    seen = torch.isfinite(lse)
+    assert seen.any() and (lse[seen] < -100).all()  # scores ~ -6.5**2 * 16 / 4 = -169: past the -88 line
+    assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)
+
+
 def test_varlen_backward_matches_fp64_reference(variant):
     import sparse_attn
     from sparse_attn import varlen

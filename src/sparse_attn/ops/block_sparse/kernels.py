@@ -399,13 +399,15 @@ def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c):
 
 @triton.jit
 def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
-               dq_base, start_m, q_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqm, qk_scale,
+               dq_base, start_m, q_len, k_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqm, qk_scale,
                sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
                MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr):
     """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products).
     FUSED_DQ: also add the tile's dQ share, sm_scale * dS @ K, into the fp32 accumulator DQA (TMA
-    reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0. LSE2 / DELTA: the
-    rows' terms from bwd_delta_kernel, padded, at l_base."""
+    reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0, and so do keys past
+    k_len (their zero K rows give P = 2**-lse2, inf for rows with an LSE below -88, and inf * 0 would
+    put NaN in dQ; without FUSED_DQ those keys' dK/dV rows are never stored). LSE2 / DELTA: the rows'
+    terms from bwd_delta_kernel, padded, at l_base."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     m_m = o_m < q_len
     m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
@@ -422,6 +424,8 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
     b_lse = tl.load(LSE2 + l_base + o_m)
     b_delta = tl.load(DELTA + l_base + o_m)
     b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
+    if FUSED_DQ:
+        b_pt = tl.where(pos_k < k_len, b_pt, 0.0)
     if MASKED:
         if mid >= 0:
             b_pt = tl.where(_allowed((o_m + offset)[None, :], pos_k, TERMS, mid, N_TERMS), b_pt, 0.0)
@@ -520,7 +524,7 @@ def bwd_dkdv_kernel(
                     for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                         start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                         b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
-                                                desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d,
+                                                desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
                                                 pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
                                                 sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
                                                 N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
@@ -528,7 +532,7 @@ def bwd_dkdv_kernel(
                 for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
                     start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                     b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
-                                            q_base, do_base, l_base, dq_base, start_m, q_len, offset, o_d, pos_k,
+                                            q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d, pos_k,
                                             stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
                                             tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
                                             phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
@@ -547,9 +551,12 @@ def bwd_dkdv_kernel(
 def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base, start_n, k_len, o_d, pos_q,
              stride_kn, stride_vn, qk_scale, TERMS, mid,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr,
-             KV_TMA: tl.constexpr):
-    """Accumulate one key tile's contribution to dQ. Keys past the end load as 0 (V = 0 gives dP = 0,
-    K = 0 then adds nothing). KV_TMA: K/V tiles through the per-head descriptors."""
+             KV_TMA: tl.constexpr, AT_END: tl.constexpr):
+    """Accumulate one key tile's contribution to dQ. Keys past the end load as 0; AT_END (the masked
+    phase, which holds the tiles crossing the end) zeroes their P: their score 0 gives P = 2**-lse2,
+    which overflows to inf for rows whose LSE is below -88 (all their keys' scores very negative), and
+    inf * 0 made NaN in dQ (tests/gpu/test_fuzz_gpu.py found it). KV_TMA: K/V tiles through the
+    per-head descriptors."""
     o_n = start_n + tl.arange(0, BLOCK_N)
     if KV_TMA:  # no per-element addresses or masks (on packed inputs k_len is not known to be a multiple
         # of 16, and the masked pointer loads fall back to narrow copies)
@@ -560,6 +567,8 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_
         b_k = tl.load(K + kv_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)
         b_v = tl.load(V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)
     b_p = tl.math.exp2(tl.dot(b_q, tl.trans(b_k)) * qk_scale - b_lse[:, None])  # [BM, BN]
+    if AT_END:
+        b_p = tl.where((o_n < k_len)[None, :], b_p, 0.0)
     if MASKED:
         if mid >= 0:
             b_p = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_p, 0.0)
@@ -626,14 +635,14 @@ def bwd_dq_kernel(
                     b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base,
                                     start_n, k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS,
                                     _pick(mids, o_c, it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
-                                    phase == 1 and N_TERMS > 0, KV_TMA)
+                                    phase == 1 and N_TERMS > 0, KV_TMA, phase == 1)
         else:
             for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
                 start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
                 b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base, start_n,
                                 k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS,
                                 tl.load(MASK_IDS + p_row + it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
-                                phase == 1 and N_TERMS > 0, KV_TMA)
+                                phase == 1 and N_TERMS > 0, KV_TMA, phase == 1)
     b_dq = b_dq * sm_scale
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh + (q0 + o_m.to(tl.int64))[:, None] * stride_dqm + o_d[None, :]
     tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_md)
