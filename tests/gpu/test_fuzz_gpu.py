@@ -10,7 +10,6 @@ with the drawn configuration, so the case can be replayed by its seed.
 """
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -18,94 +17,11 @@ import torch
 
 import sparse_attn
 from sparse_attn import metrics, patterns
+from sparse_attn.fuzz_cases import GPU, check_forward_backward, describe, draw_case
 from sparse_attn.testing import assert_close_to_oracle
 
 pytestmark = pytest.mark.gpu
-BLOCKS = (16, 32, 64, 128, 256)
-DIMS = (32, 64, 64, 96, 128, 128, 256)
 DEVICE = "cuda"  # a dry run of the drawing and checking code can set "cpu" (the reference checks itself)
-
-
-def _lengths(rng: random.Random) -> tuple[int, int]:
-    r = rng.random()
-    lq = 1 if r < 0.06 else 17 if r < 0.12 else rng.randint(2, 700) if r < 0.5 else rng.randint(200, 1500)
-    r = rng.random()
-    lk = lq if r < 0.5 else 1 if r < 0.55 else rng.randint(2, 900) if r < 0.75 else rng.randint(300, 1600)
-    return lq, lk
-
-
-def _one_pattern(rng, name, lq, lk, bq, bk, batch, heads):
-    """One builder's layout for (lq, lk) with blocks (bq, bk); batch / heads > 1 only where it varies."""
-    causal = rng.random() < 0.5
-    kw = dict(kv_len=lk, block_q=bq, block_k=bk)
-    if name == "dense":
-        return patterns.dense(lq, **kw)
-    if name == "causal":
-        return patterns.causal(lq, **kw)
-    if name == "local":
-        w = rng.randint(1, max(1, lk))
-        return patterns.local(lq, w, causal=causal, window_right=None if causal else rng.randint(0, lk), **kw)
-    if name == "streaming":
-        return patterns.streaming(lq, rng.randint(1, max(1, lk)), rng.randint(0, 40), causal=causal, **kw)
-    if name == "block_diagonal":
-        return patterns.block_diagonal(lq, rng.randint(1, max(1, lk)), causal=causal, **kw)
-    if name == "strided":
-        return patterns.strided(lq, rng.randint(1, 6), local_blocks=rng.randint(1, 3), causal=causal, **kw)
-    if name == "dilated":
-        return patterns.dilated(lq, rng.randint(1, 4), rng.randint(1, 3), causal=causal, **kw)
-    if name == "random":
-        return patterns.random(lq, density=rng.choice((0.1, 0.3, 0.6, 1.0)), batch=batch, heads=heads,
-                               seed=rng.randint(0, 10**6), causal=causal, include_diagonal=rng.random() < 0.7, **kw)
-    if name == "bigbird":
-        return patterns.bigbird(lq, num_global_blocks=rng.randint(0, 2), window_blocks=rng.choice((1, 3, 5)),
-                                num_random_blocks=rng.randint(0, 3), heads=heads, seed=rng.randint(0, 10**6), **kw)
-    if name == "block_index":  # [B, H, q_blocks, top_k], -1 for unused slots, as SpargeAttn's kernels take it
-        nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
-        top = rng.randint(1, nk)
-        g = torch.Generator().manual_seed(rng.randint(0, 10**6))
-        idx = torch.rand(batch, heads, nq, nk, generator=g).argsort(-1)[..., :top]
-        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
-        return patterns.from_block_index(idx.int(), seq_len=lq, **kw)
-    if name == "topk":
-        nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
-        g = torch.Generator().manual_seed(rng.randint(0, 10**6))
-        return patterns.topk(torch.rand(batch, heads, nq, nk, generator=g), ratio=rng.choice((0.2, 0.5, 0.9)),
-                             seq_len=lq, causal=causal, **kw)
-    raise AssertionError(name)
-
-
-NAMES = ("dense", "causal", "local", "streaming", "block_diagonal", "strided", "dilated", "random", "bigbird",
-         "block_index", "topk")
-
-
-def _draw(seed: int) -> dict:
-    rng = random.Random(seed)
-    hkv = rng.choice((1, 2, 4))
-    hq = hkv * rng.choice((1, 1, 2, 4))
-    B = rng.choice((1, 1, 2))
-    lq, lk = _lengths(rng)
-    bq, bk = rng.choice(BLOCKS), rng.choice(BLOCKS)
-    d = rng.choice(DIMS)
-    batch = rng.choice((1, B))
-    heads = rng.choice((1, hq))
-    name = rng.choice(NAMES)
-    if name in ("bigbird",) and lq != lk:
-        lk = lq  # BigBird's window and globals are defined for Lq == Lk
-    layout = _one_pattern(rng, name, lq, lk, bq, bk, batch, heads)
-    combo = rng.random()
-    if combo < 0.25:  # composition: union or intersection with a second pattern on the same grid
-        other_name = rng.choice([n for n in NAMES if n != "bigbird" or lq == lk])
-        other = _one_pattern(rng, other_name, lq, lk, bq, bk, batch, heads)
-        layout = layout | other if rng.random() < 0.5 else layout & other
-        name = f"{name}{'|' if combo < 0.125 else '&'}{other_name}"
-    return dict(name=name, layout=layout, B=B, hq=hq, hkv=hkv, lq=lq, lk=lk, d=d, bq=bq, bk=bk,
-                dtype=rng.choice((torch.float16, torch.bfloat16)), causal=rng.random() < 0.3,
-                scale=rng.choice((None, None, 0.05, 0.3)), in_scale=rng.choice((1.0, 1.0, 10.0)))
-
-
-def _describe(c: dict) -> str:
-    keys = ("name", "B", "hq", "hkv", "lq", "lk", "d", "bq", "bk", "dtype", "causal", "scale", "in_scale")
-    return ", ".join(f"{k}={c[k]}" for k in keys)
 
 
 def _rand(shape, dtype, scale=1.0):
@@ -114,37 +30,7 @@ def _rand(shape, dtype, scale=1.0):
 
 @pytest.mark.parametrize("seed", range(48))
 def test_fuzz_forward_backward(seed):
-    c = _draw(seed)
-    what = _describe(c)
-    layout = c["layout"].to(DEVICE)
-    dtype = c["dtype"]
-    q = _rand((c["B"], c["hq"], c["lq"], c["d"]), dtype, c["in_scale"]).requires_grad_()
-    k = _rand((c["B"], c["hkv"], c["lk"], c["d"]), dtype, c["in_scale"]).requires_grad_()
-    v = _rand((c["B"], c["hkv"], c["lk"], c["d"]), dtype).requires_grad_()
-    do = _rand(q.shape, dtype)
-    kw = dict(causal=c["causal"], scale=c["scale"], return_lse=True)
-    out, lse = sparse_attn.attention(q, k, v, layout, **kw)
-    qo, ko, vo = (t.detach().double().requires_grad_() for t in (q, k, v))
-    o_or, lse_or = sparse_attn.reference.attention(qo, ko, vo, layout, **kw)
-    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o_lp, _ = sparse_attn.reference.attention(ql, kl, vl, layout, _lowp=True, **kw)
-    try:
-        assert_close_to_oracle(out, o_lp, o_or, name="out")
-        assert torch.equal(torch.isinf(lse), torch.isinf(lse_or)), "rows with no key: lse -inf, others finite"
-        assert not torch.isnan(lse).any(), "NaN in lse"
-        fin = torch.isfinite(lse_or)
-        if fin.any():
-            assert (lse[fin].double() - lse_or[fin]).abs().max().item() < 2e-2 * max(1.0, c["in_scale"] ** 2)
-        empty = torch.isinf(lse_or)
-        if empty.any():
-            assert (out.float()[empty] == 0).all(), "rows with no key must be exactly 0"
-        out.backward(do)
-        o_or.backward(do.double())
-        o_lp.backward(do)
-        for name, a, b, r in (("dq", q, qo, ql), ("dk", k, ko, kl), ("dv", v, vo, vl)):
-            assert_close_to_oracle(a.grad, r.grad, b.grad, name=name)
-    except AssertionError as e:
-        raise AssertionError(f"seed {seed}: {what}\n{e}") from None
+    check_forward_backward(draw_case(seed), DEVICE, seed=seed)
 
 
 def _draw_varlen(seed: int) -> dict:
@@ -158,7 +44,7 @@ def _draw_varlen(seed: int) -> dict:
     same = rng.random() < 0.5
     k_lens = [lq if same else rng.choice((1, rng.randint(2, 400), rng.randint(100, 1000))) for lq in q_lens]
     k_lens = [max(1, x) for x in k_lens]
-    bq, bk = rng.choice(BLOCKS), rng.choice(BLOCKS)
+    bq, bk = rng.choice(GPU.blocks), rng.choice(GPU.blocks)
     name = rng.choice(("dense", "local", "streaming", "block_diagonal", "random", "strided"))
     window, sink, doc, seed_layout = rng.randint(1, 300), rng.randint(0, 20), rng.randint(1, 300), rng.randint(0, 999)
 
@@ -224,7 +110,7 @@ L1_BOUND = {"int8": 0.02, "int8-fp8": 0.045}
 
 @pytest.mark.parametrize("seed", range(16))
 def test_fuzz_quantized_vs_bf16(seed):
-    c = _draw(20_000 + seed)  # every head dim of DIMS is one the 8-bit kernels take (multiples of 16, >= 32)
+    c = draw_case(20_000 + seed)  # every head dim of GPU.dims is one the 8-bit kernels take (multiples of 16, >= 32)
     rng = random.Random(seed)
     quant = rng.choice(("int8", "int8-fp8"))
     if quant == "int8-fp8" and c["bk"] < 32:
@@ -234,7 +120,7 @@ def test_fuzz_quantized_vs_bf16(seed):
     # error with it, as x10 inputs do (test_sage_gpu.py): scale 0.3 at d=128 (3.4x the default) measured
     # relative L1 0.0219 for int8 (cosine 0.9997), an 8-bit limit, not a bug.
     c["scale"] = rng.choice((None, 0.05))
-    what = _describe(c) + f", quant={quant}, granularity={gran}"
+    what = describe(c) + f", quant={quant}, granularity={gran}"
     layout = c["layout"].to(DEVICE)
     q = _rand((c["B"], c["hq"], c["lq"], c["d"]), torch.bfloat16)
     k = _rand((c["B"], c["hkv"], c["lk"], c["d"]), torch.bfloat16)
