@@ -524,16 +524,16 @@ def bwd_dkdv_kernel(
                     for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                         start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                         b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
-                                                desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
-                                                pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
+                                                desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, k_len,
+                                                offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
                                                 sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
                                                 N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
             else:
                 for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
                     start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                     b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
-                                            q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d, pos_k,
-                                            stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
+                                            q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
+                                            pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
                                             tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
                                             phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
     b_dk = b_dk * sm_scale
