@@ -18,7 +18,7 @@ import torch
 import sparse_attn
 from sparse_attn import metrics, patterns
 from sparse_attn.fuzz_cases import GPU, check_forward_backward, describe, draw_case
-from sparse_attn.testing import assert_close_to_oracle
+from sparse_attn.testing import QUANT_L1_BOUND as L1_BOUND, assert_close_to_oracle
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"  # a dry run of the drawing and checking code can set "cpu" (the reference checks itself)
@@ -102,10 +102,6 @@ def test_fuzz_varlen(seed):
                 assert_close_to_oracle(g[b:b + lk].transpose(0, 1)[None], r.grad, o.grad, name=f"seq {s} {name}")
     except AssertionError as e:
         raise AssertionError(f"seed {seed}: {what}\n{e}") from None
-
-
-# issue 4's bound is 0.02; FP8 P.V's 3 mantissa bits put int8-fp8 at ~0.03 (tests/test_sage.py says why)
-L1_BOUND = {"int8": 0.02, "int8-fp8": 0.045}
 
 
 @pytest.mark.parametrize("seed", range(16))
