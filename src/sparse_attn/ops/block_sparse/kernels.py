@@ -550,13 +550,13 @@ def bwd_dkdv_kernel(
 @triton.jit
 def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base, start_n, k_len, o_d, pos_q,
              stride_kn, stride_vn, qk_scale, TERMS, mid,
-             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED: tl.constexpr,
-             KV_TMA: tl.constexpr, AT_END: tl.constexpr):
-    """Accumulate one key tile's contribution to dQ. Keys past the end load as 0; AT_END (the masked
-    phase, which holds the tiles crossing the end) zeroes their P: their score 0 gives P = 2**-lse2,
-    which overflows to inf for rows whose LSE is below -88 (all their keys' scores very negative), and
-    inf * 0 made NaN in dQ (tests/gpu/test_fuzz_gpu.py found it). KV_TMA: K/V tiles through the
-    per-head descriptors."""
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr, MASKED_PHASE: tl.constexpr,
+             KV_TMA: tl.constexpr):
+    """Accumulate one key tile's contribution to dQ. MASKED_PHASE: the tile is one of the row's masked
+    blocks or crosses the sequence end (the loop's second phase): element masks apply, and keys past
+    the end (loaded as 0) get P = 0. Their score 0 gave P = 2**-lse2, which overflows to inf for rows
+    whose LSE is below -88 (all their keys' scores very negative), and inf * 0 made NaN in dQ
+    (tests/gpu/test_fuzz_gpu.py found it). KV_TMA: K/V tiles through the per-head descriptors."""
     o_n = start_n + tl.arange(0, BLOCK_N)
     if KV_TMA:  # no per-element addresses or masks (on packed inputs k_len is not known to be a multiple
         # of 16, and the masked pointer loads fall back to narrow copies)
@@ -567,11 +567,11 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_
         b_k = tl.load(K + kv_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)
         b_v = tl.load(V + vv_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)
     b_p = tl.math.exp2(tl.dot(b_q, tl.trans(b_k)) * qk_scale - b_lse[:, None])  # [BM, BN]
-    if AT_END:
+    if MASKED_PHASE:
         b_p = tl.where((o_n < k_len)[None, :], b_p, 0.0)
-    if MASKED:
-        if mid >= 0:
-            b_p = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_p, 0.0)
+        if N_TERMS > 0:
+            if mid >= 0:
+                b_p = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_p, 0.0)
     b_ds = b_p * (tl.dot(b_do, tl.trans(b_v)) - b_delta[:, None])
     return tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
 
@@ -635,14 +635,14 @@ def bwd_dq_kernel(
                     b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base,
                                     start_n, k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS,
                                     _pick(mids, o_c, it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
-                                    phase == 1 and N_TERMS > 0, KV_TMA, phase == 1)
+                                    phase == 1, KV_TMA)
         else:
             for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
                 start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
                 b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base, start_n,
                                 k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS,
                                 tl.load(MASK_IDS + p_row + it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
-                                phase == 1 and N_TERMS > 0, KV_TMA, phase == 1)
+                                phase == 1, KV_TMA)
     b_dq = b_dq * sm_scale
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh + (q0 + o_m.to(tl.int64))[:, None] * stride_dqm + o_d[None, :]
     tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_md)
