@@ -33,15 +33,18 @@ from sparse_attn.ops.block_sparse import launch  # noqa: E402
 from sparse_attn.patterns import to_flex  # noqa: E402
 
 
-# name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, dQ on a side stream (default True)[,
-# the dQ kernel's K/V loads, launch.BWD_DQ_KV (default "tma")]]); configs (BLOCK_M, BLOCK_N, warps, stages)
+# name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
+# (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
+DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first"}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
     "split-load": ("split", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "split-regs": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3)),
-    "split-regs-1stream": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), False),
-    "split-regs-dqkvptr": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), True, "ptr"),
+    "split-regs-1stream": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DQ_SIDE_STREAM": False}),
+    "split-regs-dqkvptr": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DQ_KV": "ptr"}),
+    # the split default before the fourteenth session: dV issued before dP
+    "split-regs-dvfirst": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_ORDER": "dv-first"}),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {
@@ -58,19 +61,20 @@ SWEEP = {
 }
 
 
-
 def backwards(case: str, hkv: int, variants: dict):
     """{name: zero-argument backward} on one case's inputs, and the case's backward FLOP count."""
     c = case_inputs(case, hkv)
     layout, L, H, q, k, v, do, scale, out, lse = c.layout, c.L, c.H, c.q, c.k, c.v, c.do, c.scale, c.out, c.lse
     (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = c.ins
 
-    def ours(variant, chunk, dkdv, dq, side_stream=True, dq_kv="tma"):
+    def ours(variant, chunk, dkdv, dq, attrs=None):
         space = {"dkdv": [cfg(*dkdv)], "dkdv-fused": [cfg(*dkdv)], "dq": [cfg(*dq)]}
+        attrs = {**DEFAULTS, **(attrs or {})}
 
         def bwd():
-            launch.BWD_VARIANT, launch.BWD_IDX_CHUNK, launch.BWD_DQ_SIDE_STREAM = variant, chunk, side_stream
-            launch.BWD_DQ_KV = dq_kv
+            launch.BWD_VARIANT, launch.BWD_IDX_CHUNK = variant, chunk
+            for name, value in attrs.items():
+                setattr(launch, name, value)
             if space != launch.BWD_SPACE_OVERRIDE:
                 launch.BWD_SPACE_OVERRIDE.clear()
                 launch.BWD_SPACE_OVERRIDE.update(space)

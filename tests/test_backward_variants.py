@@ -14,7 +14,7 @@ import torch
 
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, causal_term, window_term
-from sparse_attn.ops.block_sparse import launch
+from sparse_attn.ops.block_sparse import attention_op, launch
 from sparse_attn.testing import assert_layout_grads_close_to_oracle, random_packed_qkv, split_and_fused_grads
 
 pytestmark = [
@@ -23,14 +23,17 @@ pytestmark = [
 ]
 
 
-# (schedule, IDX_CHUNK): block indices per iteration (0), or in register chunks of 2 blocks, so the tiny
-# layouts here span several chunks (the default chunk, 64, would hold every row in one)
-@pytest.fixture(params=[("fused", 2), ("split", 2), ("fused", 0), ("split", 0)], ids=lambda p: f"{p[0]}-chunk{p[1]}")
+# (schedule, IDX_CHUNK[, dK/dV issue order]): block indices per iteration (0), or in register chunks of 2
+# blocks, so the tiny layouts here span several chunks (the default chunk, 64, would hold every row in one);
+# the last: dV issued before dP (launch.BWD_DKDV_ORDER), the default before the fourteenth session
+@pytest.fixture(params=[("fused", 2), ("split", 2), ("fused", 0), ("split", 0), ("split", 2, "dv-first")],
+                ids=lambda p: "-".join([p[0], f"chunk{p[1]}", *p[2:]]))
 def variant(request, monkeypatch):
-    schedule, chunk = request.param
+    schedule, chunk, *order = request.param
     monkeypatch.setattr(launch, "BWD_VARIANT", schedule)
     monkeypatch.setattr(launch, "BWD_IDX_CHUNK", chunk)
-    return f"{schedule}-chunk{chunk}"
+    monkeypatch.setattr(launch, "BWD_DKDV_ORDER", order[0] if order else "dp-first")
+    return "-".join([schedule, f"chunk{chunk}", *order])
 
 
 def _qkv(hq, hkv, lq, lk, d, seed, dtype=torch.float16):
@@ -141,8 +144,36 @@ def test_split_is_bitwise_reproducible_and_fused_agrees_with_it():
     torch.testing.assert_close(fused[0], first[0], rtol=2e-3, atol=2e-3)  # dQ: another summation order
 
 
+def test_dkdv_issue_order_does_not_change_gradients(monkeypatch):
+    """The two issue orders of dV and dP (launch.BWD_DKDV_ORDER) compute the same products and sums in
+    the same order: gradients bitwise equal. The rows: a window (contiguous runs, masked edges), plus
+    one head whose rows have gaps."""
+    mask = ElementMask((window_term(20, 0),))
+    window = BlockLayout.from_mask(mask, q_len=60, block_q=16, block_k=16)._block_map()[0, 0]  # -1 full, 0 masked
+    gapped = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    bm = torch.stack([window >= -1, gapped])[None]  # [1, 2, 4, 4]
+    partial = torch.stack([window >= 0, torch.zeros_like(gapped)])[None]
+    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=60, kv_len=60, partial=partial, mask=mask)
+    q, k, v = _qkv(2, 1, 60, 60, 16, seed=5)
+    do = torch.randn(1, 2, 60, 16, generator=torch.Generator().manual_seed(6)).half()
+    grads = {}
+    for order in ("dp-first", "dv-first"):
+        monkeypatch.setattr(launch, "BWD_DKDV_ORDER", order)
+        out = attention_op(q, k, v, layout)
+        grads[order] = torch.autograd.grad(out, (q, k, v), do)
+    assert all(torch.isfinite(g).all() for g in grads["dp-first"])
+    assert all(torch.equal(a, b) for a, b in zip(grads["dp-first"], grads["dv-first"]))
+
+
 def test_unknown_backward_variant_is_a_clear_error():
     env = dict(os.environ, SPARSE_ATTN_BWD="fast")
     r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
                        capture_output=True, text=True)
     assert r.returncode != 0 and "SPARSE_ATTN_BWD must be 'fused' or 'split'" in r.stderr
+
+
+def test_unknown_dkdv_issue_order_is_a_clear_error():
+    env = dict(os.environ, SPARSE_ATTN_BWD_DKDV_ORDER="fast")
+    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "SPARSE_ATTN_BWD_DKDV_ORDER must be 'dp-first' or 'dv-first', got 'fast'" in r.stderr

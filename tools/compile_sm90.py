@@ -76,7 +76,12 @@ def variants():
     for n_terms, varlen, (fused, dq_tma), qdo_tma, chunk in itertools.product(
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True), (0, 64)):
         yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms,
-                                      IS_VARLEN=varlen, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, IDX_CHUNK=chunk)
+                                      IS_VARLEN=varlen, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, IDX_CHUNK=chunk,
+                                      DP_FIRST=True)
+    # the other issue order of dV and dP (launch.BWD_DKDV_ORDER), on the default schedule
+    for n_terms, varlen in itertools.product((0, 2), (False, True)):
+        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
+                                      FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=False)
     for n_terms, varlen, chunk, kv_tma in itertools.product((0, 2), (False, True), (0, 64), (False, True)):
         yield K.bwd_dq_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
                                     N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk, KV_TMA=kv_tma)
@@ -89,7 +94,8 @@ def main():
     failed = 0
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
-                                                                 "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA")}
+                                                                 "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
+                                                                 "DP_FIRST")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

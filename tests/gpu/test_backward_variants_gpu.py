@@ -27,10 +27,12 @@ def _layout(kind, lq, lk, bq, bk):
     return BlockLayout.from_mask(mask, q_len=lq, kv_len=lk, block_q=bq, block_k=bk, device="cuda")
 
 
-@pytest.mark.parametrize("variant", ["fused", "fused-ptr", "split"])
+# "split-dvfirst": dV issued before dP (launch.BWD_DKDV_ORDER), the default before the fourteenth session
+@pytest.mark.parametrize("variant", ["fused", "fused-ptr", "split", "split-dvfirst"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-L{c[1]}x{c[2]}-h{c[3]}/{c[4]}-D{c[5]}-b{c[6]}x{c[7]}")
 def test_backward_variant_meets_rule3(variant, case, monkeypatch):
-    monkeypatch.setattr(launch, "BWD_VARIANT", variant)
+    monkeypatch.setattr(launch, "BWD_VARIANT", variant.removesuffix("-dvfirst"))
+    monkeypatch.setattr(launch, "BWD_DKDV_ORDER", "dv-first" if variant.endswith("-dvfirst") else "dp-first")
     kind, lq, lk, hq, hkv, d, bq, bk = case
     layout = _layout(kind, lq, lk, bq, bk)
     mk = lambda h, n: torch.randn(1, h, n, d, device="cuda").bfloat16().requires_grad_()  # noqa: E731
@@ -48,6 +50,26 @@ def test_split_reproducible_fused_within_rounding():
     assert torch.equal(fused[1], first[1]) and torch.equal(fused[2], first[2])
     scale = first[0].abs().max().item()
     assert (fused[0] - first[0]).abs().max().item() <= 1e-2 * scale  # bf16 rounding of an fp32 sum
+
+
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_dkdv_issue_orders_are_bitwise_equal(kind, monkeypatch):
+    """launch.BWD_DKDV_ORDER only reorders the issue of two products: the same bits either way (GQA,
+    a sequence end inside a tile, masked diagonal blocks; random blocks, rows with gaps)."""
+    if kind == "causal":
+        layout = _layout("causal", 1000, 1000, 128, 128)
+    else:
+        bm = torch.rand(1, 8, 8, 8, generator=torch.Generator().manual_seed(1)) < 0.5
+        layout = BlockLayout.from_block_mask(bm, block_q=128, block_k=128, q_len=1000, kv_len=1000).to("cuda")
+    q = torch.randn(1, 8, 1000, 128, device="cuda").bfloat16().requires_grad_()
+    k, v = (torch.randn(1, 2, 1000, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
+    do = torch.randn_like(q)
+    grads = {}
+    for order in ("dp-first", "dv-first"):
+        monkeypatch.setattr(launch, "BWD_DKDV_ORDER", order)
+        grads[order] = torch.autograd.grad(attention_op(q, k, v, layout), (q, k, v), do)
+    assert all(torch.isfinite(g).all() for g in grads["dp-first"])
+    assert all(torch.equal(a, b) for a, b in zip(grads["dp-first"], grads["dv-first"]))
 
 
 def test_varlen_split_matches_fused(monkeypatch):

@@ -401,7 +401,8 @@ def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c):
 def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
                dq_base, start_m, q_len, k_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqm, qk_scale,
                sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
-               MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr):
+               MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr,
+               DP_FIRST: tl.constexpr):
     """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products).
     FUSED_DQ: also add the tile's dQ share, sm_scale * dS @ K, into the fp32 accumulator DQA (TMA
     reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0, and so do keys past
@@ -429,8 +430,16 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
     if MASKED:
         if mid >= 0:
             b_pt = tl.where(_allowed((o_m + offset)[None, :], pos_k, TERMS, mid, N_TERMS), b_pt, 0.0)
-    b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
-    b_dst = (b_pt * (tl.dot(b_v, tl.trans(b_do)) - b_delta[None, :])).to(b_q.dtype)  # [BN, BM]
+    if DP_FIRST:
+        # dP first: Triton 3.6 waits for a non-accumulator product right after issuing it but leaves the
+        # accumulating dV product in flight, so dS below is computed while dV runs on the tensor cores
+        # (issued the other way round, one wait drains both and dS overlaps nothing)
+        b_dpt = tl.dot(b_v, tl.trans(b_do))  # [BN, BM]
+        b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
+    else:
+        b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
+        b_dpt = tl.dot(b_v, tl.trans(b_do))
+    b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)  # [BN, BM]
     b_dk = tl.dot(b_dst, b_q, b_dk)
     if FUSED_DQ:
         b_dq = tl.dot(tl.trans(b_dst), b_k) * sm_scale  # [BM, D]
@@ -462,6 +471,7 @@ def bwd_dkdv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
+    DP_FIRST: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -527,7 +537,8 @@ def bwd_dkdv_kernel(
                                                 desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, k_len,
                                                 offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
                                                 sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
-                                                N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
+                                                N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA,
+                                                DP_FIRST)
             else:
                 for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
                     start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
@@ -535,7 +546,7 @@ def bwd_dkdv_kernel(
                                             q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
                                             pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
                                             tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
-                                            phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA)
+                                            phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
