@@ -1,6 +1,7 @@
 """Both backward schedules on the GPU: "fused" (dQ by TMA reduce-adds or pointer atomics inside the
-dK/dV kernel, the default) and "split" (separate dQ kernel). Rule 3 against the fp64 oracle for each,
-split bitwise reproducible, fused within rounding of split. Inputs are fresh random draws per case."""
+dK/dV kernel) and "split" (separate dQ kernel, the default), and the dK/dV kernel's two issue orders.
+Rule 3 against the fp64 oracle for each, split bitwise reproducible, fused within rounding of split,
+the issue orders bitwise equal. Inputs are fresh random draws per case."""
 from __future__ import annotations
 
 import pytest
