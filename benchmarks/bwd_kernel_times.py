@@ -12,36 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
-
-import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bwd_flex_probe import backwards  # noqa: E402
+from grouped_profile import kernel_ms  # noqa: E402
 
 from sparse_attn.bench.results import make_header  # noqa: E402
 from sparse_attn.ops.block_sparse import launch  # noqa: E402
 
 REPS = 5
 OURS = {"split-regs": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DQ_SIDE_STREAM": False})}
-
-
-def kernel_ms(fn) -> dict[str, float]:
-    """{kernel name: mean ms per call} over REPS calls of fn, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPS):
-            fn()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name[:60]] += e.device_time / 1000 / REPS
-    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
 
 
 def main():
@@ -54,7 +35,7 @@ def main():
         for hkv in (32, 8):
             fns, _ = backwards(case, hkv, OURS)
             for name, fn in fns.items():
-                ms = kernel_ms(fn)
+                ms = kernel_ms(fn, REPS)
                 row = dict(case=case, hkv=hkv, provider=name, kernels_ms=ms, total_ms=sum(ms.values()))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
