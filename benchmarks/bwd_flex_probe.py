@@ -35,7 +35,7 @@ from sparse_attn.patterns import to_flex  # noqa: E402
 
 # name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
 # (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
-DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first"}
+DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto"}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
@@ -45,6 +45,10 @@ VARIANTS = {
     "split-regs-dqkvptr": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DQ_KV": "ptr"}),
     # the split default before the fourteenth session: dV issued before dP
     "split-regs-dvfirst": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_ORDER": "dv-first"}),
+    # where the dK/dV kernel's loop over a kv head's query heads sits (launch.BWD_DKDV_HEADS; the
+    # default "auto" is inside for GQA, outside without)
+    "split-regs-heads-inside": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_HEADS": "inside"}),
+    "split-regs-heads-outside": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_HEADS": "outside"}),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {

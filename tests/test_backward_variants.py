@@ -165,6 +165,43 @@ def test_dkdv_issue_order_does_not_change_gradients(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(grads["dp-first"], grads["dv-first"]))
 
 
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_dkdv_head_loop_placement_does_not_change_gradients(monkeypatch, hkv):
+    """The dK/dV kernel's loop over a kv head's query heads inside or outside the two phases
+    (launch.BWD_DKDV_HEADS) visits the same (head, block) pairs. One query head per kv head: the
+    same order, gradients bitwise equal. Two (GQA): only dK/dV's fp32 summation order differs, so
+    they agree to rounding, and dQ (another kernel) is bitwise equal. Heads with different rows: a
+    window (masked edges), gaps, and a head with every block."""
+    mask = ElementMask((window_term(20, 0),))
+    window = BlockLayout.from_mask(mask, q_len=60, block_q=16, block_k=16)._block_map()[0, 0]  # -1 full, 0 masked
+    gapped = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    bm = torch.stack([window >= -1, gapped, gapped.flip(1), torch.ones_like(gapped)])[None]  # [1, 4, 4, 4]
+    partial = torch.stack([window >= 0] + [torch.zeros_like(gapped)] * 3)[None]
+    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=60, kv_len=60, partial=partial, mask=mask)
+    q, k, v = _qkv(4, hkv, 60, 60, 16, seed=7)
+    do = torch.randn(1, 4, 60, 16, generator=torch.Generator().manual_seed(8)).half()
+    grads = {}
+    for heads in ("inside", "outside"):
+        monkeypatch.setattr(launch, "BWD_DKDV_HEADS", heads)
+        out = attention_op(q, k, v, layout)
+        grads[heads] = torch.autograd.grad(out, (q, k, v), do)
+    (dq_in, dk_in, dv_in), (dq_out, dk_out, dv_out) = grads["inside"], grads["outside"]
+    assert all(torch.isfinite(g).all() for g in grads["inside"])
+    assert torch.equal(dq_in, dq_out)
+    if hkv == 4:
+        assert torch.equal(dk_in, dk_out) and torch.equal(dv_in, dv_out)
+    else:
+        torch.testing.assert_close(dk_in, dk_out, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(dv_in, dv_out, rtol=2e-3, atol=2e-3)
+
+
+def test_unknown_dkdv_head_loop_placement_is_a_clear_error():
+    env = dict(os.environ, SPARSE_ATTN_BWD_DKDV_HEADS="middle")
+    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "SPARSE_ATTN_BWD_DKDV_HEADS must be 'auto', 'inside' or 'outside', got 'middle'" in r.stderr
+
+
 def test_unknown_backward_variant_is_a_clear_error():
     env = dict(os.environ, SPARSE_ATTN_BWD="fast")
     r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,

@@ -4,7 +4,10 @@ syntax/type errors and shared-memory/register use show up before any device time
     python tools/compile_sm90.py            # prints one line per variant, exit 1 on any failure
 """
 import itertools
+import os
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -38,6 +41,23 @@ def signature(fn, consts):
         else:
             sig[name] = "*bf16"
     return sig
+
+
+def wgmma_serialized(cubin):
+    """True when ptxas waits for every wgmma right after issuing it (one WARPGROUP.DEPBAR per HGMMA in
+    the SASS): the tensor-core pipeline is then off. ptxas does this without a warning in some loop
+    nests (benchmarks/NOTES.md, backward item 16); a healthy kernel waits once per product of several
+    HGMMAs. None when nvdisasm (shipped with Triton's NVIDIA backend) is missing."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    hgmma = sum(sass.count(op) for op in ("HGMMA.", "IGMMA.", "QGMMA."))
+    waits = sass.count("WARPGROUP.DEPBAR")
+    return hgmma > 0 and waits >= hgmma
 
 
 def divisibility(fn, sig):
@@ -77,11 +97,18 @@ def variants():
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True), (0, 64)):
         yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms,
                                       IS_VARLEN=varlen, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, IDX_CHUNK=chunk,
-                                      DP_FIRST=True)
+                                      DP_FIRST=True, HEADS_INSIDE=True)
     # the other issue order of dV and dP (launch.BWD_DKDV_ORDER), on the default schedule
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
         yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
-                                      FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=False)
+                                      FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=False,
+                                      HEADS_INSIDE=True)
+    # one query head per kv head: the JIT specializes G == 1 to a constant, which removes the head loop;
+    # there launch.BWD_DKDV_HEADS "auto" puts the (one) head outside the phases
+    for n_terms, varlen in itertools.product((0, 2), (False, True)):
+        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
+                                      FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True, G=1,
+                                      HEADS_INSIDE=False)
     for n_terms, varlen, chunk, kv_tma in itertools.product((0, 2), (False, True), (0, 64), (False, True)):
         yield K.bwd_dq_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
                                     N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk, KV_TMA=kv_tma)
@@ -92,10 +119,11 @@ def variants():
 def main():
     target = GPUTarget("cuda", 90, 32)
     failed = 0
+    print(f"triton {triton.__version__}")  # what ptxas does differs between versions (NOTES.md)
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
-                                                                 "DP_FIRST")}
+                                                                 "DP_FIRST", "G", "HEADS_INSIDE")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,
@@ -103,6 +131,8 @@ def main():
             ptx = c.asm.get("ptx", "")
             if c.metadata.shared > SMEM_LIMIT:  # compiles, but a launch would fail with OutOfResources
                 raise RuntimeError(f"shared memory {c.metadata.shared} B over the sm_90 limit {SMEM_LIMIT} B")
+            if wgmma_serialized(c.asm["cubin"]):
+                raise RuntimeError("every wgmma is waited for right after issue (serialized tensor-core pipeline)")
             print(f"ok   {fn.__name__:16s} {flags} smem={c.metadata.shared} wgmma={'wgmma' in ptx} "
                   f"tma={'cp.async.bulk.tensor' in ptx}")
         except Exception as e:  # noqa: BLE001 - report every failure, keep going

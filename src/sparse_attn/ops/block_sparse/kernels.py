@@ -452,6 +452,64 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
 
 
 @triton.jit
+def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS,
+               i_b, kb, q0, q_len, k_len, l0, offset, o_d, pos_k, qk_scale, sm_scale,
+               stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh,
+               stride_dqab, stride_dqah, stride_dqam, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+               N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+               QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
+               PHASE_HI: tl.constexpr):
+    """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
+    layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv."""
+    SUB: tl.constexpr = BLOCK_Q // BLOCK_M
+    p_cnt = i_b * stride_cb + i_h * stride_ch + kb
+    count = tl.load(T_COUNTS + p_cnt)
+    n_full = tl.load(T_N_FULL + p_cnt)
+    p_row = i_b * stride_ib + i_h * stride_ih + kb * stride_iq
+    q_base = i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + q0.to(tl.int64) * stride_qm
+    do_base = i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + q0.to(tl.int64) * stride_dom
+    l_base = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + l0
+    dq_base = i_b.to(tl.int64) * stride_dqab + i_h.to(tl.int64) * stride_dqah + q0.to(tl.int64) * stride_dqam
+    if DQ_TMA:  # this head's rows of the sequence; the reduce-add clips rows past q_len
+        desc_dq = _rows_desc(DQA, dq_base, q_len, stride_dqam, BLOCK_M, HEAD_DIM, D_PAD, True)
+    else:  # DQA is None outside the fused schedule
+        desc_dq = DQA
+    # this head's rows of the sequence, [q_len, D]
+    desc_q = _rows_desc(Q, q_base, q_len, stride_qm, BLOCK_M, HEAD_DIM, D_PAD, QDO_TMA)
+    desc_do = _rows_desc(DO, do_base, q_len, stride_dom, BLOCK_M, HEAD_DIM, D_PAD, QDO_TMA)
+    # phase 0: the query blocks no element mask touches; phase 1: masked ones or crossing the end.
+    # (In phase 0 the mask ids are never used: their loads are dead code and compile away.)
+    for phase in tl.static_range(PHASE_LO, PHASE_HI):
+        lo = 0 if phase == 0 else n_full
+        hi = n_full if phase == 0 else count
+        if IDX_CHUNK > 0:
+            # Indices come from registers, one chunk at a time: an index load inside the pipelined
+            # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
+            # of the iteration before their use, exposing their latency every iteration.
+            o_c = tl.arange(0, IDX_CHUNK)
+            for c0 in range(lo, hi, IDX_CHUNK):
+                blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c)
+                for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
+                    start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
+                    b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
+                                            desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, k_len,
+                                            offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
+                                            sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
+                                            N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA,
+                                            DP_FIRST)
+        else:
+            for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
+                start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
+                b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
+                                        q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
+                                        pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
+                                        tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
+                                        phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST)
+    return b_dk, b_dv
+
+
+@triton.jit
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
     T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K, CU_DK, CU_L,
@@ -471,7 +529,7 @@ def bwd_dkdv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
-    DP_FIRST: tl.constexpr,
+    DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -488,7 +546,6 @@ def bwd_dkdv_kernel(
     if i_n * BLOCK_N >= k_len:
         return
     offset = k_len - q_len
-    SUB: tl.constexpr = BLOCK_Q // BLOCK_M
     kb = (i_n * BLOCK_N) // BLOCK_K
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, D_PAD)
@@ -502,51 +559,23 @@ def bwd_dkdv_kernel(
     b_dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     pos_k = o_n[:, None]
     l0 = _rows_start(CU_L, i_b, IS_VARLEN)
-    for g in range(0, G):
-        i_h = i_hk * G + g
-        p_cnt = i_b * stride_cb + i_h * stride_ch + kb
-        count = tl.load(T_COUNTS + p_cnt)
-        n_full = tl.load(T_N_FULL + p_cnt)
-        p_row = i_b * stride_ib + i_h * stride_ih + kb * stride_iq
-        q_base = i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + q0.to(tl.int64) * stride_qm
-        do_base = i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + q0.to(tl.int64) * stride_dom
-        l_base = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + l0
-        dq_base = i_b.to(tl.int64) * stride_dqab + i_h.to(tl.int64) * stride_dqah + q0.to(tl.int64) * stride_dqam
-        if DQ_TMA:  # this head's rows of the sequence; the reduce-add clips rows past q_len
-            desc_dq = _rows_desc(DQA, dq_base, q_len, stride_dqam, BLOCK_M, HEAD_DIM, D_PAD, True)
-        else:  # DQA is None outside the fused schedule
-            desc_dq = DQA
-        # this head's rows of the sequence, [q_len, D]
-        desc_q = _rows_desc(Q, q_base, q_len, stride_qm, BLOCK_M, HEAD_DIM, D_PAD, QDO_TMA)
-        desc_do = _rows_desc(DO, do_base, q_len, stride_dom, BLOCK_M, HEAD_DIM, D_PAD, QDO_TMA)
-        # phase 0: the query blocks no element mask touches; phase 1: masked ones or crossing the end.
-        # (In phase 0 the mask ids are never used: their loads are dead code and compile away.)
+    # one head's work: _dkdv_head(.., i_h, first phase, end phase)
+    args = (b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, i_b, kb, q0,
+            q_len, k_len, l0, offset, o_d, pos_k, qk_scale, sm_scale, stride_qb, stride_qh, stride_qm, stride_dob,
+            stride_doh, stride_dom, stride_lb, stride_lh, stride_dqab, stride_dqah, stride_dqam, stride_cb,
+            stride_ch, stride_ib, stride_ih, stride_iq)
+    if HEADS_INSIDE:
+        # heads inside the phases: with the head loop outside (heads, then phases), ptxas (CUDA 13,
+        # sm_90) waited for every wgmma right after issuing it whenever G > 1 (the JIT specializes
+        # G == 1 away), with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
         for phase in tl.static_range(2):
-            lo = 0 if phase == 0 else n_full
-            hi = n_full if phase == 0 else count
-            if IDX_CHUNK > 0:
-                # Indices come from registers, one chunk at a time: an index load inside the pipelined
-                # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
-                # of the iteration before their use, exposing their latency every iteration.
-                o_c = tl.arange(0, IDX_CHUNK)
-                for c0 in range(lo, hi, IDX_CHUNK):
-                    blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c)
-                    for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
-                        start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-                        b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
-                                                desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, k_len,
-                                                offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
-                                                sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
-                                                N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA,
-                                                DP_FIRST)
-            else:
-                for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
-                    start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
-                    b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
-                                            q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
-                                            pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
-                                            tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
-                                            phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST)
+            for g in range(0, G):
+                b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + g, *args, HEAD_DIM, D_PAD, BLOCK_Q, BLOCK_M, N_TERMS,
+                                        NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST, phase, phase + 1)
+    else:
+        for g in range(0, G):
+            b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + g, *args, HEAD_DIM, D_PAD, BLOCK_Q, BLOCK_M, N_TERMS,
+                                    NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST, 0, 2)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)

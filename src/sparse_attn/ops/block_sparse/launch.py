@@ -66,6 +66,13 @@ _SIDE_STREAMS: dict = {}
 BWD_DKDV_ORDER = os.environ.get("SPARSE_ATTN_BWD_DKDV_ORDER", "dp-first")
 if BWD_DKDV_ORDER not in ("dp-first", "dv-first"):
     raise ValueError(f"SPARSE_ATTN_BWD_DKDV_ORDER must be 'dp-first' or 'dv-first', got {BWD_DKDV_ORDER!r}")
+# dK/dV kernel: where its loop over the G query heads of a kv head sits, "inside" the two phases
+# (unmasked blocks, masked blocks) or "outside" them; "auto": inside when G > 1. Outside, ptxas
+# serialized every wgmma of the kernel for G > 1 (benchmarks/NOTES.md, backward item 16); for G == 1
+# the JIT removes the head loop and "outside" is the code measured before that fix.
+BWD_DKDV_HEADS = os.environ.get("SPARSE_ATTN_BWD_DKDV_HEADS", "auto")
+if BWD_DKDV_HEADS not in ("auto", "inside", "outside"):
+    raise ValueError(f"SPARSE_ATTN_BWD_DKDV_HEADS must be 'auto', 'inside' or 'outside', got {BWD_DKDV_HEADS!r}")
 # benchmarks only (benchmarks/bwd_probe.py): kind ("dkdv" / "dkdv-fused" / "dq") -> configs replacing bwd_configs;
 # clear _TUNED after changing it
 BWD_SPACE_OVERRIDE: dict = {}
@@ -470,8 +477,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         dk = k.new_empty(dk_rows.numel(), *k.shape[1:], dtype=torch.float32)
         dv = v.new_empty(dk_rows.numel(), *v.shape[1:], dtype=torch.float32)
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
+    heads_inside = BWD_DKDV_HEADS == "inside" or (BWD_DKDV_HEADS == "auto" and H > hkv)
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
-                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA"),
+                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
@@ -483,7 +491,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
         hkv, H // hkv, Lq, Lk, seq_step, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma,
-        IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", **common)
+        IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
