@@ -148,6 +148,9 @@ def main(argv=None) -> int:
                                   f"K/V bytes loop/one x{row['kv_bytes_ratio']:.2f}  diff {row['max_abs_diff']:.1e}",
                                   flush=True)
     payload = {**make_header(device, "grouped"), "config": vars(a), "rows": rows}
+    if device.type == "cuda":  # the configs the autotuner chose, per kernel family and key (length class)
+        from sparse_attn.ops.block_sparse.launch import autotune_picks
+        payload["autotune_picks"] = autotune_picks()
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(payload, indent=1))

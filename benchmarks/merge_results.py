@@ -88,8 +88,10 @@ def table(merged: dict) -> str:
         lines.append(f"| {key[0]} | {key[1] // 1024}K | {key[2]} | {key[3]} | {key[4]} | {ours['density']:.3f} | "
                      f"{ours['ms']:.2f} | {ours['tflops']:.0f} | {f_tf} | {ratio} | {c_ms} | {c_sp} |")
     h = merged["header"]
+    dates = sorted({s["date"][:10] for s in h["slices"]})  # each slice keeps the date it was measured
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]} (each slice's date in the JSON)"
     lines.append("")
-    lines.append(f"{h['gpu']}, torch {h['torch']}, triton {h['triton']}, {h['date'][:10]}; bf16, B=1, H=32. "
+    lines.append(f"{h['gpu']}, torch {h['torch']}, triton {h['triton']}, {when}; bf16, B=1, H=32. "
                  "TFLOP/s are effective (blocks visited x 4·B·H·block²·D, fwd+bwd counted x3.5); "
                  "cuDNN rows are dense (causal-dense for causal patterns) attention. "
                  "¹ Flex failed in that run: at D=64 its compiled kernel needs 245,760 B of shared memory "

@@ -1,14 +1,17 @@
 """The GPU autotune spaces (launch.fwd_configs / bwd_configs), checked without a GPU.
 
-The autotune key leaves out sequence length and Triton caches its pick on disk, so whatever a first
-small call picks is kept for every later length. A space may therefore only offer tiles that are
-never far from the best at long lengths (measured on the H100: benchmarks/NOTES.md,
-results/fwd-tile-probe-*.json, bwd-configs-h100.json)."""
+The autotune key holds only a power-of-two class of the sequence length (launch._tune_class) and
+Triton caches its pick on disk, so whatever a first call picks is kept for every later length of its
+class, in later processes too. A space may therefore only offer tiles that are never far from the
+best across a class (measured on the H100: benchmarks/NOTES.md, results/fwd-tile-probe-*.json,
+bwd-configs-h100.json)."""
 from __future__ import annotations
+
+import inspect
 
 import pytest
 
-from sparse_attn.ops.block_sparse import launch
+from sparse_attn.ops.block_sparse import kernels, launch
 
 
 @pytest.fixture
@@ -91,3 +94,19 @@ def test_autotune_picks_lists_tuned_families_only(monkeypatch):
     assert set(picks) == {str(fwd), str(bwd)}
     assert picks[str(fwd)] == {"(128, 'torch.bfloat16')": "BLOCK_M: 128, BLOCK_N: 128"}
     assert set(launch.autotune_picks("fwd")) == {str(fwd)}
+
+
+@pytest.mark.parametrize("lq, lk, cls", [(1, 1, 1), (2, 2, 1), (3, 1, 2), (8192, 8192, 13), (8193, 100, 14),
+                                         (100, 16384, 14), (16385, 16384, 15), (131072, 4096, 17)])
+def test_tune_class_is_the_power_of_two_above_the_longer_length(lq, lk, cls):
+    assert launch._tune_class(lq, lk) == cls
+
+
+@pytest.mark.parametrize("kernel", [kernels.fwd_kernel, kernels.bwd_dkdv_kernel, kernels.bwd_dq_kernel])
+def test_launched_kernels_key_their_autotuning_on_the_length_class_without_recompiling(kernel):
+    """TUNE_CLASS is a kernel argument (Triton's autotuner keys on arguments only) in the shared key,
+    and unspecialized: a class value divisible by 16 must not compile another kernel."""
+    assert "TUNE_CLASS" in launch._KEY and "TUNE_CLASS" in kernel.arg_names
+    # the interpreter's wrapper drops the decorator's arguments: read them from the source
+    decorator = inspect.getsource(getattr(kernel, "fn", kernel)).splitlines()[0]
+    assert decorator == '@triton.jit(do_not_specialize=["TUNE_CLASS"])'

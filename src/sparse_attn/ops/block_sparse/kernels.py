@@ -11,6 +11,8 @@ Positions: query row i has position p = i + (k_len - q_len) (bottom-right alignm
 evaluated on (p, j) from the int32 term table (see sparse_attn.masks).
 Varlen: sequence b spans tokens [BOUNDS[b * SEQ_STEP], BOUNDS[b * SEQ_STEP + 1]): SEQ_STEP 1 reads
 cu_seqlens (adjacent sequences), 2 reads (start, end) pairs (grouped attention: K/V slices may overlap).
+TUNE_CLASS (the launched kernels): unused in the body; the autotune key's length class (launch._tune_class),
+an argument because Triton's autotuner keys on arguments only; not specialized, so it never recompiles.
 QUANT (forward only): 0 fp16/bf16 inputs; 1 int8 Q/K with per-row fp32 scales (SageAttention's
 per-block/warp/thread groups expanded to rows); 2 as 1 plus FP8 e4m3 P.V with V transposed
 [.., D, L] and scaled per channel (packed: [H, D, columns], sequence b from column vt_column0).
@@ -197,7 +199,7 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
     return b_m, b_l, b_acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TUNE_CLASS"])
 def fwd_kernel(
     Q, K, V, O, LSE,
     COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE,
@@ -210,7 +212,7 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    H, G, Lq, Lk, SEQ_STEP,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -509,7 +511,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
     return b_dk, b_dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TUNE_CLASS"])
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
     T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K, CU_DK, CU_L,
@@ -524,7 +526,7 @@ def bwd_dkdv_kernel(
     stride_dqab, stride_dqah, stride_dqam,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    HKV, G, Lq, Lk, SEQ_STEP,
+    HKV, G, Lq, Lk, SEQ_STEP, TUNE_CLASS,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -616,7 +618,7 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_
     return tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TUNE_CLASS"])
 def bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ,
     COUNTS, N_FULL, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, CU_L,
@@ -629,7 +631,7 @@ def bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    H, G, Lq, Lk, SEQ_STEP,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_CHUNK: tl.constexpr,

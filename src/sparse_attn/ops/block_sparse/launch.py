@@ -231,7 +231,8 @@ def autotune_picks(kind: str | None = None) -> dict[str, dict[str, str]]:
 def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple, variant: str = "ptr",
            reset_to_zero: tuple = (), eight_bit: bool = False):
     """The autotuned kernel for this (layout blocks, head dim) family. Autotune key is on head dim,
-    dtype and flags, never on raw sequence length (which would recompile per length).
+    dtype, flags and the length class (_tune_class), never on raw sequence length (which would
+    re-tune per length).
     ``reset_to_zero``: accumulator arguments the autotuner re-zeroes around its trial runs.
     ``eight_bit``: the forward's int8 / FP8 config space (fwd_configs)."""
     k = (kind, block_q, block_k, d_pad, variant, eight_bit)
@@ -279,7 +280,16 @@ class _Fixed:
         return run
 
 
-_KEY = ("HEAD_DIM", "D_PAD", "BLOCK_Q", "BLOCK_K", "N_TERMS", "IS_VARLEN")
+_KEY = ("HEAD_DIM", "D_PAD", "BLOCK_Q", "BLOCK_K", "N_TERMS", "IS_VARLEN", "TUNE_CLASS")
+
+
+def _tune_class(lq: int, lk: int) -> int:
+    """The autotune key's length class: ceil(log2(max(lq, lk))), so a config is tuned once per power of
+    two of the (max) sequence length rather than once per process. Without it the first call's length
+    decided for every later one, and through Triton's on-disk autotune cache for later processes too:
+    grouped_bench.py tuned the packed forward at 8K (128x128 tiles, 2 stages) and ran 16K-32K with it,
+    8-16% slower than with the 3 stages tuned at those lengths (results/grouped-fwd-configs-h100.json)."""
+    return (max(lq, lk, 2) - 1).bit_length()
 
 
 def _layout_strides(counts: torch.Tensor, indices: torch.Tensor) -> tuple:
@@ -377,7 +387,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
         *l_strides, *_layout_strides(counts, indices),
         *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
-        H, H // hkv, Lq, Lk, seq_step,
+        H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk),
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous and not FORCE_INDEXED, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
         K_SCALE_SPAN=k_scale_span)
@@ -490,7 +500,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
-        hkv, H // hkv, Lq, Lk, seq_step, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma,
+        hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma,
         IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside, **common)
     if fused:
         dq = dqa.to(q.dtype)
@@ -507,7 +517,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-                H, H // hkv, Lq, Lk, seq_step, IDX_CHUNK=BWD_IDX_CHUNK, KV_TMA=kv_tma, **common)
+                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), IDX_CHUNK=BWD_IDX_CHUNK, KV_TMA=kv_tma, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
