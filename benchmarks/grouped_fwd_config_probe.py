@@ -1,11 +1,12 @@
 """Grouped forward (one launch, packed) vs the per-group loop with the forward's tile config pinned:
 is the grouped forward's loss at 16K+ (grouped-h100.json) the config the autotuner picked, or the
-kernel? The autotune key leaves out the sequence length, so the config is tuned at whatever length
-comes first in a process (grouped_bench.py starts at 8K).
+kernel? Written when the autotune key left out the sequence length, so the config was tuned at
+whatever length came first in a process (grouped_bench.py starts at 8K); the key now holds a
+power-of-two length class (launch._tune_class), the fix this probe led to.
 
 Each row pins ``launch.fwd_configs`` to one config (both paths use it; autotuning off for the forward)
 and times grouped_attention and the loop as grouped_bench.py does (``run_row``, forward only).
-"auto" rows use the autotuner as shipped, tuned at the row's own length (a fresh tuning per row).
+"auto" rows use the autotuner as shipped, tuned at the row's own length.
 
     python benchmarks/grouped_fwd_config_probe.py --out $OUT/grouped-fwd-configs-h100.json
 """

@@ -144,23 +144,34 @@ def test_split_is_bitwise_reproducible_and_fused_agrees_with_it():
     torch.testing.assert_close(fused[0], first[0], rtol=2e-3, atol=2e-3)  # dQ: another summation order
 
 
-def test_dkdv_issue_order_does_not_change_gradients(monkeypatch):
-    """The two issue orders of dV and dP (launch.BWD_DKDV_ORDER) compute the same products and sums in
-    the same order: gradients bitwise equal. The rows: a window (contiguous runs, masked edges), plus
-    one head whose rows have gaps."""
+def _mixed_rows_layout(n_heads: int) -> BlockLayout:
+    """60 tokens, 16-token blocks, heads with different rows (the first n_heads of): a window
+    (contiguous runs, masked edges), rows with gaps, their mirror image, every block."""
     mask = ElementMask((window_term(20, 0),))
     window = BlockLayout.from_mask(mask, q_len=60, block_q=16, block_k=16)._block_map()[0, 0]  # -1 full, 0 masked
     gapped = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    bm = torch.stack([window >= -1, gapped])[None]  # [1, 2, 4, 4]
-    partial = torch.stack([window >= 0, torch.zeros_like(gapped)])[None]
-    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=60, kv_len=60, partial=partial, mask=mask)
-    q, k, v = _qkv(2, 1, 60, 60, 16, seed=5)
-    do = torch.randn(1, 2, 60, 16, generator=torch.Generator().manual_seed(6)).half()
+    bm = torch.stack([window >= -1, gapped, gapped.flip(1), torch.ones_like(gapped)][:n_heads])[None]
+    partial = torch.stack(([window >= 0] + [torch.zeros_like(gapped)] * 3)[:n_heads])[None]
+    return BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=60, kv_len=60, partial=partial, mask=mask)
+
+
+def _grads_per_setting(monkeypatch, attr: str, values: tuple, hq: int, hkv: int, seed: int) -> dict:
+    """{value: (dq, dk, dv)} of one backward per value of launch.<attr>, same inputs and layout."""
+    layout = _mixed_rows_layout(hq)
+    q, k, v = _qkv(hq, hkv, 60, 60, 16, seed=seed)
+    do = torch.randn(1, hq, 60, 16, generator=torch.Generator().manual_seed(seed + 1)).half()
     grads = {}
-    for order in ("dp-first", "dv-first"):
-        monkeypatch.setattr(launch, "BWD_DKDV_ORDER", order)
+    for value in values:
+        monkeypatch.setattr(launch, attr, value)
         out = attention_op(q, k, v, layout)
-        grads[order] = torch.autograd.grad(out, (q, k, v), do)
+        grads[value] = torch.autograd.grad(out, (q, k, v), do)
+    return grads
+
+
+def test_dkdv_issue_order_does_not_change_gradients(monkeypatch):
+    """The two issue orders of dV and dP (launch.BWD_DKDV_ORDER) compute the same products and sums in
+    the same order: gradients bitwise equal. The rows: a window and a head whose rows have gaps."""
+    grads = _grads_per_setting(monkeypatch, "BWD_DKDV_ORDER", ("dp-first", "dv-first"), hq=2, hkv=1, seed=5)
     assert all(torch.isfinite(g).all() for g in grads["dp-first"])
     assert all(torch.equal(a, b) for a, b in zip(grads["dp-first"], grads["dv-first"]))
 
@@ -170,21 +181,8 @@ def test_dkdv_head_loop_placement_does_not_change_gradients(monkeypatch, hkv):
     """The dK/dV kernel's loop over a kv head's query heads inside or outside the two phases
     (launch.BWD_DKDV_HEADS) visits the same (head, block) pairs. One query head per kv head: the
     same order, gradients bitwise equal. Two (GQA): only dK/dV's fp32 summation order differs, so
-    they agree to rounding, and dQ (another kernel) is bitwise equal. Heads with different rows: a
-    window (masked edges), gaps, and a head with every block."""
-    mask = ElementMask((window_term(20, 0),))
-    window = BlockLayout.from_mask(mask, q_len=60, block_q=16, block_k=16)._block_map()[0, 0]  # -1 full, 0 masked
-    gapped = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    bm = torch.stack([window >= -1, gapped, gapped.flip(1), torch.ones_like(gapped)])[None]  # [1, 4, 4, 4]
-    partial = torch.stack([window >= 0] + [torch.zeros_like(gapped)] * 3)[None]
-    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=60, kv_len=60, partial=partial, mask=mask)
-    q, k, v = _qkv(4, hkv, 60, 60, 16, seed=7)
-    do = torch.randn(1, 4, 60, 16, generator=torch.Generator().manual_seed(8)).half()
-    grads = {}
-    for heads in ("inside", "outside"):
-        monkeypatch.setattr(launch, "BWD_DKDV_HEADS", heads)
-        out = attention_op(q, k, v, layout)
-        grads[heads] = torch.autograd.grad(out, (q, k, v), do)
+    they agree to rounding, and dQ (another kernel) is bitwise equal."""
+    grads = _grads_per_setting(monkeypatch, "BWD_DKDV_HEADS", ("inside", "outside"), hq=4, hkv=hkv, seed=7)
     (dq_in, dk_in, dv_in), (dq_out, dk_out, dv_out) = grads["inside"], grads["outside"]
     assert all(torch.isfinite(g).all() for g in grads["inside"])
     assert torch.equal(dq_in, dq_out)
