@@ -561,23 +561,20 @@ def bwd_dkdv_kernel(
     b_dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     pos_k = o_n[:, None]
     l0 = _rows_start(CU_L, i_b, IS_VARLEN)
-    # one head's work: _dkdv_head(.., i_h, first phase, end phase)
-    args = (b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, i_b, kb, q0,
-            q_len, k_len, l0, offset, o_d, pos_k, qk_scale, sm_scale, stride_qb, stride_qh, stride_qm, stride_dob,
-            stride_doh, stride_dom, stride_lb, stride_lh, stride_dqab, stride_dqah, stride_dqam, stride_cb,
-            stride_ch, stride_ib, stride_ih, stride_iq)
-    if HEADS_INSIDE:
-        # heads inside the phases: with the head loop outside (heads, then phases), ptxas (CUDA 13,
-        # sm_90) waited for every wgmma right after issuing it whenever G > 1 (the JIT specializes
-        # G == 1 away), with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
-        for phase in tl.static_range(2):
-            for g in range(0, G):
-                b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + g, *args, HEAD_DIM, D_PAD, BLOCK_Q, BLOCK_M, N_TERMS,
-                                        NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST, phase, phase + 1)
-    else:
+    # HEADS_INSIDE: one pass per phase, each over all heads; else one pass over both phases per head.
+    # Heads inside because with the head loop outside (heads, then phases) ptxas (CUDA 13, sm_90)
+    # waited for every wgmma right after issuing it whenever G > 1 (the JIT specializes G == 1 away),
+    # with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
+    PASSES: tl.constexpr = 2 if HEADS_INSIDE else 1
+    for p in tl.static_range(PASSES):
         for g in range(0, G):
-            b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + g, *args, HEAD_DIM, D_PAD, BLOCK_Q, BLOCK_M, N_TERMS,
-                                    NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST, 0, 2)
+            b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + g, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N_FULL,
+                                    T_INDICES, T_MASK_IDS, TERMS, i_b, kb, q0, q_len, k_len, l0, offset, o_d, pos_k,
+                                    qk_scale, sm_scale, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
+                                    stride_dom, stride_lb, stride_lh, stride_dqab, stride_dqah, stride_dqam,
+                                    stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, D_PAD, BLOCK_Q,
+                                    BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
+                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
