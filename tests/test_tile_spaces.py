@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import triton
 
 from sparse_attn.ops.block_sparse import kernels, launch
 
@@ -28,6 +29,32 @@ def test_bf16_forward_offers_only_128_row_tiles_at_d128(gpu_spaces):
     # one-warpgroup 64-row tiles are 1.2-1.4x slower for bf16 at 16K-32K (fwd-tile-probe-*.json)
     tiles = _tiles(launch.fwd_configs(128, 128, 128, "tma"))
     assert tiles and all(m == 128 and w == 8 for m, _, w, _ in tiles)
+
+
+@pytest.mark.parametrize("tune_class, expect", [(14, "all"), (15, "pinned"), (17, "pinned")])
+def test_long_bf16_forward_is_pinned_to_the_measured_best_tile(gpu_spaces, tune_class, expect):
+    # fwd-config-probe-h100.json: 128x128 at 3 stages best at 32K and 128K; autotuning there lost 2-7%
+    space = launch.fwd_configs(128, 128, 128, "tma")
+    kept = launch._prune_long_fwd(space, {"TUNE_CLASS": tune_class})
+    if expect == "all":
+        assert kept == space and len(space) > 1
+    else:
+        assert _tiles(kept) == [(128, 128, 8, 3)]
+
+
+def test_long_forward_prune_keeps_spaces_without_the_pinned_tile(gpu_spaces):
+    space = launch.fwd_configs(64, 64, 128, "tma")  # 64-token layout blocks: no 128x128 tile fits
+    assert launch._prune_long_fwd(space, {"TUNE_CLASS": 17}) == space
+
+
+@pytest.mark.parametrize("d_pad, eight_bit, pruned", [(128, False, True), (128, True, False), (64, False, False)])
+def test_only_the_bf16_d128_forward_autotuner_gets_the_long_prune(gpu_spaces, monkeypatch, d_pad, eight_bit,
+                                                                  pruned):
+    monkeypatch.setattr(launch, "_TUNED", {})
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    tuned = launch._tuned(kernels.fwd_kernel, "fwd", 128, 128, d_pad, launch._KEY, "tma", eight_bit=eight_bit)
+    assert isinstance(tuned, triton.runtime.autotuner.Autotuner)
+    assert (getattr(tuned, "early_config_prune", None) is launch._prune_long_fwd) == pruned
 
 
 def test_eight_bit_forward_space_leads_with_one_warpgroup_tiles(gpu_spaces):

@@ -102,6 +102,27 @@ def _keep_fwd(cfg: triton.Config, block_q: int, block_k: int, d_pad: int) -> boo
 EIGHT_BIT_TILES = ((64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3))
 
 
+# From this length class up (launch._tune_class: sequences longer than 16K tokens) the bf16 forward's space at head
+# dim 128 is one config, 128 x 128 tiles at 3 stages, where the layout's blocks allow it. Pinned against
+# interleaved Flex, H100 (results/fwd-config-probe-h100.json), it was the best of the four configs for
+# every pattern at 32K and 128K but one (random 0.5 at 128K: 289.5 ms against 284.0 for 128 x 64 at
+# 3 stages). The autotuner, timing each config on a few 20-300 ms calls under the board's power cap,
+# picked other configs at 128K for four of five patterns and lost 2-7% there.
+LONG_FWD_CLASS = 15
+LONG_FWD_TILE = (128, 128, 3)
+
+
+def _prune_long_fwd(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+    """The autotuner's early_config_prune for the bf16 forward at head dim 128: at TUNE_CLASS >=
+    LONG_FWD_CLASS only the LONG_FWD_TILE config (when the space has it), else the whole space."""
+    tune_class = nargs.get("TUNE_CLASS", kwargs.get("TUNE_CLASS", 0))
+    if tune_class < LONG_FWD_CLASS:
+        return configs
+    pinned = [c for c in configs
+              if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["NUM_STAGES"]) == LONG_FWD_TILE]
+    return pinned or configs
+
+
 def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr", eight_bit: bool = False
                 ) -> list[triton.Config]:
     """``eight_bit``: the space of the int8 / FP8 kernels (QUANT 1, 2), tuned apart from bf16's; where
@@ -111,7 +132,8 @@ def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr", ei
                                "NUM_STAGES": 1, "USE_TMA": False}, num_warps=4, num_stages=1)]
     # Kept small on purpose: every config is a compile on first use. The space follows the usual
     # Hopper attention choices (the largest query tile the layout allows, 8 warps at 128 rows,
-    # 2-3 stages); per-config timings have not been recorded yet.
+    # 2-3 stages). Per-config timings at head dim 128: results/fwd-config-probe-h100.json (the reason
+    # for _prune_long_fwd).
     bm = _divisors(block_q)[-1]
     bns = _divisors(block_k, (64, 128)) or _divisors(block_k)[-1:]
     flags = {"USE_TMA": variant != "ptr"}
@@ -222,8 +244,9 @@ _TUNED: dict = {}
 def autotune_picks(kind: str | None = None) -> dict[str, dict[str, str]]:
     """The configs the autotuner has chosen so far in this process, by kernel family
     ((kind, block_q, block_k, d_pad, variant, eight_bit)) and autotune key; ``kind`` ("fwd", "dkdv",
-    ...) keeps one kind. The key leaves out sequence length and layout, so a pick made on one call
-    holds for later ones: benchmark results record these to make such effects visible."""
+    ...) keeps one kind. The key holds a length class, not the length, and no layout, so a pick made
+    on one call holds for later ones of its class: benchmark results record these to make such
+    effects visible."""
     return {str(fam): {str(key): str(cfg) for key, cfg in t.cache.items()}
             for fam, t in _TUNED.items() if getattr(t, "cache", None) and kind in (None, fam[0])}
 
@@ -245,6 +268,8 @@ def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple
             configs = [default_config(configs, kind, d_pad, eight_bit)]
         if len(configs) > 1:
             kw = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+            if kind == "fwd" and not eight_bit and d_pad == 128:
+                kw["prune_configs_by"] = {"early_config_prune": _prune_long_fwd}
             _TUNED[k] = triton.autotune(configs, key=list(key), reset_to_zero=list(reset_to_zero) or None,
                                         **kw)(kernel)
         else:
