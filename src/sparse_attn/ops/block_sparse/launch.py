@@ -102,8 +102,8 @@ def _keep_fwd(cfg: triton.Config, block_q: int, block_k: int, d_pad: int) -> boo
 EIGHT_BIT_TILES = ((64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3))
 
 
-# From this length class up (launch._tune_class: sequences longer than 16K tokens) the bf16 forward's space at head
-# dim 128 is one config, 128 x 128 tiles at 3 stages, where the layout's blocks allow it. Pinned against
+# From this length class up (_tune_class: sequences longer than 16K tokens) the bf16 forward's space at
+# head dim 128 is one config, 128 x 128 tiles at 3 stages, where the layout's blocks allow it. Pinned against
 # interleaved Flex, H100 (results/fwd-config-probe-h100.json), it was the best of the four configs for
 # every pattern at 32K and 128K but one (random 0.5 at 128K: 289.5 ms against 284.0 for 128 x 64 at
 # 3 stages). The autotuner, timing each config on a few 20-300 ms calls under the board's power cap,
