@@ -27,24 +27,18 @@ from sparse_attn.bench.suites import get_suite
 from sparse_attn.bench.timing import time_interleaved
 from sparse_attn.ops.block_sparse import launch
 
-# (BLOCK_M, BLOCK_N, stages): the bf16 forward's space at 128 x 128 layout blocks, head dim 128, 8 warps
-CONFIGS = [(128, 64, 2), (128, 64, 3), (128, 128, 2), (128, 128, 3)]
-
-
 FAMILY = ("fwd", 128, 128, 128, "tma", False)  # launch._TUNED's key of the bf16 TMA forward at these sizes
+
+
+def label(cfg: triton.Config) -> str:
+    return f"{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}s{cfg.kwargs['NUM_STAGES']}"
 
 
 def pinned(run, cfg, shipped):
     """``run`` with the forward's config space pinned to ``cfg`` (None: the shipped autotuned space).
     Each callable keeps its own tuned-kernel object in ``launch._TUNED`` across calls, so the pinned
     ones never see each other's config and the auto one tunes once and keeps its pick."""
-    if cfg is None:
-        space = shipped
-    else:
-        m, n, s = cfg
-        one = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "NUM_STAGES": s, "USE_TMA": True}, num_warps=8,
-                            num_stages=s)
-        space = lambda *a, **kw: [one]  # noqa: E731
+    space = shipped if cfg is None else (lambda *a, **kw: [cfg])
     own = []
 
     def fn():
@@ -71,6 +65,7 @@ def main():
     a = ap.parse_args()
     cases = {c.pattern.name: c for c in get_suite("kernels").cases if c.modes == ("fwd",) and c.head_dim == 128}
     shipped = launch.fwd_configs
+    configs = shipped(*FAMILY[1:5])  # the space being probed: 128 x 128 layout blocks, head dim 128, TMA
     ours, flex = get_provider("sparse_attn"), get_provider("flex")
     rows = []
     for L in a.seq_lens:
@@ -80,8 +75,8 @@ def main():
             c = cases[name]
             layout = c.pattern.build(L, heads=32, block_q=128, block_k=128, device="cuda")
             run = ours.make_run(q, k, v, layout, c.pattern.causal, "fwd").fn
-            labels = ["auto", *[f"{m}x{n}s{s}" for m, n, s in CONFIGS], "flex"]
-            fns = [pinned(run, None, shipped), *[pinned(run, cfg, shipped) for cfg in CONFIGS],
+            labels = ["auto", *map(label, configs), "flex"]
+            fns = [pinned(run, None, shipped), *[pinned(run, cfg, shipped) for cfg in configs],
                    flex.make_run(q, k, v, layout, c.pattern.causal, "fwd").fn]
             # the auto column first: it tunes (at this row's class) before any pinned config runs
             for fn in fns:
@@ -101,7 +96,6 @@ def main():
                                                    "flex_over_best", "flex_over_auto")}),
                   {k: round(t, 3) for k, t in med.items()}, flush=True)
             rows.append(row)
-            launch.fwd_configs = shipped
         del q, k, v
         torch.cuda.empty_cache()
     launch.fwd_configs = shipped

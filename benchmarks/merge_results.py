@@ -92,10 +92,8 @@ def table(merged: dict) -> str:
     when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]} (each slice's date in the JSON)"
     inter = [s["name"] for s in h["slices"] if s.get("timing") == "interleaved"]
     timing = ("Providers of a row timed back to back in blocks" if not inter else
-              f"Providers of a row timed interleaved (the same clocks for all) in {', '.join(inter)}, back to back "
-              "in blocks elsewhere. Interleaved, Flex measured up to 13% slower than in blocks on the same rows "
-              "(dense, local; within 3% on random), most likely the board's power cap set by our kernels beside "
-              "it, so those ratios read higher than block-timed ones")
+              f"Providers of a row timed interleaved in {', '.join(inter)}, back to back in blocks elsewhere "
+              "(what the method changes: benchmarks/NOTES.md, 'Blocks or interleaved')")
     lines.append("")
     lines.append(f"{h['gpu']}, torch {h['torch']}, triton {h['triton']}, {when}; bf16, B=1, H=32. {timing}. "
                  "TFLOP/s are effective (blocks visited x 4·B·H·block²·D, fwd+bwd counted x3.5); "
