@@ -35,7 +35,8 @@ from sparse_attn.patterns import to_flex  # noqa: E402
 
 # name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
 # (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
-DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto"}
+DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto",
+            "BWD_CONTIGUOUS": True}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
@@ -49,6 +50,8 @@ VARIANTS = {
     # default "auto" is inside for GQA, outside without)
     "split-regs-heads-inside": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_HEADS": "inside"}),
     "split-regs-heads-outside": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_HEADS": "outside"}),
+    # contiguous schedules through the register index chunks too (the default before the seventeenth session)
+    "split-regs-indexed": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_CONTIGUOUS": False}),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {
@@ -69,7 +72,8 @@ def backwards(case: str, hkv: int, variants: dict):
     """{name: zero-argument backward} on one case's inputs, and the case's backward FLOP count."""
     c = case_inputs(case, hkv)
     layout, L, H, q, k, v, do, scale, out, lse = c.layout, c.L, c.H, c.q, c.k, c.v, c.do, c.scale, c.out, c.lse
-    (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = c.ins
+    (counts, n_full, _, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, t_contiguous, terms,
+     n_terms) = c.ins
 
     def ours(variant, chunk, dkdv, dq, attrs=None):
         space = {"dkdv": [cfg(*dkdv)], "dkdv-fused": [cfg(*dkdv)], "dq": [cfg(*dq)]}
@@ -85,7 +89,7 @@ def backwards(case: str, hkv: int, variants: dict):
                 launch._TUNED.clear()
             return launch.backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,
                                    t_indices, t_mask_ids, terms, n_terms, None, None, layout.block_q,
-                                   layout.block_k, scale, L, L)
+                                   layout.block_k, scale, L, L, contiguous=contiguous, t_contiguous=t_contiguous)
         return bwd
 
     # a compiled backward with donated buffers refuses retain_graph (seen on Flex's causal graph)

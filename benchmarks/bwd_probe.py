@@ -67,12 +67,13 @@ def case_inputs(case: str, hkv: int) -> SimpleNamespace:
 def run_case(case: str, hkv: int, rows: list, split_sweep: bool, qdo_only: bool = False, default_only: bool = False):
     c = case_inputs(case, hkv)
     layout, L, q, k, v, do, scale, out, lse, flops_bwd = c.layout, c.L, c.q, c.k, c.v, c.do, c.scale, c.out, c.lse, c.flops_bwd
-    (counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms) = c.ins
+    (counts, n_full, _, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, t_contiguous, terms,
+     n_terms) = c.ins
 
     def bwd():
         return launch.backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full,
                                t_indices, t_mask_ids, terms, n_terms, None, None, layout.block_q, layout.block_k,
-                               scale, L, L)
+                               scale, L, L, contiguous=contiguous, t_contiguous=t_contiguous)
 
     ref: dict = {}
 

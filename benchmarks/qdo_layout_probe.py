@@ -80,7 +80,7 @@ def run_layouts(a, dev, q_p, k_p, v_p, do_p, layout, scale) -> list[dict]:
     """The dense layouts (Q, dO packed or head-major), then the packed kernels; one row each."""
     rows = []
     k, v = as_layout(k_p, "packed"), as_layout(v_p, "packed")
-    (counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, terms,
+    (counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, _, terms,
      n_terms) = layout_inputs(layout, True)
     for q_kind in ("packed", "head-major"):
         for do_kind in ("packed", "head-major"):
@@ -101,8 +101,8 @@ def run_layouts(a, dev, q_p, k_p, v_p, do_p, layout, scale) -> list[dict]:
     for seq_step in (1, 2):
         cu_q = torch.tensor([0, a.lq], dtype=torch.int32, device=dev)
         cu_k = torch.tensor([0, a.lk], dtype=torch.int32, device=dev)
-        (counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, terms,
-         n_terms) = layout_inputs(layout, True, (a.lk,))
+        (counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, _,
+         terms, n_terms) = layout_inputs(layout, True, (a.lk,))
         out, lse = launch.forward(q_p, k_p, v_p, counts, n_full, full_start, indices, mask_ids, contiguous, terms,
                                   n_terms, cu_q, cu_k, 128, 128, scale, a.lq, a.lk, seq_step)
 

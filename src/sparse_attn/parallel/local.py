@@ -81,12 +81,13 @@ def _kernel_backward(do, q, k, v, out, lse, layout, scale):
     partial sums doubled the max error against single-device attention at 4K tokens). Called from
     an autograd.Function's backward: the kernels run directly."""
     from ..ops.block_sparse import launch, layout_inputs, softmax_scale
-    counts, n_full, _, indices, mask_ids, _, t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms = \
-        layout_inputs(layout, True)
+    (counts, n_full, _, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, t_contiguous, terms,
+     n_terms) = layout_inputs(layout, True)
     scale = softmax_scale(q, scale)
     return launch.backward(do.contiguous(), q, k, v, out, lse.contiguous(), counts, n_full, indices, mask_ids,
                            t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms, None, None, layout.block_q,
-                           layout.block_k, scale, q.shape[2], k.shape[2], dkv_dtype=torch.float32)
+                           layout.block_k, scale, q.shape[2], k.shape[2], dkv_dtype=torch.float32,
+                           contiguous=contiguous, t_contiguous=t_contiguous)
 
 
 def _reference_backward(do, q, k, v, causal, scale):

@@ -47,8 +47,9 @@ def _needs_grad(q, k, v) -> bool:
 
 
 def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
-    """The layout as the ops' tensor arguments: the forward schedule, the transposed schedule (only
-    for backward), and the term table. Schedules are cached on the layout: a layout used under
+    """The layout as the ops' arguments: the forward schedule (counts, n_full, full_start, indices,
+    mask_ids, contiguous), the transposed schedule (t_counts, t_n_full, t_indices, t_mask_ids,
+    t_contiguous; only for backward), and the term table (terms, n_terms). Schedules are cached on the layout: a layout used under
     torch.compile must have run once eagerly (or through :func:`prepare`) so no data-dependent work
     is traced."""
     if torch.compiler.is_compiling() and not _prepared(layout, needs_grad, kv_lens):
@@ -61,9 +62,9 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     if needs_grad:
         t = layout.transpose()
         ts = schedule(t, bound_tail=False)  # dK/dV: rows past the query end are zeroed by lse, not masks
-        trans = (t.kv_counts, ts.n_full, ts.indices, ts.mask_ids)
+        trans = (t.kv_counts, ts.n_full, ts.indices, ts.mask_ids, ts.contiguous)
     else:
-        trans = (None, None, None, None)
+        trans = (None, None, None, None, False)
     return rows + trans + (terms, n_terms)
 
 

@@ -1,7 +1,7 @@
 """torch.library custom ops (with fake impls for torch.compile) and their autograd.
 
 The layout arrives as its schedule (see schedule.py): forward rows ``counts, n_full, full_start,
-indices, mask_ids`` and, when a gradient is needed, the transposed rows ``t_*`` for dK/dV.
+indices, mask_ids, contiguous`` and, when a gradient is needed, the transposed rows ``t_*`` for dK/dV.
 
 Callers go through :func:`forward_op`: the custom op while torch.compile traces; in eager mode an
 ``autograd.Function`` over the same implementation and backward, which skips the dispatcher's
@@ -22,7 +22,7 @@ from . import launch
 
 
 def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
-              t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
+              t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
               cu_dk, dk_rows, pv_threshold):
     return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
                           cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold=pv_threshold)
@@ -32,7 +32,8 @@ def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous
 def block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Tensor, full_start: Tensor,
                      indices: Tensor, mask_ids: Tensor, contiguous: bool,
                      t_counts: Optional[Tensor], t_n_full: Optional[Tensor], t_indices: Optional[Tensor],
-                     t_mask_ids: Optional[Tensor], terms: Tensor, n_terms: int, cu_q: Optional[Tensor],
+                     t_mask_ids: Optional[Tensor], t_contiguous: bool, terms: Tensor, n_terms: int,
+                     cu_q: Optional[Tensor],
                      cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float, max_q: int,
                      max_k: int, seq_step: int = 1, cu_dk: Optional[Tensor] = None,
                      dk_rows: Optional[Tensor] = None, pv_threshold: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -40,13 +41,13 @@ def block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Te
     along for backward. ``seq_step`` 2: ``cu_q`` / ``cu_k`` are (start, end) pairs per sequence.
     ``pv_threshold`` > 0 skips negligible tiles (launch.forward); forward only."""
     return _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full,
-                     t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
+                     t_indices, t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
                      seq_step, cu_dk, dk_rows, pv_threshold)
 
 
 @block_sparse_fwd.register_fake
 def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
-      terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None, dk_rows=None,
+      t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None, dk_rows=None,
       pv_threshold=0.0):
     if cu_q is not None:
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
@@ -57,10 +58,11 @@ def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_coun
 
 def _bwd_impl(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
               terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None,
-              dk_rows=None):
+              dk_rows=None, contiguous=False, t_contiguous=False):
     return launch.backward(do.contiguous(), q, k, v, out, lse, counts, n_full, indices, mask_ids,
                            t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k,
-                           block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows)
+                           block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows,
+                           contiguous=contiguous, t_contiguous=t_contiguous)
 
 
 @torch.library.custom_op("sparse_attn::block_sparse_bwd", mutates_args=())
@@ -69,10 +71,11 @@ def block_sparse_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                      t_counts: Tensor, t_n_full: Tensor, t_indices: Tensor, t_mask_ids: Tensor,
                      terms: Tensor, n_terms: int, cu_q: Optional[Tensor], cu_k: Optional[Tensor],
                      block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
-                     cu_dk: Optional[Tensor] = None, dk_rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                     cu_dk: Optional[Tensor] = None, dk_rows: Optional[Tensor] = None, contiguous: bool = False,
+                     t_contiguous: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return _bwd_impl(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                      t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
-                     cu_dk, dk_rows)
+                     cu_dk, dk_rows, contiguous, t_contiguous)
 
 
 @block_sparse_bwd.register_fake
@@ -82,12 +85,12 @@ def _(do, q, k, v, *args):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
-     terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows,
+     t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows,
      pv_threshold) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                           t_mask_ids, terms, cu_q, cu_k, cu_dk, dk_rows)
-    ctx.meta = (n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold)
+    ctx.meta = (n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold, contiguous, t_contiguous)
 
 
 def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
@@ -96,7 +99,7 @@ def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
     while ``torch.compiler.is_compiling()`` is False, so only an opaque op may run here then."""
     (q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids, terms,
      cu_q, cu_k, cu_dk, dk_rows) = ctx.saved_tensors
-    n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold = ctx.meta
+    n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold, contiguous, t_contiguous = ctx.meta
     if pv_threshold > 0:  # the api refuses it with grad enabled; this guards direct op callers
         raise RuntimeError("sparse_attn: pv_threshold is a forward-only (inference) option: the output dropped tiles "
                            "that exact gradients would need")
@@ -105,8 +108,8 @@ def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
                            "requires grad at forward time; call attention() with grad enabled")
     dq, dk, dv = bwd(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                      t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
-                     cu_dk, dk_rows)
-    return (dq, dk, dv) + (None,) * 23
+                     cu_dk, dk_rows, contiguous, t_contiguous)
+    return (dq, dk, dv) + (None,) * 24
 
 
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -127,12 +130,12 @@ class _EagerForward(torch.autograd.Function):
 
 
 def forward_op(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
-               t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1,
+               t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1,
                cu_dk=None, dk_rows=None, pv_threshold=0.0):
     """The forward op (arguments as :func:`block_sparse_fwd`) -> ``(out, lse)``, differentiable in
     q, k, v: the custom op while torch.compile traces, :class:`_EagerForward` otherwise."""
     args = (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
-            t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk,
+            t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk,
             dk_rows, pv_threshold)
     if torch.compiler.is_compiling():
         return block_sparse_fwd(*args)

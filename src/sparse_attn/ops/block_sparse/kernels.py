@@ -461,7 +461,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
-               PHASE_HI: tl.constexpr):
+               PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
     layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv."""
     SUB: tl.constexpr = BLOCK_Q // BLOCK_M
@@ -485,7 +485,16 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
     for phase in tl.static_range(PHASE_LO, PHASE_HI):
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count
-        if IDX_CHUNK > 0:
+        if CONTIGUOUS and phase == 0:
+            # every row's unmasked query blocks are one ascending run from slot 0: walked by arithmetic,
+            # with no index chunk and no per-iteration pick (a cross-warp reduction each)
+            run0 = tl.load(T_INDICES + p_row, mask=n_full > 0, other=0) * BLOCK_Q
+            for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
+                b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
+                                        q_base, do_base, l_base, dq_base, run0 + it * BLOCK_M, q_len, k_len, offset,
+                                        o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS, -1,
+                                        BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST)
+        elif IDX_CHUNK > 0:
             # Indices come from registers, one chunk at a time: an index load inside the pipelined
             # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
             # of the iteration before their use, exposing their latency every iteration.
@@ -531,7 +540,7 @@ def bwd_dkdv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
-    DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr,
+    DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -574,7 +583,7 @@ def bwd_dkdv_kernel(
                                     stride_dom, stride_lb, stride_lh, stride_dqab, stride_dqah, stride_dqam,
                                     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, D_PAD, BLOCK_Q,
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
-                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2)
+                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
@@ -632,7 +641,7 @@ def bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_CHUNK: tl.constexpr,
-    KV_TMA: tl.constexpr,
+    KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):
     """Grid (query tiles, B * H), visiting the same schedule as the forward. KV_TMA: K/V tiles through
     TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads."""
@@ -665,7 +674,13 @@ def bwd_dq_kernel(
     for phase in tl.static_range(2):  # as in bwd_dkdv_kernel: unmasked blocks, then masked ones
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count
-        if IDX_CHUNK > 0:  # key-block indices from registers, as in bwd_dkdv_kernel
+        if CONTIGUOUS and phase == 0:  # one run from slot 0, walked by arithmetic (bwd_dkdv_kernel)
+            run0 = tl.load(INDICES + p_row, mask=n_full > 0, other=0) * BLOCK_K
+            for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
+                b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base,
+                                run0 + it * BLOCK_N, k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS, -1,
+                                BLOCK_N, HEAD_DIM, N_TERMS, False, KV_TMA)
+        elif IDX_CHUNK > 0:  # key-block indices from registers, as in bwd_dkdv_kernel
             o_c = tl.arange(0, IDX_CHUNK)
             for c0 in range(lo, hi, IDX_CHUNK):
                 blocks, mids = _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c)
