@@ -105,15 +105,16 @@ def variants():
                                       HEADS_INSIDE=True, CONTIGUOUS=False)
     # one query head per kv head: the JIT specializes G == 1 to a constant, which removes the head loop;
     # there launch.BWD_DKDV_HEADS "auto" puts the (one) head outside the phases
-    for n_terms, varlen, contiguous in itertools.product((0, 2), (False, True), (False, True)):
+    for n_terms, varlen in itertools.product((0, 2), (False, True)):
         yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True, G=1,
-                                      HEADS_INSIDE=False, CONTIGUOUS=contiguous)
-    # GQA (head loop inside the phases) on a contiguous schedule
-    for n_terms in (0, 2):
-        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False,
+                                      HEADS_INSIDE=False, CONTIGUOUS=False)
+    # contiguous schedules walked by arithmetic (launch.BWD_CONTIGUOUS): the dK/dV kernel only without
+    # element masks (N_TERMS 0), one query head per kv head or GQA
+    for varlen, (g, inside) in itertools.product((False, True), ((1, False), (None, True))):
+        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=0, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
-                                      HEADS_INSIDE=True, CONTIGUOUS=True)
+                                      HEADS_INSIDE=inside, CONTIGUOUS=True, **({"G": g} if g else {}))
     for n_terms, varlen, chunk, kv_tma in itertools.product((0, 2), (False, True), (0, 64), (False, True)):
         yield K.bwd_dq_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
                                     N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk, KV_TMA=kv_tma, CONTIGUOUS=False)
@@ -131,7 +132,7 @@ def main():
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
-                                                                 "DP_FIRST", "G", "HEADS_INSIDE", "CONTIGUOUS")}
+                                                                 "DP_FIRST", "G", "HEADS_INSIDE")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

@@ -49,9 +49,9 @@ def _needs_grad(q, k, v) -> bool:
 def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     """The layout as the ops' arguments: the forward schedule (counts, n_full, full_start, indices,
     mask_ids, contiguous), the transposed schedule (t_counts, t_n_full, t_indices, t_mask_ids,
-    t_contiguous; only for backward), and the term table (terms, n_terms). Schedules are cached on the layout: a layout used under
-    torch.compile must have run once eagerly (or through :func:`prepare`) so no data-dependent work
-    is traced."""
+    t_contiguous; only for backward), and the term table (terms, n_terms). Schedules are cached on
+    the layout: a layout used under torch.compile must have run once eagerly (or through
+    :func:`prepare`) so no data-dependent work is traced."""
     if torch.compiler.is_compiling() and not _prepared(layout, needs_grad, kv_lens):
         raise RuntimeError("sparse_attn: this layout's kernel schedule is built on first use, which cannot be traced; "
                            "call sparse_attn.prepare(layout) (or run attention once) before torch.compile")

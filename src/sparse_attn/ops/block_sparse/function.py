@@ -22,8 +22,8 @@ from . import launch
 
 
 def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
-              t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
-              cu_dk, dk_rows, pv_threshold):
+              t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
+              seq_step, cu_dk, dk_rows, pv_threshold):
     return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
                           cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold=pv_threshold)
 
@@ -33,22 +33,21 @@ def block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Te
                      indices: Tensor, mask_ids: Tensor, contiguous: bool,
                      t_counts: Optional[Tensor], t_n_full: Optional[Tensor], t_indices: Optional[Tensor],
                      t_mask_ids: Optional[Tensor], t_contiguous: bool, terms: Tensor, n_terms: int,
-                     cu_q: Optional[Tensor],
-                     cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float, max_q: int,
-                     max_k: int, seq_step: int = 1, cu_dk: Optional[Tensor] = None,
+                     cu_q: Optional[Tensor], cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float,
+                     max_q: int, max_k: int, seq_step: int = 1, cu_dk: Optional[Tensor] = None,
                      dk_rows: Optional[Tensor] = None, pv_threshold: float = 0.0) -> tuple[Tensor, Tensor]:
     """Forward; the ``t_*`` tensors (and ``cu_dk`` / ``dk_rows``, see launch.backward) only ride
     along for backward. ``seq_step`` 2: ``cu_q`` / ``cu_k`` are (start, end) pairs per sequence.
     ``pv_threshold`` > 0 skips negligible tiles (launch.forward); forward only."""
     return _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full,
-                     t_indices, t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
-                     seq_step, cu_dk, dk_rows, pv_threshold)
+                     t_indices, t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale,
+                     max_q, max_k, seq_step, cu_dk, dk_rows, pv_threshold)
 
 
 @block_sparse_fwd.register_fake
 def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
-      t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None, dk_rows=None,
-      pv_threshold=0.0):
+      t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None,
+      dk_rows=None, pv_threshold=0.0):
     if cu_q is not None:
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     else:
@@ -130,13 +129,13 @@ class _EagerForward(torch.autograd.Function):
 
 
 def forward_op(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
-               t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1,
-               cu_dk=None, dk_rows=None, pv_threshold=0.0):
+               t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
+               seq_step=1, cu_dk=None, dk_rows=None, pv_threshold=0.0):
     """The forward op (arguments as :func:`block_sparse_fwd`) -> ``(out, lse)``, differentiable in
     q, k, v: the custom op while torch.compile traces, :class:`_EagerForward` otherwise."""
     args = (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
-            t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk,
-            dk_rows, pv_threshold)
+            t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
+            cu_dk, dk_rows, pv_threshold)
     if torch.compiler.is_compiling():
         return block_sparse_fwd(*args)
     return _EagerForward.apply(*args)
