@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     L, H, D = a.len, 32, 128
     scale = D ** -0.5
-    launch.BWD_DQ_SIDE_STREAM = False
+    saved, launch.BWD_DQ_SIDE_STREAM = launch.BWD_DQ_SIDE_STREAM, False
     rows = []
     for hkv in a.hkv:
         g = torch.Generator(device=dev).manual_seed(hkv)
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                        bitwise_equal=equal, finite=finite, median_kernel_ms=med, rounds=times)
             print(json.dumps({k: row[k] for k in row if k != "rounds"}), flush=True)
             rows.append(row)
-    launch.BWD_DQ_SIDE_STREAM = True
+    launch.BWD_DQ_SIDE_STREAM = saved
     if a.out:
         header = make_header(dev, "probe", script="benchmarks/bwd_contig_probe.py")
         Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))

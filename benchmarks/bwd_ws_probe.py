@@ -130,7 +130,7 @@ def shipped_dkdv_ms(q, k, v, do):
     import sparse_attn
     from sparse_attn.patterns import dense
 
-    launch.BWD_DQ_SIDE_STREAM = False
+    saved, launch.BWD_DQ_SIDE_STREAM = launch.BWD_DQ_SIDE_STREAM, False
     B, H, L, D = q.shape
     layout = dense(L, device="cuda")
     qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -140,9 +140,10 @@ def shipped_dkdv_ms(q, k, v, do):
         qq.grad = kk.grad = vv.grad = None
         o.backward(do, retain_graph=True)
 
-    ms = kernel_ms(fn, 5)
-    launch.BWD_DQ_SIDE_STREAM = True
-    return ms
+    try:
+        return kernel_ms(fn, 5)
+    finally:
+        launch.BWD_DQ_SIDE_STREAM = saved
 
 
 def main():

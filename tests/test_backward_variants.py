@@ -14,8 +14,9 @@ import torch
 
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, causal_term, window_term
-from sparse_attn.ops.block_sparse import attention_op, launch
-from sparse_attn.testing import assert_layout_grads_close_to_oracle, random_packed_qkv, split_and_fused_grads
+from sparse_attn.ops.block_sparse import launch
+from sparse_attn.testing import (assert_layout_grads_close_to_oracle, grads_per_launch_setting, random_packed_qkv,
+                                 split_and_fused_grads)
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -155,34 +156,29 @@ def _mixed_rows_layout(n_heads: int) -> BlockLayout:
     return BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=60, kv_len=60, partial=partial, mask=mask)
 
 
-def _grads_per_setting(monkeypatch, attr: str, values: tuple, hq: int, hkv: int, seed: int) -> dict:
+def _grads_per_setting(attr: str, values: tuple, hq: int, hkv: int, seed: int) -> dict:
     """{value: (dq, dk, dv)} of one backward per value of launch.<attr>, same inputs and layout."""
     layout = _mixed_rows_layout(hq)
     q, k, v = _qkv(hq, hkv, 60, 60, 16, seed=seed)
     do = torch.randn(1, hq, 60, 16, generator=torch.Generator().manual_seed(seed + 1)).half()
-    grads = {}
-    for value in values:
-        monkeypatch.setattr(launch, attr, value)
-        out = attention_op(q, k, v, layout)
-        grads[value] = torch.autograd.grad(out, (q, k, v), do)
-    return grads
+    return dict(zip(values, grads_per_launch_setting(q, k, v, layout, do, attr, values)))
 
 
-def test_dkdv_issue_order_does_not_change_gradients(monkeypatch):
+def test_dkdv_issue_order_does_not_change_gradients():
     """The two issue orders of dV and dP (launch.BWD_DKDV_ORDER) compute the same products and sums in
     the same order: gradients bitwise equal. The rows: a window and a head whose rows have gaps."""
-    grads = _grads_per_setting(monkeypatch, "BWD_DKDV_ORDER", ("dp-first", "dv-first"), hq=2, hkv=1, seed=5)
+    grads = _grads_per_setting("BWD_DKDV_ORDER", ("dp-first", "dv-first"), hq=2, hkv=1, seed=5)
     assert all(torch.isfinite(g).all() for g in grads["dp-first"])
     assert all(torch.equal(a, b) for a, b in zip(grads["dp-first"], grads["dv-first"]))
 
 
 @pytest.mark.parametrize("hkv", [4, 2])
-def test_dkdv_head_loop_placement_does_not_change_gradients(monkeypatch, hkv):
+def test_dkdv_head_loop_placement_does_not_change_gradients(hkv):
     """The dK/dV kernel's loop over a kv head's query heads inside or outside the two phases
     (launch.BWD_DKDV_HEADS) visits the same (head, block) pairs. One query head per kv head: the
     same order, gradients bitwise equal. Two (GQA): only dK/dV's fp32 summation order differs, so
     they agree to rounding, and dQ (another kernel) is bitwise equal."""
-    grads = _grads_per_setting(monkeypatch, "BWD_DKDV_HEADS", ("inside", "outside"), hq=4, hkv=hkv, seed=7)
+    grads = _grads_per_setting("BWD_DKDV_HEADS", ("inside", "outside"), hq=4, hkv=hkv, seed=7)
     (dq_in, dk_in, dv_in), (dq_out, dk_out, dv_out) = grads["inside"], grads["outside"]
     assert all(torch.isfinite(g).all() for g in grads["inside"])
     assert torch.equal(dq_in, dq_out)
@@ -220,7 +216,7 @@ def test_unknown_dkdv_issue_order_is_a_clear_error():
     ("causal", 50, 75, 2, 1),           # element masks (dQ only), Lq < Lk bottom-right
     ("local", 90, 90, 4, 2),            # window; GQA
 ])
-def test_contiguous_backward_walk_does_not_change_gradients(monkeypatch, kind, lq, lk, hq, hkv):
+def test_contiguous_backward_walk_does_not_change_gradients(kind, lq, lk, hq, hkv):
     """On contiguous schedules the backward kernels walk each row's unmasked run by arithmetic
     (launch.BWD_CONTIGUOUS) instead of reading block indices: the same blocks in the same order, so
     gradients bitwise equal to the indexed walk, which the fp64 oracle checks elsewhere."""
@@ -237,10 +233,6 @@ def test_contiguous_backward_walk_does_not_change_gradients(monkeypatch, kind, l
     assert (ins[1] > 1).any() and (ins[7] > 1).any(), "rows must have runs of unmasked blocks to walk"
     q, k, v = _qkv(hq, hkv, lq, lk, 16, seed=11)
     do = torch.randn(1, hq, lq, 16, generator=torch.Generator().manual_seed(12)).half()
-    grads = {}
-    for walk in (False, True):
-        monkeypatch.setattr(launch, "BWD_CONTIGUOUS", walk)
-        out = attention_op(q, k, v, layout)
-        grads[walk] = torch.autograd.grad(out, (q, k, v), do)
-    assert all(torch.isfinite(g).all() for g in grads[True])
-    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+    indexed, walked = grads_per_launch_setting(q, k, v, layout, do, "BWD_CONTIGUOUS", (False, True))
+    assert all(torch.isfinite(g).all() for g in walked)
+    assert all(torch.equal(a, b) for a, b in zip(indexed, walked))

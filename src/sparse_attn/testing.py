@@ -21,7 +21,7 @@ from . import metrics
 from .reference import attention as reference_attention
 
 __all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
-           "assert_layout_grads_close_to_oracle", "flash_delta_grads", "split_and_fused_grads", "QUANT_L1_BOUND",
+           "assert_layout_grads_close_to_oracle", "flash_delta_grads", "split_and_fused_grads", "grads_per_launch_setting", "QUANT_L1_BOUND",
            "default_atol_floor", "random_qkv", "random_packed_qkv",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
@@ -222,21 +222,28 @@ def assert_layout_grads_close_to_oracle(fn, q: torch.Tensor, k: torch.Tensor, v:
     assert_grads_close_to_oracle((out, o_lp, o_or), torch.randn_like(out), (q, k, v), lowp, oracle, **kwargs)
 
 
-def split_and_fused_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, do: torch.Tensor) -> tuple:
-    """Gradients of the block-sparse kernels' ``attention_op(q, k, v, layout)`` for ``do`` under the
-    backward's two schedules: ``(split, split again, fused)``, each a (dq, dk, dv) tuple. Sets
-    ``ops.block_sparse.launch.BWD_VARIANT`` for the calls and restores it."""
+def grads_per_launch_setting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, do: torch.Tensor,
+                             attr: str, values) -> list:
+    """Gradients of the block-sparse kernels' ``attention_op(q, k, v, layout)`` for ``do``, one
+    (dq, dk, dv) tuple per value of ``ops.block_sparse.launch.<attr>``, in the order of ``values``
+    (a value may repeat). Sets the attribute for each call and restores it."""
     from .ops.block_sparse import attention_op, launch
 
-    def grads(variant):
-        launch.BWD_VARIANT = variant
-        return torch.autograd.grad(attention_op(q, k, v, layout), (q, k, v), do)
-
-    saved = launch.BWD_VARIANT
+    saved = getattr(launch, attr)
     try:
-        return grads("split"), grads("split"), grads("fused")
+        grads = []
+        for value in values:
+            setattr(launch, attr, value)
+            grads.append(torch.autograd.grad(attention_op(q, k, v, layout), (q, k, v), do))
+        return grads
     finally:
-        launch.BWD_VARIANT = saved
+        setattr(launch, attr, saved)
+
+
+def split_and_fused_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, do: torch.Tensor) -> tuple:
+    """Gradients under the backward's two schedules (launch.BWD_VARIANT): ``(split, split again,
+    fused)``, each a (dq, dk, dv) tuple."""
+    return tuple(grads_per_launch_setting(q, k, v, layout, do, "BWD_VARIANT", ("split", "split", "fused")))
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -11,7 +11,7 @@ import sparse_attn
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, causal_term, window_term
 from sparse_attn.ops.block_sparse import attention_op, launch
-from sparse_attn.testing import assert_layout_grads_close_to_oracle, split_and_fused_grads
+from sparse_attn.testing import assert_layout_grads_close_to_oracle, grads_per_launch_setting, split_and_fused_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -94,7 +94,7 @@ def test_varlen_split_matches_fused(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["dense", "block_diagonal", "causal", "window"])
-def test_contiguous_backward_walk_bitwise_equal(kind, monkeypatch):
+def test_contiguous_backward_walk_bitwise_equal(kind):
     """launch.BWD_CONTIGUOUS: on contiguous schedules the backward kernels walk each row's unmasked run
     by arithmetic; the same blocks in the same order as the indexed walk, so gradients bitwise equal.
     GQA, odd lengths (the last block crosses the end), Lq != Lk for causal."""
@@ -108,11 +108,7 @@ def test_contiguous_backward_walk_bitwise_equal(kind, monkeypatch):
     mk = lambda h, n: torch.randn(1, h, n, 128, device="cuda").bfloat16().requires_grad_()  # noqa: E731
     q, k, v = mk(8, lq), mk(2, lk), mk(2, lk)
     do = torch.randn_like(q)
-    grads = {}
-    for walk in (False, True):
-        monkeypatch.setattr(launch, "BWD_CONTIGUOUS", walk)
-        out = attention_op(q, k, v, layout)
-        grads[walk] = torch.autograd.grad(out, (q, k, v), do)
-    assert all(torch.isfinite(g).all() for g in grads[True])
-    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
-    assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)  # rule 3, contiguous walk on
+    indexed, walked = grads_per_launch_setting(q, k, v, layout, do, "BWD_CONTIGUOUS", (False, True))
+    assert all(torch.isfinite(g).all() for g in walked)
+    assert all(torch.equal(a, b) for a, b in zip(indexed, walked))
+    assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)  # rule 3, contiguous walk (default) on
