@@ -9,6 +9,7 @@ products. The parts' outputs are not combined here (a real split would merge the
 few ms of extra traffic at 128K): this only times the products.
 
     python benchmarks/kv_split_probe.py --out $OUT/kv-split-h100.json [--cases random0.25:131072 ...]
+    ncu ... --profile-from-start off python benchmarks/kv_split_probe.py --profile --parts --out /dev/null
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from pathlib import Path
 import torch
 
 import sparse_attn
+from sparse_attn.bench.providers import _flex_fn
 from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import time_interleaved
 from sparse_attn.layout import BlockLayout
+from sparse_attn.patterns import to_flex
 
 
 def random_mask(L: int, density: float) -> torch.Tensor:
@@ -37,8 +40,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["random0.25:32768", "random0.1:131072", "random0.25:131072",
                                                     "random0.5:131072"])
-    ap.add_argument("--parts", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--parts", nargs="*", type=int, default=[2, 4])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile", action="store_true",
+                    help="run each case's whole-layout forward once inside cudaProfilerStart/Stop (for ncu)")
     a = ap.parse_args()
     rows = []
     for case in a.cases:
@@ -59,6 +64,17 @@ def main():
         for fn in fns.values():  # compile, autotune, build the schedules
             fn()
         torch.cuda.synchronize()
+        if a.profile:  # ours and Flex's forward on the whole layout, once each
+            flex = _flex_fn("cuda")
+            block_mask = to_flex(full)
+            flex(q, k, v, block_mask=block_mask)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            fns["whole"]()
+            flex(q, k, v, block_mask=block_mask)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            continue
         ms = dict(zip(fns, time_interleaved(list(fns.values()), "cuda")))
         row = dict(case=case, density=full.density, ms=ms, whole_over_parts={k: ms["whole"] / t for k, t in ms.items()})
         print(json.dumps(row), flush=True)
