@@ -237,6 +237,44 @@ def test_int8_kernel_matches_twin(case, one_thread):
 
 @interp
 @pytest.mark.interpreter
+def test_kernel_lse_with_unsmoothed_lse_is_that_of_the_scores(one_thread):
+    """The 8-bit kernel's LSE is that of the smoothed scores; ``unsmoothed_lse`` adds back what
+    smoothing removed (with the K mean the quantization took), dense and packed alike. A K offset of
+    4 moves the smoothed LSE far from the true one, so the flag must matter."""
+    from sparse_attn import varlen
+    from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.sage import sage_attention_op, sage_varlen_attention_op
+    q, k, v = _qkv(4, 2, 40, 70, 32, k_offset=4.0, dtype=torch.float16)
+    lay = LAYOUTS["local"](40, 70)
+    _, lse_ref = reference.attention(q.float(), k.float(), v.float(), lay, causal=True, return_lse=True)
+    kl = _kernel_layout(lay, True, 40, 70, "cpu")
+    _, smoothed = sage_attention_op(q, k, v, kl, quant="int8", granularity="per_warp", smooth_k=True)
+    _, lse = sage_attention_op(q, k, v, kl, quant="int8", granularity="per_warp", smooth_k=True, unsmoothed_lse=True)
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse)) and fin.any()
+    assert (lse[fin] - lse_ref[fin]).abs().max() < 0.05
+    assert (smoothed[fin] - lse_ref[fin]).abs().max() > 1.0
+    # packed: each sequence's rows shifted by that sequence's own K mean (one has a single token)
+    lens = [37, 1, 26]
+    cu = torch.tensor([0, 37, 38, 64], dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    shift = 4.0 * torch.randn(32, generator=g)
+    q, k, v = (torch.randn(64, 2, 32, generator=g) for _ in range(3))
+    k = k + shift
+    q, k, v = (t.half() for t in (q, k, v))
+    per_seq = varlen.build_layouts(lens, lens, None, None, causal=True)
+    stacked = varlen.stack(per_seq, max(lens), max(lens), 2)
+    _, lse = sage_varlen_attention_op(q, k, v, stacked, cu, cu, max(lens), max(lens), tuple(lens), quant="int8",
+                                      granularity="per_warp", smooth_k=True, unsmoothed_lse=True)
+    assert lse.shape == (2, 64)
+    for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        _, want = reference.attention(*(t[a:e].transpose(0, 1)[None].float() for t in (q, k, v)), per_seq[b],
+                                      return_lse=True)
+        assert (lse[:, a:e] - want[0]).abs().max() < 0.05, b
+
+
+@interp
+@pytest.mark.interpreter
 def test_packed_statistics_are_per_sequence():
     """K's mean and V's channel amax of packed inputs are taken per sequence (an empty one: 0)."""
     from sparse_attn.ops.sage import launch

@@ -13,7 +13,6 @@ import torch
 
 from .layout import BlockLayout
 from .ops.sage.granularity import check_quant
-from .ops.sage.reference import lse_shift
 
 
 def _needs_grad(*ts: torch.Tensor) -> bool:
@@ -28,12 +27,9 @@ def attention(q, k, v, layout: BlockLayout | None, *, causal: bool, scale, retur
     with torch.no_grad():
         if q.is_cuda:
             from .ops.sage import sage_attention_op
-            from .ops.sage.launch import k_mean
             kernel_layout = api._kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)
             out, lse = sage_attention_op(q, k, v, kernel_layout, quant=quant, granularity=granularity,
-                                         smooth_k=smooth_k, scale=scale)
-            if return_lse:
-                lse = lse + lse_shift(q, k_mean(k, False) if smooth_k else None, scale)
+                                         smooth_k=smooth_k, scale=scale, unsmoothed_lse=return_lse)
         else:
             from .ops.sage import reference as sage_ref
             out, lse = sage_ref.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True, quant=quant,
@@ -52,11 +48,9 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, plan, *, scale
     with torch.no_grad():
         if q.is_cuda:
             from .ops.sage import sage_varlen_attention_op
-            from .ops.sage.launch import k_mean
             out, lse = sage_varlen_attention_op(q, k, v, plan.stacked, cu_q, cu_k, max_q, max_k, plan.kv_lens,
-                                                quant=quant, granularity=granularity, smooth_k=smooth_k, scale=scale)
-            if return_lse and smooth_k and k.shape[0] > 0:
-                lse = lse + _packed_lse_shift(q, k_mean(k, True, cu_k, max_k), cu_q, scale)
+                                                quant=quant, granularity=granularity, smooth_k=smooth_k, scale=scale,
+                                                unsmoothed_lse=return_lse)
         else:
             out, lse = _varlen_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), plan.per_seq, scale, quant,
                                          granularity, smooth_k)
@@ -64,17 +58,6 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, plan, *, scale
         out_hp = hp_call()
         out = out_hp + (out - out_hp).detach()
     return (out, lse) if return_lse else out
-
-
-def _packed_lse_shift(q: torch.Tensor, mean: torch.Tensor, cu_q: torch.Tensor, scale) -> torch.Tensor:
-    """What smoothing removed from packed rows' scores, ``[H, T]`` (the varlen LSE layout): each query
-    token's ``scale * q . mean_k`` with its own sequence's K mean (``mean [S, Hkv, D]``). No host sync."""
-    T, H, D = q.shape
-    S, hkv = mean.shape[:2]
-    seq = torch.repeat_interleave(torch.arange(S, device=q.device), cu_q[1:] - cu_q[:-1], output_size=T)
-    scale = D ** -0.5 if scale is None else scale
-    qg = q.float().view(T, hkv, H // hkv, D)
-    return torch.einsum("tkgd,tkd->kgt", qg, mean[seq]).reshape(H, T) * scale
 
 
 def _varlen_reference(q, k, v, cq, ck, per_seq, scale, quant, granularity, smooth_k):

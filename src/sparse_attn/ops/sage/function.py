@@ -16,14 +16,16 @@ from . import launch
 def sage_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Tensor, full_start: Tensor,
              indices: Tensor, mask_ids: Tensor, contiguous: bool, terms: Tensor, n_terms: int,
              cu_q: Optional[Tensor], cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float,
-             max_q: int, max_k: int, quant: int, granularity: str, smooth_k: bool) -> tuple[Tensor, Tensor]:
+             max_q: int, max_k: int, quant: int, granularity: str, smooth_k: bool,
+             unsmoothed_lse: bool = False) -> tuple[Tensor, Tensor]:
     return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
-                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, quant, granularity, smooth_k)
+                          cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, quant, granularity, smooth_k,
+                          unsmoothed_lse)
 
 
 @sage_fwd.register_fake
 def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms, cu_q, cu_k, block_q,
-      block_k, sm_scale, max_q, max_k, quant, granularity, smooth_k):
+      block_k, sm_scale, max_q, max_k, quant, granularity, smooth_k, unsmoothed_lse=False):
     if cu_q is not None:
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     else:

@@ -15,6 +15,7 @@ import triton
 from ..block_sparse import launch as bs_launch
 from . import kernels
 from .granularity import FP8_MAX, GRANULARITY
+from .reference import lse_shift, packed_lse_shift
 
 TILE = 128  # rows per quantization program: a multiple of every group span
 # H100, 16K x 32 heads x d128 (benchmarks/results/quant-probe-h100.json): 8 warps 0.077 ms, 4 warps 0.095,
@@ -103,7 +104,7 @@ STAT_CHUNK, STAT_ROWS = 1024, 64  # tokens per seq_stats program, rows per load
 def seq_stats(x: torch.Tensor, cu: torch.Tensor, max_len: int, abs_max: bool) -> torch.Tensor:
     """Per packed sequence and head of ``x [T, H, D]``: the fp32 sum over its tokens (``abs_max``: the
     max of |x|), ``[S, H, D]``. Deterministic: fixed chunks, reduced in order (no atomics)."""
-    S, (T, H, D) = cu.numel() - 1, x.shape
+    S, (_, H, D) = cu.numel() - 1, x.shape
     chunks = triton.cdiv(max(max_len, 1), STAT_CHUNK)
     part = torch.empty(S, H, chunks, D, device=x.device, dtype=torch.float32)
     kernels.seq_partials_kernel[(chunks, S * H)](
@@ -129,16 +130,22 @@ def k_mean(k: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None,
 
 def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
             cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, quant: int,
-            granularity: str, smooth_k: bool):
-    """Returns (out in q's dtype, lse of the smoothed scores, fp32). quant: 1 int8 Q.K, 2 also FP8 P.V."""
+            granularity: str, smooth_k: bool, unsmoothed_lse: bool = False):
+    """Returns (out in q's dtype, lse fp32). quant: 1 int8 Q.K, 2 also FP8 P.V. The kernel's LSE is that
+    of the smoothed scores; ``unsmoothed_lse`` adds back what smoothing removed (``scale * q . mean_k``,
+    with the K mean the quantization already took), giving the LSE of the scores as the caller wrote them."""
     varlen = cu_q is not None
     (qs, qp), (ks, kp) = GRANULARITY[granularity]
     q8, q_scale = quantize_rows(q, qs, qp, None, varlen, cu_q, max_q)
-    k8, k_scale = quantize_rows(k, ks, kp, k_mean(k, varlen, cu_k, max_k) if smooth_k else None, varlen, cu_k, max_k)
+    mean = k_mean(k, varlen, cu_k, max_k) if smooth_k else None
+    k8, k_scale = quantize_rows(k, ks, kp, mean, varlen, cu_k, max_k)
     if quant == 2:
         vq, v_scale = quantize_v_fp8(v, varlen, cu_k, max_k)
     else:
         vq, v_scale = v, None
-    return bs_launch.forward(q8, k8, vq, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
-                             cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, 1, (q_scale, k_scale, v_scale),
-                             quant, q.dtype, k_scale_span=ks if kp == 1 else 0)
+    out, lse = bs_launch.forward(q8, k8, vq, counts, n_full, full_start, indices, mask_ids, contiguous, terms,
+                                 n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, 1,
+                                 (q_scale, k_scale, v_scale), quant, q.dtype, k_scale_span=ks if kp == 1 else 0)
+    if unsmoothed_lse and mean is not None:  # (None: smoothing off, or no keys at all)
+        lse = lse + (packed_lse_shift(q, mean, cu_q, sm_scale) if varlen else lse_shift(q, mean, sm_scale))
+    return out, lse

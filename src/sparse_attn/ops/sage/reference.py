@@ -75,3 +75,14 @@ def lse_shift(q: torch.Tensor, mean: torch.Tensor | None, scale: float | None) -
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[1] // mean.shape[1]
     return torch.einsum("bhld,bhd->bhl", q.float(), mean.repeat_interleave(group, 1)) * scale
+
+
+def packed_lse_shift(q: torch.Tensor, mean: torch.Tensor, cu_q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """lse_shift for packed rows, ``[H, T]`` (the varlen LSE layout): each query token's
+    ``scale * q . mean_k`` with its own sequence's K mean (``mean [S, Hkv, D]``). No host sync."""
+    T, H, D = q.shape
+    S, hkv = mean.shape[:2]
+    seq = torch.repeat_interleave(torch.arange(S, device=q.device), cu_q[1:] - cu_q[:-1], output_size=T)
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.float().view(T, hkv, H // hkv, D)
+    return torch.einsum("tkgd,tkd->kgt", qg, mean[seq]).reshape(H, T) * scale
