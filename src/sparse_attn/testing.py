@@ -21,8 +21,8 @@ from . import metrics
 from .reference import attention as reference_attention
 
 __all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
-           "assert_layout_grads_close_to_oracle", "flash_delta_grads", "split_and_fused_grads", "grads_per_launch_setting", "QUANT_L1_BOUND",
-           "default_atol_floor", "random_qkv", "random_packed_qkv",
+           "assert_layout_grads_close_to_oracle", "flash_delta_grads", "split_and_fused_grads",
+           "grads_per_launch_setting", "QUANT_L1_BOUND", "default_atol_floor", "random_qkv", "random_packed_qkv",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
 

@@ -391,6 +391,13 @@ def _pick(values, o_c, slot):
 
 
 @triton.jit
+def _run_start(INDICES, p_row, n_full, BLOCK: tl.constexpr):
+    """First token of a contiguous row's run of unmasked blocks (its first slot; 0 for an empty run),
+    for the backward kernels' arithmetic walk (CONTIGUOUS)."""
+    return tl.load(INDICES + p_row, mask=n_full > 0, other=0) * BLOCK
+
+
+@triton.jit
 def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c):
     """The block indices and mask ids of a layout row's slots c0 + o_c (those at or past hi: block 0,
     mask -1), read into registers at once for the backward loops (see bwd_dkdv_kernel)."""
@@ -488,7 +495,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
         if CONTIGUOUS and phase == 0:
             # every row's unmasked query blocks are one ascending run from slot 0: walked by arithmetic,
             # with no index chunk and no per-iteration pick (a cross-warp reduction each)
-            run0 = tl.load(T_INDICES + p_row, mask=n_full > 0, other=0) * BLOCK_Q
+            run0 = _run_start(T_INDICES, p_row, n_full, BLOCK_Q)
             for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
                 b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
                                         q_base, do_base, l_base, dq_base, run0 + it * BLOCK_M, q_len, k_len, offset,
@@ -675,7 +682,7 @@ def bwd_dq_kernel(
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count
         if CONTIGUOUS and phase == 0:  # one run from slot 0, walked by arithmetic (bwd_dkdv_kernel)
-            run0 = tl.load(INDICES + p_row, mask=n_full > 0, other=0) * BLOCK_K
+            run0 = _run_start(INDICES, p_row, n_full, BLOCK_K)
             for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
                 b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base,
                                 run0 + it * BLOCK_N, k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS, -1,
