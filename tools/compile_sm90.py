@@ -28,10 +28,13 @@ def signature(fn, consts):
             sig[name] = "constexpr"
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
-        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS"):
+        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_BH",
+                                                 "SWEEP"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
+        elif name == "WAVE_START":
+            sig[name] = "*i64"
         elif name in SCALES_F32:
             sig[name] = "*fp32"
         elif name in ("Q", "K") and consts.get("QUANT", 0):
@@ -70,7 +73,7 @@ def divisibility(fn, sig):
 
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, K_SCALE_SPAN=0)
+    fwd = dict(base, K_SCALE_SPAN=0, WAVE=0)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                  CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
@@ -82,6 +85,11 @@ def variants():
     for d, bn, stages in ((128, 128, 3), (64, 128, 3), (256, 64, 2)):
         yield K.fwd_kernel, dict(fwd, HEAD_DIM=d, D_PAD=d, NUM_STAGES=stages, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2,
                                  IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=0, PV_SKIP=False)
+    # the wave forward (persistent programs on indexed rows), bf16 and int8-fp8
+    for n_terms, quant, wave in ((0, 0, 1), (2, 0, 1), (0, 2, 1), (0, 0, 2), (2, 0, 2), (0, 2, 2)):
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=128 if quant == 0 else 64, BLOCK_N=128, N_TERMS=n_terms,
+                                 IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
+                                 K_SCALE_SPAN=128 if quant else 0, WAVE=wave)
     # 8-bit: per-key K scales (span 0) and one K scale per tile (span 128, per_block / per_warp)
     for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
@@ -132,7 +140,7 @@ def main():
     for fn, consts in variants():
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
-                                                                 "DP_FIRST", "G", "HEADS_INSIDE")}
+                                                                 "DP_FIRST", "G", "HEADS_INSIDE", "WAVE")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,
