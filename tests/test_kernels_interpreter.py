@@ -73,6 +73,27 @@ def test_fp32_per_head_random_layout_with_broadcast_batch():
     _check_fwd_bwd(layout, *_qkv(2, 4, 2, 41, 35, 16, torch.float32, True))
 
 
+def test_wave_order_changes_only_the_summation_order(monkeypatch):
+    """Indexed rows start their walk at (program id mod resident programs) / resident programs of the
+    row (launch.FWD_WAVE): the same blocks, another order. Against the reference, and different bits
+    from the plain order (so the rotation ran), on a random layout with GQA, partial last blocks and
+    rows of 1-6 blocks. The interpreter stands in 3 SMs of 2 programs: 6 phases over 28 programs."""
+    from sparse_attn.ops.block_sparse import launch
+    g = torch.Generator().manual_seed(5)
+    bm = torch.rand(1, 4, 7, 6, generator=g) < 0.6
+    bm[..., 0] = True  # no empty row: each has a first block to rotate away from
+    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=100, kv_len=90)
+    q, k, v = _qkv(1, 4, 2, 100, 90, 16, torch.float32, True)
+    _check_fwd_bwd(layout, q, k, v)
+    attention_op, _ = _ops()
+    with torch.no_grad():
+        wave = attention_op(q, k, v, layout, return_lse=True)
+        monkeypatch.setattr(launch, "FWD_WAVE", False)
+        plain = attention_op(q, k, v, layout, return_lse=True)
+    assert not torch.equal(wave[1], plain[1])
+    assert (wave[0] - plain[0]).abs().max() < 1e-5 and (wave[1] - plain[1]).abs().max() < 1e-5
+
+
 def test_composed_layout_with_different_masks_per_block():
     a = BlockLayout.from_mask(MASKS["streaming"], q_len=48, block_q=16, block_k=16)
     b = BlockLayout.from_mask(MASKS["block_diag"], q_len=48, block_q=16, block_k=16)

@@ -5,15 +5,18 @@ syntax/type errors and shared-memory/register use show up before any device time
 """
 import itertools
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import types
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sparse_attn.ops.block_sparse import kernels as K
+from sparse_attn.ops.block_sparse import launch as L
 
 POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
                 "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK", "CU_L"}
@@ -28,13 +31,10 @@ def signature(fn, consts):
             sig[name] = "constexpr"
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
-        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_BH",
-                                                 "SWEEP"):
+        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
-        elif name == "WAVE_START":
-            sig[name] = "*i64"
         elif name in SCALES_F32:
             sig[name] = "*fp32"
         elif name in ("Q", "K") and consts.get("QUANT", 0):
@@ -73,7 +73,7 @@ def divisibility(fn, sig):
 
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, K_SCALE_SPAN=0, WAVE=0)
+    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                  CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
@@ -85,11 +85,11 @@ def variants():
     for d, bn, stages in ((128, 128, 3), (64, 128, 3), (256, 64, 2)):
         yield K.fwd_kernel, dict(fwd, HEAD_DIM=d, D_PAD=d, NUM_STAGES=stages, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2,
                                  IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=0, PV_SKIP=False)
-    # the wave forward (persistent programs on indexed rows), bf16 and int8-fp8
-    for n_terms, quant, wave in ((0, 0, 1), (2, 0, 1), (0, 2, 1), (0, 0, 2), (2, 0, 2), (0, 2, 2)):
+    # the wave order of indexed rows (launch.FWD_WAVE), bf16 and int8-fp8
+    for n_terms, quant in ((0, 0), (2, 0), (0, 2)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128 if quant == 0 else 64, BLOCK_N=128, N_TERMS=n_terms,
                                  IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
-                                 K_SCALE_SPAN=128 if quant else 0, WAVE=wave)
+                                 K_SCALE_SPAN=128 if quant else 0, WAVE=True)
     # 8-bit: per-key K scales (span 0) and one K scale per tile (span 128, per_block / per_warp)
     for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
@@ -133,8 +133,57 @@ def variants():
         yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen)
 
 
+def ptxas_registers(ptx: str) -> int:
+    """Registers a thread uses, from ``ptxas -v`` on the kernel's PTX (Triton's bundled ptxas)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
+                             text=True, check=True).stderr
+    return int(re.search(r"Used (\d+) registers", log).group(1))
+
+
+class _Elem:
+    """What kernels._resident_per_sm reads of a tensor argument: ``.dtype.element_ty.primitive_bitwidth``."""
+
+    def __init__(self, bits):
+        self.dtype = types.SimpleNamespace(element_ty=types.SimpleNamespace(primitive_bitwidth=bits))
+
+
+def report_residency(target) -> None:
+    """The wave order's period assumes kernels._resident_per_sm programs per SM. Compare it with what
+    ptxas's registers and the compiled shared memory allow (65536 registers and 228 KB per SM, 1 KB
+    reserved per program) for the forward configs that layouts with 64- and 128-token blocks get.
+    A difference is not an error: the wave then aligns the running programs less well, never worse
+    than no wave order (a simulation of the hardware's in-order dispatch, benchmarks/NOTES.md "The
+    wave order"); the configs of long sequences (bf16 128 x 128 at 3 stages, 8-bit 64 x 128) match."""
+    cases = [(d, c, 0, 16) for d in (64, 128, 256) for bq in (64, 128) for c in L.fwd_configs(bq, bq, d, "tma")]
+    cases += [(128, c, q, 8) for bq in (64, 128) for c in L.fwd_configs(bq, bq, 128, "tma", eight_bit=True)
+              for q in (1, 2)]
+    seen = set()
+    for d, cfg, quant, bits in cases:
+        m, n, s, w = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["NUM_STAGES"], cfg.num_warps
+        if (d, m, n, s, w, quant) in seen:
+            continue
+        seen.add((d, m, n, s, w, quant))
+        consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
+                      IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
+                      K_SCALE_SPAN=128 if quant else 0, WAVE=True)
+        sig = signature(K.fwd_kernel, consts)
+        c = triton.compile(ASTSource(K.fwd_kernel, sig, constexprs=consts, attrs=divisibility(K.fwd_kernel, sig)),
+                           target=target, options=dict(num_warps=w, num_stages=s))
+        regs = ptxas_registers(c.asm["ptx"])
+        actual = min(65536 // ((regs + 7) // 8 * 8 * 32 * w), 233472 // (c.metadata.shared + 1024))
+        v_bits = 8 if quant == 2 else 16
+        assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(v_bits), m, n, d, s, quant)
+        print(f"{'ok  ' if assumed == actual else 'note'} residency d{d} {m}x{n} {s} stages {w} warps quant {quant}: "
+              f"{regs} registers, {c.metadata.shared} B shared -> {actual} per SM; kernels assume {assumed}")
+
+
 def main():
     target = GPUTarget("cuda", 90, 32)
+    report_residency(target)
     failed = 0
     print(f"triton {triton.__version__}")  # what ptxas does differs between versions (NOTES.md)
     for fn, consts in variants():

@@ -66,12 +66,13 @@ def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(i_m, i_bh, CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih,
-                stride_iq, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Where query tile ``i_m`` of batch * head ``i_bh`` stands (the forward / dQ grid's program ids,
-    or a persistent forward program's current tile): its ids, its sequence's bounds, and the offsets
-    of its layout row (counts at p_cnt, slots from p_row). The caller skips the tile when
-    i_m * BLOCK_M >= q_len (a helper cannot end its caller)."""
+def _query_tile(CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Where a (query tile, batch * head) program of the forward / dQ grid stands: its ids, its
+    sequence's bounds, and the offsets of its layout row (counts at p_cnt, slots from p_row). The
+    caller returns early when i_m * BLOCK_M >= q_len (a helper cannot end its caller)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
     i_hk = i_h // G
@@ -199,145 +200,24 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
 
 
 @triton.jit
-def _fwd_tile(
-    i_m, i_bh, work, SWEEP, WAVE_START, N_BH,
-    Q, K, V, O, LSE, COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE,
-    sm_scale, pv_log2, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-    stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm, stride_cb, stride_ch,
-    stride_ib, stride_ih, stride_iq, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh, H, G,
-    Lq, Lk, SEQ_STEP, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN:
-    tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr,
-    K_SCALE_SPAN: tl.constexpr, WAVE: tl.constexpr,
-):
-    """One query tile of fwd_kernel; returns ``work`` plus the tile's unmasked iterations (WAVE)."""
-    i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
-        i_m, i_bh, CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-        BLOCK_Q, BLOCK_M, IS_VARLEN)
-    if i_m * BLOCK_M < q_len:
-        offset = k_len - q_len
-        SUB: tl.constexpr = BLOCK_K // BLOCK_N
-        count = tl.load(COUNTS + p_cnt)
-        n_full = tl.load(N_FULL + p_cnt)
-
-        o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        o_d = tl.arange(0, D_PAD)
-        m_m = o_m < q_len
-        m_d = o_d < HEAD_DIM
-        p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :]
-        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, D]
-        kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
-        V_TRANS: tl.constexpr = QUANT == 2
-        if V_TRANS and IS_VARLEN:  # packed FP8 V^T: each sequence's columns start 16-byte aligned
-            v0 = vt_column0(k0, i_b)
-        else:
-            v0 = k0
-        vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + v0.to(tl.int64) * stride_vn
-        pos_q = (o_m + offset)[:, None]
-        # per-head descriptors (USE_TMA): rows past k_len (and head-dim padding) read as zeros
-        desc_k = _rows_desc(K, kv_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
-        if USE_TMA and V_TRANS:  # FP8 V stored [D, L]: its rows are channels
-            desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[HEAD_DIM, k_len], strides=[stride_vd, 1],
-                                               block_shape=[D_PAD, BLOCK_N])
-        else:
-            desc_v = _rows_desc(V, vv_base, k_len, stride_vn, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
-
-        qk_scale = sm_scale * LOG2E
-        LOG2_P_SCALE: tl.constexpr = 8.807354922057604 if QUANT == 2 else 0.0  # log2(448), FP8 e4m3's max
-        KS_PER_TILE: tl.constexpr = QUANT != 0 and K_SCALE_SPAN > 0 and K_SCALE_SPAN % BLOCK_N == 0
-        # Per-key K scales through one descriptor over all K-scale rows (row stride padded to 16 bytes by
-        # the launcher). Not on packed inputs: a TMA read must start 16-byte aligned (else an illegal
-        # instruction on the H100), and a sequence's first key k0 may be any token. Not for 16-key tiles:
-        # their 64-byte [1, 16] fp32 box faulted with "misaligned address" on the H100 (triton 3.6; the
-        # 128-byte box of 32-key tiles runs; tests/gpu/test_fuzz_gpu.py found it).
-        KS_TMA: tl.constexpr = USE_TMA and QUANT != 0 and not KS_PER_TILE and not IS_VARLEN and BLOCK_N >= 32
-        if QUANT != 0:
-            ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
-            ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
-            if KS_TMA:
-                desc_ks = tl.make_tensor_descriptor(K_SCALE, shape=[ks_row + 1, k0 + k_len], strides=[stride_ksh, 1],
-                                                    block_shape=[1, BLOCK_N])
-            else:
-                desc_ks = K_SCALE
-            # per-row Q scale folded with the softmax scale (1 past the end: no 0 * -inf)
-            b_rs = tl.load(Q_SCALE + i_b.to(tl.int64) * stride_qsb + i_h.to(tl.int64) * stride_qsh + q0 + o_m,
-                           mask=m_m, other=1.0) * qk_scale
-        else:  # unused placeholders: _scores takes the plain q.k product
-            ks_base = 0
-            ks_row = 0
-            desc_ks = K_SCALE
-            b_rs = qk_scale
-        ROW_SCALE: tl.constexpr = QUANT != 0
-        b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        b_l = tl.zeros([BLOCK_M], tl.float32)
-        b_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        # phase 1: blocks that need no mask. A contiguous run is walked by arithmetic, no index loads.
-        # Indexed rows get 2 * NUM_STAGES - 1 stages: the pipeliner splits a loop's stages between the
-        # index load and the K/V loads it addresses, and this keeps K/V as many tiles ahead as on
-        # contiguous rows (H100: random layouts +10-21%, benchmarks/NOTES.md v4).
-        if CONTIGUOUS:
-            run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
-        n_it = n_full * SUB
-        if WAVE == 1:  # this tile's place in the sweep: where the program's finished work has brought it
-            rot = ((work % (SWEEP * SUB)) * n_it) // (SWEEP * SUB)
-        elif WAVE == 2:  # where the work dispatched before this tile, over SWEEP programs at once, puts it
-            n_qb = tl.cdiv(Lq, BLOCK_Q)
-            R: tl.constexpr = BLOCK_Q // BLOCK_M
-            before = tl.load(WAVE_START + i_bh * n_qb + (i_m * BLOCK_M) // BLOCK_Q) * R + (i_m % R) * n_full
-            total = tl.load(WAVE_START + N_BH * n_qb)
-            x = before.to(tl.float64) * (N_BH * n_qb) / (total.to(tl.float64) * SWEEP)
-            rot = tl.minimum(((x - tl.floor(x)) * n_it).to(tl.int32), tl.maximum(n_it - 1, 0))
-        for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
-            if CONTIGUOUS:
-                start_n = run0 + it * BLOCK_N
-            else:
-                j = it
-                if WAVE != 0:  # start at the wave's key position, wrap around
-                    j = it + rot
-                    j = tl.where(j >= n_it, j - n_it, j)
-                start_n = tl.load(INDICES + p_row + j // SUB) * BLOCK_K + (j % SUB) * BLOCK_N
-            b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
-                                     stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
-            b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
-                                  KS_TMA, KS_PER_TILE)
-            b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
-                                            ROW_SCALE)
-        # phase 2: blocks with an element mask or crossing the sequence end
-        for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
-            slot = it // SUB
-            start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
-            o_n = start_n + tl.arange(0, BLOCK_N)
-            b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
-                                     stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
-            b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
-                                  KS_TMA, KS_PER_TILE)
-            b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
-            if N_TERMS > 0:
-                mid = tl.load(MASK_IDS + p_row + slot)
-                if mid >= 0:
-                    b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
-            b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, True, LOG2_P_SCALE, PV_SKIP,
-                                            ROW_SCALE)
-
-        has = b_l > 0
-        b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
-        if QUANT == 2:
-            b_vs = tl.load(V_SCALE + i_b.to(tl.int64) * stride_vsb + i_hk.to(tl.int64) * stride_vsh + o_d, mask=m_d,
-                           other=0.0)
-            b_o = b_o * b_vs[None, :]
-        p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + (q0 + o_m.to(tl.int64))[:, None] * stride_om + o_d[None, :]
-        tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
-        b_lse = tl.where(has, (b_m + tl.math.log2(tl.where(has, b_l, 1.0)) - LOG2_P_SCALE) * LN2, float("-inf"))
-        tl.store(LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm, b_lse, mask=m_m)
-        if WAVE == 1:
-            work += n_it
-    return work
+def _resident_per_sm(Q, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, QUANT: tl.constexpr):
+    """Forward programs one SM holds at once (sm_90): by registers, 128-row tiles run 8 warps at
+    more than 128 registers a thread (one program), smaller tiles 4 warps at up to 255 (two); by shared
+    memory, the Q tile and NUM_STAGES K/V tiles plus 1 KB, and 1 KB per program reserved, out of
+    228 KB. tools/compile_sm90.py checks this against ptxas for the configs of the spaces."""
+    E_Q: tl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
+    E_V: tl.constexpr = V.dtype.element_ty.primitive_bitwidth // 8
+    SMEM: tl.constexpr = BLOCK_M * D_PAD * E_Q + NUM_STAGES * BLOCK_N * D_PAD * (E_Q + E_V) + 2048
+    BY_REGS: tl.constexpr = 1 if BLOCK_M >= 128 else 2
+    BY_SMEM: tl.constexpr = 233472 // SMEM
+    return BY_REGS if BY_REGS < BY_SMEM else BY_SMEM
 
 
-@triton.jit(do_not_specialize=["TUNE_CLASS", "SWEEP"])
+@triton.jit(do_not_specialize=["TUNE_CLASS"])
 def fwd_kernel(
     Q, K, V, O, LSE,
-    COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE, WAVE_START,
+    COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE,
     sm_scale, pv_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -347,7 +227,7 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_BH, SWEEP,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -360,27 +240,126 @@ def fwd_kernel(
     K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
     tiles start at multiples of BLOCK_N from the sequence's first key, so where BLOCK_N divides the
     span each tile sees one K scale (the quantization kernels start the runs at every packed
-    sequence's first key too)."""
-    if WAVE == 1:
-        n_m = tl.cdiv(Lq, BLOCK_M)
-        work = tl.full([], 0, tl.int32)  # iterations this program has run: its place in the sweep
-        for t in range(tl.program_id(0), n_m * N_BH, tl.num_programs(0)):
-            work = _fwd_tile(t % n_m, t // n_m, work, SWEEP, WAVE_START, N_BH,
-                            Q, K, V, O, LSE, COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE,
-                            V_SCALE, sm_scale, pv_log2, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                            stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                            stride_lm, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_qsb, stride_qsh,
-                            stride_ksb, stride_ksh, stride_vsb, stride_vsh, H, G, Lq, Lk, SEQ_STEP, HEAD_DIM, D_PAD, BLOCK_Q,
-                            BLOCK_K, BLOCK_M, BLOCK_N, N_TERMS, CONTIGUOUS, IS_VARLEN, NUM_STAGES, USE_TMA, QUANT, PV_SKIP,
-                            K_SCALE_SPAN, WAVE)
+    sequence's first key too).
+    WAVE (indexed rows): program t of the grid's order starts its row's walk at the fraction
+    (t mod P) / P of the row and wraps around, P being the programs resident at once (N_SM SMs times
+    _resident_per_sm). Programs start in grid order at a rate of P per row duration once the first
+    waves have drifted apart, so the ones running at once then stand at the same fraction of their
+    walks: on random layouts, at the same stretch of keys, which stays in L2 (at 128K one head's K/V
+    outgrow it; H100, benchmarks/NOTES.md "The wave order")."""
+    i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
+        CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        BLOCK_Q, BLOCK_M, IS_VARLEN)
+    if i_m * BLOCK_M >= q_len:
+        return
+    offset = k_len - q_len
+    SUB: tl.constexpr = BLOCK_K // BLOCK_N
+    count = tl.load(COUNTS + p_cnt)
+    n_full = tl.load(N_FULL + p_cnt)
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, D_PAD)
+    m_m = o_m < q_len
+    m_d = o_d < HEAD_DIM
+    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, D]
+    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
+    V_TRANS: tl.constexpr = QUANT == 2
+    if V_TRANS and IS_VARLEN:  # packed FP8 V^T: each sequence's columns start 16-byte aligned
+        v0 = vt_column0(k0, i_b)
     else:
-        _fwd_tile(tl.program_id(0), tl.program_id(1), 0, SWEEP, WAVE_START, N_BH,
-                  Q, K, V, O, LSE, COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE,
-                  V_SCALE, sm_scale, pv_log2, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
-                  stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                  stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-                  stride_vsb, stride_vsh, H, G, Lq, Lk, SEQ_STEP, HEAD_DIM, D_PAD, BLOCK_Q, BLOCK_K, BLOCK_M, BLOCK_N,
-                  N_TERMS, CONTIGUOUS, IS_VARLEN, NUM_STAGES, USE_TMA, QUANT, PV_SKIP, K_SCALE_SPAN, WAVE)
+        v0 = k0
+    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + v0.to(tl.int64) * stride_vn
+    pos_q = (o_m + offset)[:, None]
+    # per-head descriptors (USE_TMA): rows past k_len (and head-dim padding) read as zeros
+    desc_k = _rows_desc(K, kv_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
+    if USE_TMA and V_TRANS:  # FP8 V stored [D, L]: its rows are channels
+        desc_v = tl.make_tensor_descriptor(V + vv_base, shape=[HEAD_DIM, k_len], strides=[stride_vd, 1],
+                                           block_shape=[D_PAD, BLOCK_N])
+    else:
+        desc_v = _rows_desc(V, vv_base, k_len, stride_vn, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
+
+    qk_scale = sm_scale * LOG2E
+    LOG2_P_SCALE: tl.constexpr = 8.807354922057604 if QUANT == 2 else 0.0  # log2(448), FP8 e4m3's max
+    KS_PER_TILE: tl.constexpr = QUANT != 0 and K_SCALE_SPAN > 0 and K_SCALE_SPAN % BLOCK_N == 0
+    # Per-key K scales through one descriptor over all K-scale rows (row stride padded to 16 bytes by
+    # the launcher). Not on packed inputs: a TMA read must start 16-byte aligned (else an illegal
+    # instruction on the H100), and a sequence's first key k0 may be any token. Not for 16-key tiles:
+    # their 64-byte [1, 16] fp32 box faulted with "misaligned address" on the H100 (triton 3.6; the
+    # 128-byte box of 32-key tiles runs; tests/gpu/test_fuzz_gpu.py found it).
+    KS_TMA: tl.constexpr = USE_TMA and QUANT != 0 and not KS_PER_TILE and not IS_VARLEN and BLOCK_N >= 32
+    if QUANT != 0:
+        ks_base = i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh + k0
+        ks_row = (i_b * stride_ksb + i_hk * stride_ksh) // stride_ksh
+        if KS_TMA:
+            desc_ks = tl.make_tensor_descriptor(K_SCALE, shape=[ks_row + 1, k0 + k_len], strides=[stride_ksh, 1],
+                                                block_shape=[1, BLOCK_N])
+        else:
+            desc_ks = K_SCALE
+        # per-row Q scale folded with the softmax scale (1 past the end: no 0 * -inf)
+        b_rs = tl.load(Q_SCALE + i_b.to(tl.int64) * stride_qsb + i_h.to(tl.int64) * stride_qsh + q0 + o_m,
+                       mask=m_m, other=1.0) * qk_scale
+    else:  # unused placeholders: _scores takes the plain q.k product
+        ks_base = 0
+        ks_row = 0
+        desc_ks = K_SCALE
+        b_rs = qk_scale
+    ROW_SCALE: tl.constexpr = QUANT != 0
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # phase 1: blocks that need no mask. A contiguous run is walked by arithmetic, no index loads.
+    # Indexed rows get 2 * NUM_STAGES - 1 stages: the pipeliner splits a loop's stages between the
+    # index load and the K/V loads it addresses, and this keeps K/V as many tiles ahead as on
+    # contiguous rows (H100: random layouts +10-21%, benchmarks/NOTES.md v4).
+    n_it = n_full * SUB
+    if CONTIGUOUS:
+        run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
+    if WAVE:
+        period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES, QUANT)
+        rot = ((tl.program_id(1) * tl.num_programs(0) + i_m) % period) * n_it // period
+    for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
+        if CONTIGUOUS:
+            start_n = run0 + it * BLOCK_N
+        else:
+            j = it
+            if WAVE:
+                j = it + rot
+                j = tl.where(j >= n_it, j - n_it, j)
+            start_n = tl.load(INDICES + p_row + j // SUB) * BLOCK_K + (j % SUB) * BLOCK_N
+        b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
+                                 stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
+        b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
+                              KS_TMA, KS_PER_TILE)
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
+                                        ROW_SCALE)
+    # phase 2: blocks with an element mask or crossing the sequence end
+    for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
+        slot = it // SUB
+        start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
+                                 stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
+        b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
+                              KS_TMA, KS_PER_TILE)
+        b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
+        if N_TERMS > 0:
+            mid = tl.load(MASK_IDS + p_row + slot)
+            if mid >= 0:
+                b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
+        b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, True, LOG2_P_SCALE, PV_SKIP,
+                                        ROW_SCALE)
+
+    has = b_l > 0
+    b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
+    if QUANT == 2:
+        b_vs = tl.load(V_SCALE + i_b.to(tl.int64) * stride_vsb + i_hk.to(tl.int64) * stride_vsh + o_d, mask=m_d,
+                       other=0.0)
+        b_o = b_o * b_vs[None, :]
+    p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + (q0 + o_m.to(tl.int64))[:, None] * stride_om + o_d[None, :]
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    b_lse = tl.where(has, (b_m + tl.math.log2(tl.where(has, b_l, 1.0)) - LOG2_P_SCALE) * LN2, float("-inf"))
+    tl.store(LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm, b_lse, mask=m_m)
 
 
 @triton.jit
@@ -704,8 +683,8 @@ def bwd_dq_kernel(
     """Grid (query tiles, B * H), visiting the same schedule as the forward. KV_TMA: K/V tiles through
     TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
-        tl.program_id(0), tl.program_id(1), CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib,
-        stride_ih, stride_iq, BLOCK_Q, BLOCK_M, IS_VARLEN)
+        CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        BLOCK_Q, BLOCK_M, IS_VARLEN)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len

@@ -6,6 +6,7 @@ varlen inputs are packed ``[T, H, D]`` with ``cu_seqlens`` (int32 [B + 1]).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -24,13 +25,11 @@ AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
 FWD_VARIANT = os.environ.get("SPARSE_ATTN_FWD", "tma")
 # benchmarks only: visit even contiguous runs through per-tile index loads (the bookkeeping cost)
 FORCE_INDEXED = False
-# wave forward (probe): indexed rows start their walk at the key position where the programs running
-# at once stand, so that together they read one stretch of keys (kernels.fwd_kernel WAVE). WAVE_MODE
-# 1: persistent programs (WAVE_CTAS per SM), each placed by its own finished work; 2: the usual grid,
-# each tile placed by the work dispatched before it over WAVE_CTAS programs per SM. 0: off.
-WAVE_MODE = int(os.environ.get("SPARSE_ATTN_FWD_WAVE", "0"))
-WAVE_CTAS = 1
-WAVE_ROTATE = True  # probe: False keeps the persistent programs but walks every row from its start
+# the wave order of indexed rows (kernels.fwd_kernel WAVE): each program starts its walk where the
+# programs running beside it stand, so on random layouts they read one stretch of keys together.
+# H100 bf16 128K random 0.25 / 0.5: L2 hits 38% -> 90%, +11-15% (benchmarks/NOTES.md "The wave order").
+# Not on packed (varlen) inputs, whose empty tiles past a sequence's end would shift the phases.
+FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 # backward schedule: "split" (the dK/dV kernel, then a dQ kernel that recomputes P: seven matmuls per
 # block pair, deterministic) or "fused" (one kernel: dQ accumulated by fp32 TMA reduce-adds next to
 # dK/dV, five matmuls; dQ's summation order, so its last bits, vary run to run). With block indices
@@ -421,31 +420,24 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP", "WAVE"),
                   variant, eight_bit=quant != 0)
     contiguous = contiguous and not FORCE_INDEXED
-    wave = WAVE_MODE if not contiguous else 0
-    wave_start, sweep = None, 1
-    if wave:  # the interpreter (CPU tensors) stands in 3 SMs
-        n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 3
-    if wave == 1:
-        sweep = max(1, round(float(n_full.float().mean())))  # the mean row: one sweep of the key range
-        sweep = sweep if WAVE_ROTATE else 1 << 30
-        grid = lambda meta: (min(n_sm * WAVE_CTAS, triton.cdiv(Lq, meta["BLOCK_M"]) * B * H),)  # noqa: E731
-    else:
-        if wave == 2:  # work (blocks) dispatched before each row in grid order, then the total
-            rows = n_full.expand(B, H, -1).reshape(-1).long()
-            wave_start = torch.cat([rows.cumsum(0) - rows, rows.sum(0, keepdim=True)])
-            sweep = n_sm * WAVE_CTAS
-        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
-        wave_start, sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
+        sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
         *l_strides, *_layout_strides(counts, indices),
         *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
-        H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), B * H, sweep,
+        H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        K_SCALE_SPAN=k_scale_span, WAVE=wave)
+        K_SCALE_SPAN=k_scale_span, WAVE=FWD_WAVE and not contiguous and not varlen)
     return out, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (the interpreter, on CPU tensors, stands in 3)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
 
 
 def _round_up(n: int, multiple: int) -> int:
