@@ -10,7 +10,7 @@ import torch
 import sparse_attn
 from sparse_attn import reference
 from sparse_attn.layout import BlockLayout
-from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
+from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, window_term
 from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle, random_packed_qkv
 
 pytestmark = [
