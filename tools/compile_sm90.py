@@ -155,9 +155,9 @@ def report_residency(target) -> None:
     """The wave order's period assumes kernels._resident_per_sm programs per SM. Compare it with what
     ptxas's registers and the compiled shared memory allow (65536 registers and 228 KB per SM, 1 KB
     reserved per program) for the forward configs that layouts with 64- and 128-token blocks get.
-    A difference is not an error: the wave then aligns the running programs less well, never worse
-    than no wave order (a simulation of the hardware's in-order dispatch, benchmarks/NOTES.md "The
-    wave order"); the configs of long sequences (bf16 128 x 128 at 3 stages, 8-bit 64 x 128) match."""
+    A difference is not an error: the wave then aligns the running programs less well, at worst about
+    as badly as no wave order (a simulation of the hardware's in-order dispatch, benchmarks/NOTES.md
+    "The wave order"); the configs of long sequences (bf16 128 x 128 at 3 stages, 8-bit 64 x 128) match."""
     cases = [(d, c, 0, 16) for d in (64, 128, 256) for bq in (64, 128) for c in L.fwd_configs(bq, bq, d, "tma")]
     cases += [(128, c, q, 8) for bq in (64, 128) for c in L.fwd_configs(bq, bq, 128, "tma", eight_bit=True)
               for q in (1, 2)]
