@@ -176,7 +176,7 @@ def report_residency(target) -> None:
         regs = ptxas_registers(c.asm["ptx"])
         actual = min(65536 // ((regs + 7) // 8 * 8 * 32 * w), 233472 // (c.metadata.shared + 1024))
         v_bits = 8 if quant == 2 else 16
-        assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(v_bits), m, n, d, s, quant)
+        assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(v_bits), m, n, d, s)
         print(f"{'ok  ' if assumed == actual else 'note'} residency d{d} {m}x{n} {s} stages {w} warps quant {quant}: "
               f"{regs} registers, {c.metadata.shared} B shared -> {actual} per SM; kernels assume {assumed}")
 

@@ -201,11 +201,12 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
 
 @triton.jit
 def _resident_per_sm(Q, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, QUANT: tl.constexpr):
+                     NUM_STAGES: tl.constexpr):
     """Forward programs one SM holds at once (sm_90): by registers, 128-row tiles run 8 warps at
     more than 128 registers a thread (one program), smaller tiles 4 warps at up to 255 (two); by shared
     memory, the Q tile and NUM_STAGES K/V tiles plus 1 KB, and 1 KB per program reserved, out of
-    228 KB. tools/compile_sm90.py checks this against ptxas for the configs of the spaces."""
+    228 KB; element sizes from Q (K alike) and V, so 8-bit inputs count 1 byte. tools/compile_sm90.py
+    checks this against ptxas for the configs of the spaces."""
     E_Q: tl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     E_V: tl.constexpr = V.dtype.element_ty.primitive_bitwidth // 8
     SMEM: tl.constexpr = BLOCK_M * D_PAD * E_Q + NUM_STAGES * BLOCK_N * D_PAD * (E_Q + E_V) + 2048
@@ -316,7 +317,7 @@ def fwd_kernel(
     if CONTIGUOUS:
         run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
     if WAVE:
-        period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES, QUANT)
+        period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
         rot = ((tl.program_id(1) * tl.num_programs(0) + i_m) % period) * n_it // period
     for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
         if CONTIGUOUS:
