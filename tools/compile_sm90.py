@@ -74,6 +74,7 @@ def divisibility(fn, sig):
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
     fwd = dict(base, K_SCALE_SPAN=0, WAVE=False)
+    bwd = dict(base, WAVE=False)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                  CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
@@ -103,32 +104,41 @@ def variants():
     # the configs bwd_configs gives; the fused kernel's 3 stages are the tightest fit, ~214 KB)
     for n_terms, varlen, (fused, dq_tma), qdo_tma, chunk in itertools.product(
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True), (0, 64)):
-        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms,
+        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3 if chunk else 2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms,
                                       IS_VARLEN=varlen, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, IDX_CHUNK=chunk,
                                       DP_FIRST=True, HEADS_INSIDE=True, CONTIGUOUS=False)
     # the other issue order of dV and dP (launch.BWD_DKDV_ORDER), on the default schedule
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=False,
                                       HEADS_INSIDE=True, CONTIGUOUS=False)
     # one query head per kv head: the JIT specializes G == 1 to a constant, which removes the head loop;
     # there launch.BWD_DKDV_HEADS "auto" puts the (one) head outside the phases
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True, G=1,
                                       HEADS_INSIDE=False, CONTIGUOUS=False)
     # contiguous schedules walked by arithmetic (launch.BWD_CONTIGUOUS): the dK/dV kernel only without
     # element masks (N_TERMS 0), one query head per kv head or GQA
     for varlen, (g, inside) in itertools.product((False, True), ((1, False), (None, True))):
-        yield K.bwd_dkdv_kernel, dict(base, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=0, IS_VARLEN=varlen,
+        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=0, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
                                       HEADS_INSIDE=inside, CONTIGUOUS=True, **({"G": g} if g else {}))
     for n_terms, varlen, chunk, kv_tma in itertools.product((0, 2), (False, True), (0, 64), (False, True)):
-        yield K.bwd_dq_kernel, dict(base, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
+        yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
                                     N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk, KV_TMA=kv_tma, CONTIGUOUS=False)
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dq_kernel, dict(base, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                     IDX_CHUNK=64, KV_TMA=True, CONTIGUOUS=True)
+    # the wave order of indexed walks (launch.BWD_WAVE): dK/dV with GQA (heads inside) and with G == 1,
+    # dQ; with and without element masks
+    for n_terms, (g, inside) in itertools.product((0, 2), ((1, False), (None, True))):
+        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False,
+                                      FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
+                                      HEADS_INSIDE=inside, CONTIGUOUS=False, WAVE=True, **({"G": g} if g else {}))
+    for n_terms in (0, 2):
+        yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
+                                    IDX_CHUNK=64, KV_TMA=True, CONTIGUOUS=False, WAVE=True)
     for varlen in (False, True):
         yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen)
 
@@ -179,6 +189,26 @@ def report_residency(target) -> None:
         assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(v_bits), m, n, d, s)
         print(f"{'ok  ' if assumed == actual else 'note'} residency d{d} {m}x{n} {s} stages {w} warps quant {quant}: "
               f"{regs} registers, {c.metadata.shared} B shared -> {actual} per SM; kernels assume {assumed}")
+    # the backward kernels' wave order (kernels._bwd_resident_per_sm), G == 1 and GQA's heads inside
+    for kind, d, bq in itertools.product(("dkdv", "dq"), (64, 128, 256), (64, 128)):
+        for cfg in L.bwd_configs(bq, bq, d, kind):
+            m, n, s, w = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["NUM_STAGES"], cfg.num_warps
+            if (kind, d, m, n, s, w) in seen:
+                continue
+            seen.add((kind, d, m, n, s, w))
+            fn = K.bwd_dkdv_kernel if kind == "dkdv" else K.bwd_dq_kernel
+            consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=bq, BLOCK_K=bq, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
+                          IS_VARLEN=False, IDX_CHUNK=64, CONTIGUOUS=False, WAVE=True)
+            consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True)
+                          if kind == "dkdv" else dict(KV_TMA=True))
+            sig = signature(fn, consts)
+            c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)),
+                               target=target, options=dict(num_warps=w, num_stages=s))
+            regs = ptxas_registers(c.asm["ptx"])
+            actual = min(65536 // ((regs + 7) // 8 * 8 * 32 * w), 233472 // (c.metadata.shared + 1024))
+            assumed = K._bwd_resident_per_sm.fn(m, n, d)
+            print(f"{'ok  ' if assumed == actual else 'note'} residency {kind} d{d} {m}x{n} {s} stages {w} warps: "
+                  f"{regs} registers, {c.metadata.shared} B shared -> {actual} per SM; kernels assume {assumed}")
 
 
 def main():

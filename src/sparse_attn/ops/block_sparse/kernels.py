@@ -429,12 +429,40 @@ def _run_start(INDICES, p_row, n_full, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c):
+def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c, rot, ROTATE: tl.constexpr):
     """The block indices and mask ids of a layout row's slots c0 + o_c (those at or past hi: block 0,
-    mask -1), read into registers at once for the backward loops (see bwd_dkdv_kernel)."""
+    mask -1), read into registers at once for the backward loops (see bwd_dkdv_kernel). ROTATE: the
+    walk over slots [0, hi) starts at slot rot and wraps around (the wave order, _bwd_wave)."""
     m_c = c0 + o_c < hi
-    return (tl.load(INDICES + p_row + c0 + o_c, mask=m_c, other=0),
-            tl.load(MASK_IDS + p_row + c0 + o_c, mask=m_c, other=-1))
+    s = c0 + o_c
+    if ROTATE:
+        s = s + rot
+        s = tl.where(s >= hi, s - hi, s)
+    return (tl.load(INDICES + p_row + s, mask=m_c, other=0),
+            tl.load(MASK_IDS + p_row + s, mask=m_c, other=-1))
+
+
+@triton.jit
+def _bwd_resident_per_sm(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
+    """Backward programs (dK/dV or dQ) one SM holds at once (sm_90): the 8-warp tiles of the backward
+    spaces from 64 x 128 up, and every d256 tile, one (registers, shared memory); 64 x 64 tiles two,
+    which holds for 4 warps (8 warps: one or two by kernel and head dim). tools/compile_sm90.py
+    checks this against ptxas for the configs of the spaces."""
+    return 1 if BLOCK_M * BLOCK_N >= 8192 or D_PAD >= 256 else 2
+
+
+@triton.jit
+def _bwd_wave(i_tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, N_SM, WAVE: tl.constexpr):
+    """(t, P) of the backward's wave order (fwd_kernel's WAVE): the program's place t among the P
+    programs resident at once (N_SM SMs times _bwd_resident_per_sm), counted in grid order.
+    (0, 1) without WAVE."""
+    if WAVE:
+        period = N_SM * _bwd_resident_per_sm(BLOCK_M, BLOCK_N, D_PAD)
+        t = (tl.program_id(1) * tl.num_programs(0) + i_tile) % period
+    else:
+        period = 1
+        t = 0
+    return t, period
 
 
 @triton.jit
@@ -499,9 +527,10 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
-               PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr):
+               PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_t, period, WAVE: tl.constexpr):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
-    layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv."""
+    layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv.
+    WAVE: phase 0's indexed walk starts at slot wave_t * n_full // period (_bwd_wave) and wraps."""
     SUB: tl.constexpr = BLOCK_Q // BLOCK_M
     p_cnt = i_b * stride_cb + i_h * stride_ch + kb
     count = tl.load(T_COUNTS + p_cnt)
@@ -537,8 +566,9 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
             # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
             # of the iteration before their use, exposing their latency every iteration.
             o_c = tl.arange(0, IDX_CHUNK)
+            rot = wave_t * hi // period  # (used only where WAVE and phase == 0)
             for c0 in range(lo, hi, IDX_CHUNK):
-                blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c)
+                blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c, rot, WAVE and phase == 0)
                 for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                     b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
@@ -573,12 +603,12 @@ def bwd_dkdv_kernel(
     stride_dqab, stride_dqah, stride_dqam,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    HKV, G, Lq, Lk, SEQ_STEP, TUNE_CLASS,
+    HKV, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
-    DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr,
+    DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -586,7 +616,9 @@ def bwd_dkdv_kernel(
     when key slices overlap), its row terms (LSE2, DELTA, padded: bwd_delta_kernel) at CU_L[b].
     FUSED_DQ: dQ is accumulated here too, into the zeroed fp32 DQA (same row layout as Q), by atomic
     adds, and the dQ kernel is not run (FA2/FA3's schedule: five matmuls per block pair instead of
-    seven)."""
+    seven).
+    WAVE (indexed rows, IDX_CHUNK > 0): the wave order of fwd_kernel, here over the query blocks of
+    the transposed rows, so the programs running at once read one stretch of Q / dO (_bwd_wave)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
@@ -613,6 +645,7 @@ def bwd_dkdv_kernel(
     # waited for every wgmma right after issuing it whenever G > 1 (the JIT specializes G == 1 away),
     # with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
     PASSES: tl.constexpr = 2 if HEADS_INSIDE else 1
+    wave_t, period = _bwd_wave(i_n, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE)
     for p in tl.static_range(PASSES):
         for g in range(0, G):
             b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + g, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N_FULL,
@@ -621,7 +654,8 @@ def bwd_dkdv_kernel(
                                     stride_dom, stride_lb, stride_lh, stride_dqab, stride_dqah, stride_dqam,
                                     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, D_PAD, BLOCK_Q,
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
-                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS)
+                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS, wave_t,
+                                    period, WAVE)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
@@ -675,14 +709,15 @@ def bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_CHUNK: tl.constexpr,
-    KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr,
+    KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
 ):
     """Grid (query tiles, B * H), visiting the same schedule as the forward. KV_TMA: K/V tiles through
-    TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads."""
+    TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads. WAVE: the unmasked blocks'
+    indexed walk in the wave order, as in bwd_dkdv_kernel."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -709,6 +744,7 @@ def bwd_dq_kernel(
     pos_q = (o_m + offset)[:, None]
     qk_scale = sm_scale * LOG2E
     b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    wave_t, period = _bwd_wave(i_m, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE)
     for phase in tl.static_range(2):  # as in bwd_dkdv_kernel: unmasked blocks, then masked ones
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count
@@ -720,8 +756,9 @@ def bwd_dq_kernel(
                                 BLOCK_N, HEAD_DIM, N_TERMS, False, KV_TMA)
         elif IDX_CHUNK > 0:  # key-block indices from registers, as in bwd_dkdv_kernel
             o_c = tl.arange(0, IDX_CHUNK)
+            rot = wave_t * hi // period  # (used only where WAVE and phase == 0)
             for c0 in range(lo, hi, IDX_CHUNK):
-                blocks, mids = _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c)
+                blocks, mids = _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c, rot, WAVE and phase == 0)
                 for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
                     b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base,

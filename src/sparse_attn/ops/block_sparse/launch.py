@@ -30,6 +30,10 @@ FORCE_INDEXED = False
 # H100 bf16 128K random 0.25 / 0.5: L2 hits 38% -> 90%, +11-15% (benchmarks/NOTES.md "The wave order").
 # Not on packed (varlen) inputs, whose empty tiles past a sequence's end would shift the phases.
 FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
+# the same order in the backward kernels' indexed walks (kernels._bwd_wave): dK/dV programs over the
+# transposed rows' query blocks (Q, dO), dQ programs over the key blocks (K, V). Not on contiguous
+# schedules (their running programs already read neighbouring blocks) nor packed inputs.
+BWD_WAVE = os.environ.get("SPARSE_ATTN_BWD_WAVE", "1") != "0"
 # backward schedule: "split" (the dK/dV kernel, then a dQ kernel that recomputes P: seven matmuls per
 # block pair, deterministic) or "fused" (one kernel: dQ accumulated by fp32 TMA reduce-adds next to
 # dK/dV, five matmuls; dQ's summation order, so its last bits, vary run to run). With block indices
@@ -539,8 +543,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         dv = v.new_empty(dk_rows.numel(), *v.shape[1:], dtype=torch.float32)
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
     heads_inside = BWD_DKDV_HEADS == "inside" or (BWD_DKDV_HEADS == "auto" and H > hkv)
+    wave = BWD_WAVE and BWD_IDX_CHUNK > 0 and not varlen  # (the per-iteration index loads do not rotate)
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
-                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS"),
+                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
@@ -551,16 +556,16 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
-        hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma,
-        IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
-        CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0, **common)
+        hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
+        QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
+        CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0, WAVE=wave and not t_contiguous, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
         kv_tma = BWD_DQ_KV == "tma" and _tma_ok(k, v)
         if kv_tma:
             _ensure_allocator()
-        kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY + ("KV_TMA", "CONTIGUOUS"),
+        kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE"),
                       variant=f"kv-{kv_tma}")
         grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
         with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k,
@@ -569,8 +574,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), IDX_CHUNK=BWD_IDX_CHUNK, KV_TMA=kv_tma,
-                CONTIGUOUS=contiguous and BWD_CONTIGUOUS, **common)
+                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), IDX_CHUNK=BWD_IDX_CHUNK,
+                KV_TMA=kv_tma, CONTIGUOUS=contiguous and BWD_CONTIGUOUS, WAVE=wave and not contiguous, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
