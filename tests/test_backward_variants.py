@@ -239,25 +239,30 @@ def test_contiguous_backward_walk_does_not_change_gradients(kind, lq, lk, hq, hk
 
 
 @pytest.mark.parametrize("chunk", [2, 64])
-def test_wave_order_changes_only_the_summation_order_of_the_backward(monkeypatch, chunk):
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_wave_order_changes_only_the_summation_order_of_the_backward(monkeypatch, chunk, hkv):
     """The backward kernels' indexed walks in the wave order (launch.BWD_WAVE): each program starts
     its row's unmasked slots at (program id mod resident programs) / resident programs and wraps
-    around, also across register chunks (chunk 2: rows of up to 6 blocks span three). The same
-    blocks in another order: gradients meet rule 3 against the fp64 oracle, agree with the plain
-    order to fp32 rounding, and differ from it in some bits (so the rotation ran). The forward's
-    wave is off, so only the backward's order differs. The interpreter stands in 3 SMs of 2
-    programs: 6 phases over 28 programs."""
+    around, also across register chunks (chunk 2: rows of up to 6 blocks span three); with two query
+    heads per kv head (hkv 2) the dK/dV program walks both heads' rows as one, the first head's in two
+    pieces. The same blocks in another order: gradients meet rule 3 against the fp64 oracle, agree
+    with the plain order to fp32 rounding, and differ from it in some bits (so the rotation ran). The
+    forward's wave is off, so only the backward's order differs. The interpreter stands in 3 SMs of
+    2 programs: 6 phases over 24 (dQ) and 12 or 24 (dK/dV) programs."""
     monkeypatch.setattr(launch, "BWD_IDX_CHUNK", chunk)
     monkeypatch.setattr(launch, "FWD_WAVE", False)
     g = torch.Generator().manual_seed(8)
-    bm = torch.rand(1, 4, 7, 6, generator=g) < 0.6
+    bm = torch.rand(1, 4, 6, 6, generator=g) < 0.6
     bm[..., 0] = True  # no empty forward row
     bm[..., 0, :] = True  # nor transposed one: every row has a first block to rotate away from
-    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=100, kv_len=90)
-    q, k, v = _qkv(4, 2, 100, 90, 16, seed=9, dtype=torch.float32)
+    eye = torch.eye(6, dtype=torch.bool).expand(1, 4, 6, 6)
+    # causal diagonal blocks: masked blocks, walked after the rotated unmasked ones (phase 1)
+    layout = BlockLayout.from_block_mask(bm | eye, block_q=16, block_k=16, q_len=90, kv_len=90, partial=eye,
+                                         mask=ElementMask((causal_term(),)))
+    q, k, v = _qkv(4, hkv, 90, 90, 16, seed=9, dtype=torch.float32)
     from sparse_attn.ops.block_sparse import attention_op
     assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)
-    do = torch.randn(1, 4, 100, 16, generator=torch.Generator().manual_seed(10))
+    do = torch.randn(1, 4, 90, 16, generator=torch.Generator().manual_seed(10))
     wave, plain = grads_per_launch_setting(q, k, v, layout, do, "BWD_WAVE", (True, False))
     for name, a, b in zip(("dq", "dk", "dv"), wave, plain):
         assert not torch.equal(a, b), f"{name}: bitwise equal to the plain order, so no rotation ran"

@@ -2,7 +2,9 @@
 syntax/type errors and shared-memory/register use show up before any device time is spent.
 
     python tools/compile_sm90.py            # prints one line per variant, exit 1 on any failure
+    python tools/compile_sm90.py WAVE=True  # only the variants whose constexprs match (no residency report)
 """
+import ast
 import itertools
 import os
 import re
@@ -211,12 +213,17 @@ def report_residency(target) -> None:
                   f"{regs} registers, {c.metadata.shared} B shared -> {actual} per SM; kernels assume {assumed}")
 
 
-def main():
+def main(filters: list[str]):
+    """filters: NAME=VALUE strings (VALUE a Python literal); only variants with those constexprs run."""
     target = GPUTarget("cuda", 90, 32)
-    report_residency(target)
+    wanted = {k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in filters)}
+    if not wanted:
+        report_residency(target)
     failed = 0
     print(f"triton {triton.__version__}")  # what ptxas does differs between versions (NOTES.md)
     for fn, consts in variants():
+        if any(consts.get(k) != v for k, v in wanted.items()):
+            continue
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
                                                                  "DP_FIRST", "G", "HEADS_INSIDE", "WAVE")}
@@ -241,4 +248,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -429,15 +429,15 @@ def _run_start(INDICES, p_row, n_full, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c, rot, ROTATE: tl.constexpr):
+def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c, rot, n, ROTATE: tl.constexpr):
     """The block indices and mask ids of a layout row's slots c0 + o_c (those at or past hi: block 0,
-    mask -1), read into registers at once for the backward loops (see bwd_dkdv_kernel). ROTATE: the
-    walk over slots [0, hi) starts at slot rot and wraps around (the wave order, _bwd_wave)."""
+    mask -1), read into registers at once for the backward loops (see bwd_dkdv_kernel). ROTATE (the
+    wave order, _bwd_wave): the walk's steps c0 + o_c are the slots from rot on, modulo the row's n."""
     m_c = c0 + o_c < hi
     s = c0 + o_c
     if ROTATE:
         s = s + rot
-        s = tl.where(s >= hi, s - hi, s)
+        s = tl.where(s >= n, s - n, s)
     return (tl.load(INDICES + p_row + s, mask=m_c, other=0),
             tl.load(MASK_IDS + p_row + s, mask=m_c, other=-1))
 
@@ -527,10 +527,13 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
-               PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_t, period, WAVE: tl.constexpr):
+               PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_r, period, seg, WAVE: tl.constexpr):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
     layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv.
-    WAVE: phase 0's indexed walk starts at slot wave_t * n_full // period (_bwd_wave) and wraps."""
+    WAVE (indexed walks only): phase 0 walks a piece of the row, s0 = wave_r * n_full // period:
+    seg 0 the whole row from slot s0 round to it, 1 from s0 to the end, 2 the whole row from slot 0,
+    3 from slot 0 to s0 (bwd_dkdv_kernel's order over several heads); phase 1 walks nothing for seg 4."""
+    tl.static_assert(not WAVE or (IDX_CHUNK > 0 and not CONTIGUOUS), "the wave order rotates indexed chunks only")
     SUB: tl.constexpr = BLOCK_Q // BLOCK_M
     p_cnt = i_b * stride_cb + i_h * stride_ch + kb
     count = tl.load(T_COUNTS + p_cnt)
@@ -552,6 +555,8 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
     for phase in tl.static_range(PHASE_LO, PHASE_HI):
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count
+        if WAVE and phase == 1:
+            hi = tl.where(seg == 4, lo, hi)
         if CONTIGUOUS and phase == 0:
             # every row's unmasked query blocks are one ascending run from slot 0: walked by arithmetic,
             # with no index chunk and no per-iteration pick (a cross-warp reduction each)
@@ -566,9 +571,14 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
             # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
             # of the iteration before their use, exposing their latency every iteration.
             o_c = tl.arange(0, IDX_CHUNK)
-            rot = wave_t * hi // period  # (used only where WAVE and phase == 0)
+            rot = 0
+            if WAVE and phase == 0:
+                s0 = wave_r * hi // period
+                rot = tl.where(seg <= 1, s0, 0)
+                hi = tl.where(seg == 1, hi - s0, tl.where(seg == 3, s0, hi))  # this piece's steps
             for c0 in range(lo, hi, IDX_CHUNK):
-                blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c, rot, WAVE and phase == 0)
+                blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c, rot, n_full,
+                                            WAVE and phase == 0)
                 for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                     b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
@@ -618,7 +628,11 @@ def bwd_dkdv_kernel(
     adds, and the dQ kernel is not run (FA2/FA3's schedule: five matmuls per block pair instead of
     seven).
     WAVE (indexed rows, IDX_CHUNK > 0): the wave order of fwd_kernel, here over the query blocks of
-    the transposed rows, so the programs running at once read one stretch of Q / dO (_bwd_wave)."""
+    the transposed rows, so the programs running at once read one stretch of Q / dO (_bwd_wave). With
+    G query heads a program's unmasked walks are one walk of G rows, started at the fraction t / P of
+    it: head h0 = floor(G t / P) from slot s0 on, the other heads in turn, then h0 up to s0. (Rotating
+    each head's row on its own put the programs running at once on different heads: 4x the Q / dO,
+    and GQA's 32K random 0.5 backward 12% slower than in grid order, H100.)"""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
@@ -646,16 +660,31 @@ def bwd_dkdv_kernel(
     # with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
     PASSES: tl.constexpr = 2 if HEADS_INSIDE else 1
     wave_t, period = _bwd_wave(i_n, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE)
+    # the wave order over G heads (heads inside): pass 0 walks G + 1 pieces, h0's row split in two.
+    # Pass 1 then takes G + 1 steps too, the last one empty: with G + 1 steps in pass 0 and G in pass
+    # 1, ptxas (triton 3.6, sm_90) waited for every wgmma right after issuing it
+    SPLIT: tl.constexpr = WAVE and HEADS_INSIDE
+    h0 = wave_t * G // period
     for p in tl.static_range(PASSES):
-        for g in range(0, G):
-            b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + g, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N_FULL,
+        for g in range(0, G + 1 if SPLIT else G):
+            if SPLIT and p == 0:
+                h = h0 + g
+                h = tl.where(h >= G, h - G, h)
+                seg = tl.where(g == 0, 1, tl.where(g == G, 3, 2))
+            elif SPLIT:
+                h = tl.minimum(g, G - 1)
+                seg = tl.where(g == G, 4, 0)
+            else:
+                h = g
+                seg = 0
+            b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N_FULL,
                                     T_INDICES, T_MASK_IDS, TERMS, i_b, kb, q0, q_len, k_len, l0, offset, o_d, pos_k,
                                     qk_scale, sm_scale, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                                     stride_dom, stride_lb, stride_lh, stride_dqab, stride_dqah, stride_dqam,
                                     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, D_PAD, BLOCK_Q,
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
-                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS, wave_t,
-                                    period, WAVE)
+                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS,
+                                    wave_t * G % period if SPLIT else wave_t, period, seg, WAVE)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
@@ -758,7 +787,7 @@ def bwd_dq_kernel(
             o_c = tl.arange(0, IDX_CHUNK)
             rot = wave_t * hi // period  # (used only where WAVE and phase == 0)
             for c0 in range(lo, hi, IDX_CHUNK):
-                blocks, mids = _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c, rot, WAVE and phase == 0)
+                blocks, mids = _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c, rot, hi, WAVE and phase == 0)
                 for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_n = _pick(blocks, o_c, it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
                     b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base,

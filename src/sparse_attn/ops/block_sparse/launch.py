@@ -543,7 +543,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         dv = v.new_empty(dk_rows.numel(), *v.shape[1:], dtype=torch.float32)
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
     heads_inside = BWD_DKDV_HEADS == "inside" or (BWD_DKDV_HEADS == "auto" and H > hkv)
-    wave = BWD_WAVE and BWD_IDX_CHUNK > 0 and not varlen  # (the per-iteration index loads do not rotate)
+    # (the per-iteration index loads do not rotate; for GQA the dK/dV kernel's wave spans its heads
+    # only with the head loop inside the phases)
+    wave = BWD_WAVE and BWD_IDX_CHUNK > 0 and not varlen
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
                   _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
@@ -558,7 +560,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
         hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
-        CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0, WAVE=wave and not t_contiguous, **common)
+        CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0,
+        WAVE=wave and not t_contiguous and (heads_inside or H == hkv), **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
