@@ -36,7 +36,7 @@ from sparse_attn.patterns import to_flex  # noqa: E402
 # name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
 # (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
 DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto",
-            "BWD_CONTIGUOUS": True, "BWD_WAVE": True}
+            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1"}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
@@ -53,7 +53,9 @@ VARIANTS = {
     # contiguous schedules through the register index chunks too (the default before the seventeenth session)
     "split-regs-indexed": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_CONTIGUOUS": False}),
     # indexed walks in grid order, not the wave order (the default before the twentieth session)
-    "split-regs-nowave": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": False}),
+    "split-regs-nowave": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "0"}),
+    "split-regs-wave-dq": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dq"}),
+    "split-regs-wave-dkdv": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dkdv"}),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {

@@ -33,7 +33,10 @@ FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 # the same order in the backward kernels' indexed walks (kernels._bwd_wave): dK/dV programs over the
 # transposed rows' query blocks (Q, dO), dQ programs over the key blocks (K, V). Not on contiguous
 # schedules (their running programs already read neighbouring blocks) nor packed inputs.
-BWD_WAVE = os.environ.get("SPARSE_ATTN_BWD_WAVE", "1") != "0"
+# Values: "1" both kernels, "0" neither, "dq" / "dkdv" one of them (benchmarks).
+BWD_WAVE = os.environ.get("SPARSE_ATTN_BWD_WAVE", "1")
+if BWD_WAVE not in ("0", "1", "dq", "dkdv"):
+    raise ValueError(f"SPARSE_ATTN_BWD_WAVE must be '1', '0', 'dq' or 'dkdv', got {BWD_WAVE!r}")
 # backward schedule: "split" (the dK/dV kernel, then a dQ kernel that recomputes P: seven matmuls per
 # block pair, deterministic) or "fused" (one kernel: dQ accumulated by fp32 TMA reduce-adds next to
 # dK/dV, five matmuls; dQ's summation order, so its last bits, vary run to run). With block indices
@@ -545,7 +548,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     heads_inside = BWD_DKDV_HEADS == "inside" or (BWD_DKDV_HEADS == "auto" and H > hkv)
     # (the per-iteration index loads do not rotate; for GQA the dK/dV kernel's wave spans its heads
     # only with the head loop inside the phases)
-    wave = BWD_WAVE and BWD_IDX_CHUNK > 0 and not varlen
+    wave = BWD_WAVE != "0" and BWD_IDX_CHUNK > 0 and not varlen
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
                   _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
@@ -561,7 +564,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
         CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0,
-        WAVE=wave and not t_contiguous and (heads_inside or H == hkv), **common)
+        WAVE=wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv), **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
@@ -578,7 +581,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
                 H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), IDX_CHUNK=BWD_IDX_CHUNK,
-                KV_TMA=kv_tma, CONTIGUOUS=contiguous and BWD_CONTIGUOUS, WAVE=wave and not contiguous, **common)
+                KV_TMA=kv_tma, CONTIGUOUS=contiguous and BWD_CONTIGUOUS,
+                WAVE=wave and BWD_WAVE != "dkdv" and not contiguous, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
