@@ -54,6 +54,8 @@ VARIANTS = {
     "split-regs-indexed": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_CONTIGUOUS": False}),
     # indexed walks in grid order, not the wave order (the default before the twentieth session)
     "split-regs-nowave": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "0"}),
+    "split-regs-nowave-1stream": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3),
+                                  {"BWD_WAVE": "0", "BWD_DQ_SIDE_STREAM": False}),
     "split-regs-wave-dq": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dq"}),
     "split-regs-wave-dkdv": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dkdv"}),
 }
