@@ -163,13 +163,29 @@ class _Elem:
         self.dtype = types.SimpleNamespace(element_ty=types.SimpleNamespace(primitive_bitwidth=bits))
 
 
+def _residency(target, fn, consts, warps: int, stages: int) -> tuple[int, int, int]:
+    """(registers a thread, shared bytes, programs one SM holds) of fn compiled for sm_90: 65536
+    registers and 228 KB per SM, 1 KB reserved per program."""
+    sig = signature(fn, consts)
+    c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,
+                       options=dict(num_warps=warps, num_stages=stages))
+    regs = ptxas_registers(c.asm["ptx"])
+    per_sm = min(65536 // ((regs + 7) // 8 * 8 * 32 * warps), 233472 // (c.metadata.shared + 1024))
+    return regs, c.metadata.shared, per_sm
+
+
 def report_residency(target) -> None:
-    """The wave order's period assumes kernels._resident_per_sm programs per SM. Compare it with what
-    ptxas's registers and the compiled shared memory allow (65536 registers and 228 KB per SM, 1 KB
-    reserved per program) for the forward configs that layouts with 64- and 128-token blocks get.
+    """The wave order's period assumes kernels._resident_per_sm (forward) and _bwd_resident_per_sm
+    (backward) programs per SM. Compare it with what ptxas's registers and the compiled shared memory
+    allow for the configs that layouts with 64- and 128-token blocks get.
     A difference is not an error: the wave then aligns the running programs less well, at worst about
     as badly as no wave order (a simulation of the hardware's in-order dispatch, benchmarks/NOTES.md
-    "The wave order"); the configs of long sequences (bf16 128 x 128 at 3 stages, 8-bit 64 x 128) match."""
+    "The wave order"); the configs of long sequences (bf16 128 x 128 at 3 stages, 8-bit 64 x 128, the
+    backward's 64 x 128 / 128 x 64) match."""
+    def line(label, regs, shared, actual, assumed):
+        print(f"{'ok  ' if assumed == actual else 'note'} residency {label}: {regs} registers, {shared} B shared "
+              f"-> {actual} per SM; kernels assume {assumed}")
+
     cases = [(d, c, 0, 16) for d in (64, 128, 256) for bq in (64, 128) for c in L.fwd_configs(bq, bq, d, "tma")]
     cases += [(128, c, q, 8) for bq in (64, 128) for c in L.fwd_configs(bq, bq, 128, "tma", eight_bit=True)
               for q in (1, 2)]
@@ -182,35 +198,23 @@ def report_residency(target) -> None:
         consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                       IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
                       K_SCALE_SPAN=128 if quant else 0, WAVE=True)
-        sig = signature(K.fwd_kernel, consts)
-        c = triton.compile(ASTSource(K.fwd_kernel, sig, constexprs=consts, attrs=divisibility(K.fwd_kernel, sig)),
-                           target=target, options=dict(num_warps=w, num_stages=s))
-        regs = ptxas_registers(c.asm["ptx"])
-        actual = min(65536 // ((regs + 7) // 8 * 8 * 32 * w), 233472 // (c.metadata.shared + 1024))
-        v_bits = 8 if quant == 2 else 16
-        assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(v_bits), m, n, d, s)
-        print(f"{'ok  ' if assumed == actual else 'note'} residency d{d} {m}x{n} {s} stages {w} warps quant {quant}: "
-              f"{regs} registers, {c.metadata.shared} B shared -> {actual} per SM; kernels assume {assumed}")
-    # the backward kernels' wave order (kernels._bwd_resident_per_sm), G == 1 and GQA's heads inside
+        assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(8 if quant == 2 else 16), m, n, d, s)
+        line(f"d{d} {m}x{n} {s} stages {w} warps quant {quant}", *_residency(target, K.fwd_kernel, consts, w, s),
+             assumed)
+    # G == 1 and GQA's heads inside compile alike here (the dK/dV variant has the heads inside)
     for kind, d, bq in itertools.product(("dkdv", "dq"), (64, 128, 256), (64, 128)):
         for cfg in L.bwd_configs(bq, bq, d, kind):
             m, n, s, w = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["NUM_STAGES"], cfg.num_warps
             if (kind, d, m, n, s, w) in seen:
                 continue
             seen.add((kind, d, m, n, s, w))
-            fn = K.bwd_dkdv_kernel if kind == "dkdv" else K.bwd_dq_kernel
             consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=bq, BLOCK_K=bq, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                           IS_VARLEN=False, IDX_CHUNK=64, CONTIGUOUS=False, WAVE=True)
             consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True)
                           if kind == "dkdv" else dict(KV_TMA=True))
-            sig = signature(fn, consts)
-            c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)),
-                               target=target, options=dict(num_warps=w, num_stages=s))
-            regs = ptxas_registers(c.asm["ptx"])
-            actual = min(65536 // ((regs + 7) // 8 * 8 * 32 * w), 233472 // (c.metadata.shared + 1024))
-            assumed = K._bwd_resident_per_sm.fn(m, n, d)
-            print(f"{'ok  ' if assumed == actual else 'note'} residency {kind} d{d} {m}x{n} {s} stages {w} warps: "
-                  f"{regs} registers, {c.metadata.shared} B shared -> {actual} per SM; kernels assume {assumed}")
+            fn = K.bwd_dkdv_kernel if kind == "dkdv" else K.bwd_dq_kernel
+            line(f"{kind} d{d} {m}x{n} {s} stages {w} warps", *_residency(target, fn, consts, w, s),
+                 K._bwd_resident_per_sm.fn(m, n, d))
 
 
 def main(filters: list[str]):

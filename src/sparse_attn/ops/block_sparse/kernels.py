@@ -23,6 +23,12 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 N_FIELDS = tl.constexpr(7)
+# the pieces of a dK/dV walk in the backward's wave order (_dkdv_head's seg), s0 the row's start slot
+SEG_ROUND = tl.constexpr(0)   # the whole row, from s0 round to it
+SEG_FROM_S0 = tl.constexpr(1)  # from s0 to the row's end
+SEG_WHOLE = tl.constexpr(2)   # the whole row from slot 0
+SEG_TO_S0 = tl.constexpr(3)   # from slot 0 to s0
+SEG_NONE = tl.constexpr(4)    # nothing (the masked pass's extra step)
 
 
 @triton.jit
@@ -200,6 +206,13 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
 
 
 @triton.jit
+def _wave_place(i_tile, period):
+    """The wave order's phase numerator (fwd_kernel's WAVE): the program's place in the grid's order
+    (tile i_tile of axis 0, fastest), modulo the period P of programs resident at once."""
+    return (tl.program_id(1) * tl.num_programs(0) + i_tile) % period
+
+
+@triton.jit
 def _resident_per_sm(Q, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
                      NUM_STAGES: tl.constexpr):
     """Forward programs one SM holds at once (sm_90): by registers, 128-row tiles run 8 warps at
@@ -318,7 +331,7 @@ def fwd_kernel(
         run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
     if WAVE:
         period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
-        rot = ((tl.program_id(1) * tl.num_programs(0) + i_m) % period) * n_it // period
+        rot = _wave_place(i_m, period) * n_it // period
     for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
         if CONTIGUOUS:
             start_n = run0 + it * BLOCK_N
@@ -458,7 +471,7 @@ def _bwd_wave(i_tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.co
     (0, 1) without WAVE."""
     if WAVE:
         period = N_SM * _bwd_resident_per_sm(BLOCK_M, BLOCK_N, D_PAD)
-        t = (tl.program_id(1) * tl.num_programs(0) + i_tile) % period
+        t = _wave_place(i_tile, period)
     else:
         period = 1
         t = 0
@@ -530,9 +543,9 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_r, period, seg, WAVE: tl.constexpr):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
     layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv.
-    WAVE (indexed walks only): phase 0 walks a piece of the row, s0 = wave_r * n_full // period:
-    seg 0 the whole row from slot s0 round to it, 1 from s0 to the end, 2 the whole row from slot 0,
-    3 from slot 0 to s0 (bwd_dkdv_kernel's order over several heads); phase 1 walks nothing for seg 4."""
+    WAVE (indexed walks only): phase 0 walks the piece seg (SEG_*) of the row, with its start slot
+    s0 = wave_r * n_full // period (bwd_dkdv_kernel's order over several heads); phase 1 walks nothing
+    for SEG_NONE."""
     tl.static_assert(not WAVE or (IDX_CHUNK > 0 and not CONTIGUOUS), "the wave order rotates indexed chunks only")
     SUB: tl.constexpr = BLOCK_Q // BLOCK_M
     p_cnt = i_b * stride_cb + i_h * stride_ch + kb
@@ -556,7 +569,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count
         if WAVE and phase == 1:
-            hi = tl.where(seg == 4, lo, hi)
+            hi = tl.where(seg == SEG_NONE, lo, hi)
         if CONTIGUOUS and phase == 0:
             # every row's unmasked query blocks are one ascending run from slot 0: walked by arithmetic,
             # with no index chunk and no per-iteration pick (a cross-warp reduction each)
@@ -574,8 +587,8 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
             rot = 0
             if WAVE and phase == 0:
                 s0 = wave_r * hi // period
-                rot = tl.where(seg <= 1, s0, 0)
-                hi = tl.where(seg == 1, hi - s0, tl.where(seg == 3, s0, hi))  # this piece's steps
+                rot = tl.where((seg == SEG_ROUND) | (seg == SEG_FROM_S0), s0, 0)
+                hi = tl.where(seg == SEG_FROM_S0, hi - s0, tl.where(seg == SEG_TO_S0, s0, hi))  # its steps
             for c0 in range(lo, hi, IDX_CHUNK):
                 blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c, rot, n_full,
                                             WAVE and phase == 0)
@@ -670,13 +683,13 @@ def bwd_dkdv_kernel(
             if SPLIT and p == 0:
                 h = h0 + g
                 h = tl.where(h >= G, h - G, h)
-                seg = tl.where(g == 0, 1, tl.where(g == G, 3, 2))
+                seg = tl.where(g == 0, SEG_FROM_S0, tl.where(g == G, SEG_TO_S0, SEG_WHOLE))
             elif SPLIT:
                 h = tl.minimum(g, G - 1)
-                seg = tl.where(g == G, 4, 0)
+                seg = tl.where(g == G, SEG_NONE, SEG_ROUND)
             else:
                 h = g
-                seg = 0
+                seg = SEG_ROUND
             b_dk, b_dv = _dkdv_head(b_dk, b_dv, i_hk * G + h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N_FULL,
                                     T_INDICES, T_MASK_IDS, TERMS, i_b, kb, q0, q_len, k_len, l0, offset, o_d, pos_k,
                                     qk_scale, sm_scale, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
