@@ -71,13 +71,6 @@ if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
 # only the forward's tensors and delta), so its programs fill the SMs the dK/dV grid's last wave leaves
 # idle, as FlexAttention's one-grid backward does. Off: one stream, the two kernels back to back.
 BWD_DQ_SIDE_STREAM = os.environ.get("SPARSE_ATTN_BWD_DQ_STREAM", "1") != "0"
-# which of the two concurrent backward grids the block scheduler serves first. "equal": dK/dV on the
-# current stream, dQ on a side stream of the same priority. "dkdv": dK/dV on a high-priority side
-# stream, dQ on the current stream (dQ's programs only take SMs once every dK/dV program has started).
-# "dq": dQ on a high-priority side stream (it takes each SM a dK/dV program frees until it is done).
-BWD_STREAM_PRIORITY = os.environ.get("SPARSE_ATTN_BWD_STREAM_PRIORITY", "equal")
-if BWD_STREAM_PRIORITY not in ("equal", "dkdv", "dq"):
-    raise ValueError(f"SPARSE_ATTN_BWD_STREAM_PRIORITY must be 'equal', 'dkdv' or 'dq', got {BWD_STREAM_PRIORITY!r}")
 _SIDE_STREAMS: dict = {}
 # dK/dV kernel: issue order of the dV and dP products in each iteration, "dp-first" or "dv-first"
 # (kernels._dkdv_step). dp-first lets dS be computed while dV runs: backward alone 3-6% faster, H100
@@ -207,30 +200,26 @@ def _fork(t: torch.Tensor):
 
 
 @contextlib.contextmanager
-def _side_stream(fork, *tensors, priority: int = 0, join: bool = True):
+def _side_stream(fork, *tensors):
     """Run the block's launches on a second stream of the tensors' device, started at the event
-    ``fork`` (from :func:`_fork`; None: stay on the current stream, and yield None). The stream is
-    yielded; with ``join`` the current stream waits for it at the end of the block, otherwise the
-    caller joins it (``torch.cuda.current_stream().wait_stream``) after launching more work beside
-    it. ``priority`` below 0 makes the block scheduler serve the side stream's pending programs
-    first. The tensors it reads or writes are recorded on the side stream, so the caching allocator
-    cannot hand their memory to other work before the side stream is done with it."""
+    ``fork`` (from :func:`_fork`; None: stay on the current stream) and joined back into the current
+    stream at the end. The tensors it reads or writes are recorded on the side stream, so the caching
+    allocator cannot hand their memory to other work before the side stream is done with it."""
     if fork is None:
-        yield None
+        yield
         return
     device = tensors[0].device
     main = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get((device, priority))
+    side = _SIDE_STREAMS.get(device)
     if side is None:
-        side = _SIDE_STREAMS[(device, priority)] = torch.cuda.Stream(device, priority=priority)
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     side.wait_event(fork)
     with torch.cuda.stream(side):
-        yield side
+        yield
     for t in tensors:
         if isinstance(t, torch.Tensor):
             t.record_stream(side)
-    if join:
-        main.wait_stream(side)
+    main.wait_stream(side)
 
 
 def bwd_configs(block_q: int, block_k: int, d_pad: int, kind: str = "dkdv") -> list[triton.Config]:
@@ -564,53 +553,36 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                   _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
-    dkdv_grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
-
-    def launch_dkdv():
-        kern[dkdv_grid](
-            q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k,
-            cu_dk, l_starts,
-            sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
-            *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
-            *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
-            hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused,
-            DQ_TMA=dq_tma, QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first",
-            HEADS_INSIDE=heads_inside, CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0,
-            WAVE=wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv), **common)
-
+    fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
+    grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
+    kern[grid](
+        q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
+        l_starts,
+        sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
+        *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
+        *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
+        hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
+        QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
+        CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0,
+        WAVE=wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv), **common)
     if fused:
-        launch_dkdv()
         dq = dqa.to(q.dtype)
     else:
         kv_tma = BWD_DQ_KV == "tma" and _tma_ok(k, v)
         if kv_tma:
             _ensure_allocator()
-        dq_kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad,
-                         _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE"), variant=f"kv-{kv_tma}")
-        dq_grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
-
-        def launch_dq():
-            dq_kern[dq_grid](
+        kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE"),
+                      variant=f"kv-{kv_tma}")
+        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+        with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k,
+                          l_starts):
+            kern[grid](
                 q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
                 H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), IDX_CHUNK=BWD_IDX_CHUNK,
                 KV_TMA=kv_tma, CONTIGUOUS=contiguous and BWD_CONTIGUOUS,
                 WAVE=wave and BWD_WAVE != "dkdv" and not contiguous, **common)
-
-        # both kernels read only the forward's tensors and delta: they may run side by side
-        fork = _fork(q)
-        if fork is not None and BWD_STREAM_PRIORITY == "dkdv":
-            with _side_stream(fork, q, k, v, do, lse2, delta, dk, dv, t_counts, t_n_full, t_indices, t_mask_ids,
-                              terms, cu_q, cu_k, cu_dk, l_starts, priority=-1, join=False) as side:
-                launch_dkdv()
-            launch_dq()
-            torch.cuda.current_stream(q.device).wait_stream(side)
-        else:
-            launch_dkdv()
-            with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q,
-                              cu_k, l_starts, priority=-1 if BWD_STREAM_PRIORITY == "dq" else 0):
-                launch_dq()
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
