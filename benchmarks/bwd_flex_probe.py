@@ -36,7 +36,7 @@ from sparse_attn.patterns import to_flex  # noqa: E402
 # name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
 # (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
 DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto",
-            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1", "BWD_WAVE_SMS": (1.0, 1.0)}
+            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1"}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
@@ -58,10 +58,6 @@ VARIANTS = {
                                   {"BWD_WAVE": "0", "BWD_DQ_SIDE_STREAM": False}),
     "split-regs-wave-dq": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dq"}),
     "split-regs-wave-dkdv": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dkdv"}),
-    # each grid's wave period over part of the SMs (launch.BWD_WAVE_SMS: dK/dV's share, dQ's share)
-    "split-regs-sms-47": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE_SMS": (4 / 7, 3 / 7)}),
-    "split-regs-sms-half": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE_SMS": (0.5, 0.5)}),
-    "split-regs-sms-dq-half": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE_SMS": (1.0, 0.5)}),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {

@@ -37,9 +37,6 @@ FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 BWD_WAVE = os.environ.get("SPARSE_ATTN_BWD_WAVE", "1")
 if BWD_WAVE not in ("0", "1", "dq", "dkdv"):
     raise ValueError(f"SPARSE_ATTN_BWD_WAVE must be '1', '0', 'dq' or 'dkdv', got {BWD_WAVE!r}")
-# the share of the SMs each backward grid's wave order assumes it holds (dK/dV, dQ): with the dQ
-# kernel on its side stream the block scheduler runs both grids at once, each on part of the GPU
-BWD_WAVE_SMS = (1.0, 1.0)
 # backward schedule: "split" (the dK/dV kernel, then a dQ kernel that recomputes P: seven matmuls per
 # block pair, deterministic) or "fused" (one kernel: dQ accumulated by fp32 TMA reduce-adds next to
 # dK/dV, five matmuls; dQ's summation order, so its last bits, vary run to run). With block indices
@@ -564,8 +561,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
-        hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), max(1, round(_sm_count(q.device) * BWD_WAVE_SMS[0])),
-        FUSED_DQ=fused, DQ_TMA=dq_tma,
+        hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
         CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0,
         WAVE=wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv), **common)
@@ -584,8 +580,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk),
-                max(1, round(_sm_count(q.device) * BWD_WAVE_SMS[1])), IDX_CHUNK=BWD_IDX_CHUNK,
+                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), IDX_CHUNK=BWD_IDX_CHUNK,
                 KV_TMA=kv_tma, CONTIGUOUS=contiguous and BWD_CONTIGUOUS,
                 WAVE=wave and BWD_WAVE != "dkdv" and not contiguous, **common)
     if dk_rows is not None:
