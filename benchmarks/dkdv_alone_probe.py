@@ -37,11 +37,20 @@ class _Skip:
         return lambda *args, **kwargs: None
 
 
-def backward_without(skip: tuple, c):
+# our variants: launch attributes set for the call (the others at their defaults)
+VARIANTS = {"ours": {}, "ours-kvtma": {"BWD_DKDV_KV_TMA": True},
+            "ours-nomasked": {"BWD_EXP_NO_MASKED_PASS": True},
+            "ours-kvtma-nomasked": {"BWD_DKDV_KV_TMA": True, "BWD_EXP_NO_MASKED_PASS": True}}
+DEFAULTS = {"BWD_DKDV_KV_TMA": False, "BWD_EXP_NO_MASKED_PASS": False}
+
+
+def backward_without(skip: tuple, c, attrs=None):
     """launch.backward on case c with the kernels in ``skip`` not launched."""
     real = launch._tuned
 
     def fn():
+        for name, value in {**DEFAULTS, **(attrs or {})}.items():
+            setattr(launch, name, value)
         launch._tuned = lambda kernel, *a, **kw: _Skip() if kernel in skip else real(kernel, *a, **kw)
         try:
             (counts, n_full, _, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
@@ -71,19 +80,21 @@ def main():
         fns = {
             "toy": lambda: toy.run_toy("plain-64x128-w8-s3", c.q, c.k, c.v, c.do, lse2, delta, c.scale, dk_toy,
                                        dv_toy),
-            "ours": backward_without((kernels.bwd_dq_kernel,), c),
+            **{name: backward_without((kernels.bwd_dq_kernel,), c, attrs) for name, attrs in VARIANTS.items()},
             "prepass": backward_without((kernels.bwd_dq_kernel, kernels.bwd_dkdv_kernel), c),
         }
-        _, dk, dv = fns["ours"]()
         fns["toy"]()
-        torch.cuda.synchronize()
-        err = {n: ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
-               for n, x, y in (("dk", dk_toy, dk), ("dv", dv_toy, dv))}
+        err = {}
+        for name in VARIANTS:  # each variant against the toy (dK's scale is applied at another point)
+            _, dk, dv = fns[name]()
+            torch.cuda.synchronize()
+            err[name] = {n: ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+                         for n, x, y in (("dk", dk_toy, dk), ("dv", dv_toy, dv))}
         ms = dict(zip(fns, time_interleaved(list(fns.values()), "cuda")))
         flops = 4 * 2 * H * L * L * D
-        row = dict(L=L, heads=H, ms=ms, toy_vs_ours_max_rel_diff=err,
-                   ours_kernel_ms=ms["ours"] - ms["prepass"],
-                   tflops={"toy": flops / ms["toy"] / 1e9, "ours_kernel": flops / (ms["ours"] - ms["prepass"]) / 1e9})
+        kernel_ms = {"toy": ms["toy"], **{n: ms[n] - ms["prepass"] for n in VARIANTS}}
+        row = dict(L=L, heads=H, ms=ms, max_rel_diff_to_toy=err, kernel_ms=kernel_ms,
+                   tflops={n: flops / t / 1e9 for n, t in kernel_ms.items()})
         print(json.dumps(row), flush=True)
         rows.append(row)
     if a.out:

@@ -277,7 +277,7 @@ def fwd_kernel(
     m_d = o_d < HEAD_DIM
     p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, D]
-    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
+    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + tl.cast(k0, tl.int64) * stride_kn
     V_TRANS: tl.constexpr = QUANT == 2
     if V_TRANS and IS_VARLEN:  # packed FP8 V^T: each sequence's columns start 16-byte aligned
         v0 = vt_column0(k0, i_b)
@@ -632,6 +632,7 @@ def bwd_dkdv_kernel(
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
+    KV_TMA: tl.constexpr = False, MASKED_PASS: tl.constexpr = True,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -657,11 +658,15 @@ def bwd_dkdv_kernel(
     kb = (i_n * BLOCK_N) // BLOCK_K
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, D_PAD)
-    m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
-    p_k = K + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + (k0 + o_n.to(tl.int64))[:, None] * stride_kn + o_d[None, :]
-    p_v = V + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + (k0 + o_n.to(tl.int64))[:, None] * stride_vn + o_d[None, :]
-    b_k = tl.load(p_k, mask=m_nd, other=0.0)  # [BN, D]
-    b_v = tl.load(p_v, mask=m_nd, other=0.0)  # [BN, D]
+    k_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + tl.cast(k0, tl.int64) * stride_kn
+    v_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + tl.cast(k0, tl.int64) * stride_vn
+    if KV_TMA:  # rows past k_len read as zeros
+        b_k = _rows_desc(K, k_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, True).load([i_n * BLOCK_N, 0])
+        b_v = _rows_desc(V, v_base, k_len, stride_vn, BLOCK_N, HEAD_DIM, D_PAD, True).load([i_n * BLOCK_N, 0])
+    else:
+        m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
+        b_k = tl.load(K + k_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)
+        b_v = tl.load(V + v_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)
     qk_scale = sm_scale * LOG2E
     b_dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     b_dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
@@ -671,7 +676,7 @@ def bwd_dkdv_kernel(
     # Heads inside because with the head loop outside (heads, then phases) ptxas (CUDA 13, sm_90)
     # waited for every wgmma right after issuing it whenever G > 1 (the JIT specializes G == 1 away),
     # with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
-    PASSES: tl.constexpr = 2 if HEADS_INSIDE else 1
+    PASSES: tl.constexpr = (2 if MASKED_PASS else 1) if HEADS_INSIDE else 1
     wave_t, period = _bwd_wave(i_n, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE)
     # the wave order over G heads (heads inside): pass 0 walks G + 1 pieces, h0's row split in two.
     # Pass 1 then takes G + 1 steps too, the last one empty: with G + 1 steps in pass 0 and G in pass
@@ -696,17 +701,26 @@ def bwd_dkdv_kernel(
                                     stride_dom, stride_lb, stride_lh, stride_dqab, stride_dqah, stride_dqam,
                                     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, D_PAD, BLOCK_Q,
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
-                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS,
+                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else (2 if MASKED_PASS else 1), CONTIGUOUS,
                                     wave_t * G % period if SPLIT else wave_t, period, seg, WAVE)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
     else:
         dk0 = 0
-    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh + (dk0 + o_n.to(tl.int64))[:, None] * stride_dkn + o_d[None, :]
-    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh + (dk0 + o_n.to(tl.int64))[:, None] * stride_dvn + o_d[None, :]
-    tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=m_nd)
-    tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_nd)
+    dk_base = i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh + tl.cast(dk0, tl.int64) * stride_dkn
+    dv_base = i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh + tl.cast(dk0, tl.int64) * stride_dvn
+    if KV_TMA:  # rows past k_len are not written
+        _rows_desc(DK, dk_base, k_len, stride_dkn, BLOCK_N, HEAD_DIM, D_PAD, True).store(
+            [i_n * BLOCK_N, 0], b_dk.to(DK.dtype.element_ty))
+        _rows_desc(DV, dv_base, k_len, stride_dvn, BLOCK_N, HEAD_DIM, D_PAD, True).store(
+            [i_n * BLOCK_N, 0], b_dv.to(DV.dtype.element_ty))
+    else:
+        m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
+        tl.store(DK + dk_base + o_n.to(tl.int64)[:, None] * stride_dkn + o_d[None, :], b_dk.to(DK.dtype.element_ty),
+                 mask=m_nd)
+        tl.store(DV + dv_base + o_n.to(tl.int64)[:, None] * stride_dvn + o_d[None, :], b_dv.to(DV.dtype.element_ty),
+                 mask=m_nd)
 
 
 @triton.jit
@@ -778,8 +792,8 @@ def bwd_dq_kernel(
     l_off = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + _rows_start(CU_L, i_b, IS_VARLEN) + o_m
     b_lse = tl.load(LSE2 + l_off, mask=m_m, other=float("inf"))  # once per program: the mask costs nothing
     b_delta = tl.load(DELTA + l_off, mask=m_m, other=0.0)
-    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
-    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
+    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + tl.cast(k0, tl.int64) * stride_kn
+    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + tl.cast(k0, tl.int64) * stride_vn
     # this kv head's keys of the sequence (KV_TMA): rows past k_len read as 0
     desc_k = _rows_desc(K, kv_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, KV_TMA)
     desc_v = _rows_desc(V, vv_base, k_len, stride_vn, BLOCK_N, HEAD_DIM, D_PAD, KV_TMA)
