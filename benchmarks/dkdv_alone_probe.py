@@ -67,6 +67,8 @@ def backward_without(skip: tuple, c, attrs=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lens", nargs="+", type=int, default=[16384])
+    ap.add_argument("--only", nargs="+", help="keep these of toy, prepass and VARIANTS")
+    ap.add_argument("--profile", action="store_true", help="one call of each inside cudaProfilerStart/Stop")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows = []
@@ -90,6 +92,14 @@ def main():
             torch.cuda.synchronize()
             err[name] = {n: ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
                          for n, x, y in (("dk", dk_toy, dk), ("dv", dv_toy, dv))}
+        if a.profile:  # for ncu --profile-from-start off: one call each, after the warm-up above
+            torch.cuda.profiler.start()
+            for name, fn in fns.items():
+                if not a.only or name in a.only:
+                    fn()
+                    torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            continue
         ms = dict(zip(fns, time_interleaved(list(fns.values()), "cuda")))
         flops = 4 * 2 * H * L * L * D
         kernel_ms = {"toy": ms["toy"], **{n: ms[n] - ms["prepass"] for n in VARIANTS}}
