@@ -36,7 +36,8 @@ from sparse_attn.patterns import to_flex  # noqa: E402
 # name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
 # (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
 DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto",
-            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1", "BWD_DKDV_KV_TMA": False, "BWD_EXP_NO_MASKED_PASS": False}
+            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1", "BWD_DKDV_KV_TMA": False, "BWD_EXP_NO_MASKED_PASS": False,
+            "BWD_DKDV_ACC_TERMS": 0}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
@@ -63,6 +64,10 @@ VARIANTS = {
     "split-regs-kvtma": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_KV_TMA": True}),
     "split-regs-kvtma-nomasked": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3),
                                   {"BWD_DKDV_KV_TMA": True, "BWD_EXP_NO_MASKED_PASS": True}),
+    # EXPERIMENT: the dK/dV kernel's row terms through the accumulators (1 delta, 2 LSE, 3 both)
+    "split-regs-acc1": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_ACC_TERMS": 1}),
+    "split-regs-acc2": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_ACC_TERMS": 2}),
+    "split-regs-acc3": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_ACC_TERMS": 3}),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {

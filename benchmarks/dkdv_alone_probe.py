@@ -40,8 +40,10 @@ class _Skip:
 # our variants: launch attributes set for the call (the others at their defaults)
 VARIANTS = {"ours": {}, "ours-kvtma": {"BWD_DKDV_KV_TMA": True},
             "ours-nomasked": {"BWD_EXP_NO_MASKED_PASS": True},
-            "ours-kvtma-nomasked": {"BWD_DKDV_KV_TMA": True, "BWD_EXP_NO_MASKED_PASS": True}}
-DEFAULTS = {"BWD_DKDV_KV_TMA": False, "BWD_EXP_NO_MASKED_PASS": False}
+            "ours-kvtma-nomasked": {"BWD_DKDV_KV_TMA": True, "BWD_EXP_NO_MASKED_PASS": True},
+            "ours-acc-delta": {"BWD_DKDV_ACC_TERMS": 1}, "ours-acc-lse": {"BWD_DKDV_ACC_TERMS": 2},
+            "ours-acc-both": {"BWD_DKDV_ACC_TERMS": 3}}
+DEFAULTS = {"BWD_DKDV_KV_TMA": False, "BWD_EXP_NO_MASKED_PASS": False, "BWD_DKDV_ACC_TERMS": 0}
 
 
 def backward_without(skip: tuple, c, attrs=None):

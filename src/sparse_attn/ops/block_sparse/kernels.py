@@ -483,7 +483,7 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
                dq_base, start_m, q_len, k_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqm, qk_scale,
                sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
                MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr,
-               DP_FIRST: tl.constexpr):
+               DP_FIRST: tl.constexpr, ACC_TERMS: tl.constexpr = 0):
     """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products).
     FUSED_DQ: also add the tile's dQ share, sm_scale * dS @ K, into the fp32 accumulator DQA (TMA
     reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0, and so do keys past
@@ -505,7 +505,18 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
     # multiple of 16) 4-byte instead of 16-byte copies: 23% more instructions in the loop.
     b_lse = tl.load(LSE2 + l_base + o_m)
     b_delta = tl.load(DELTA + l_base + o_m)
-    b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
+    # EXPERIMENT ACC_TERMS: bit 0, delta enters through dP's accumulator (dP^T - delta); bit 1, the LSE
+    # through S's (S^T - lse / c): each is then live only until its product is issued
+    BN_: tl.constexpr = b_k.shape[0]
+    if ACC_TERMS & 2:
+        b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q), tl.broadcast_to((b_lse * (-1.0 / qk_scale))[None, :],
+                                                                        [BN_, BLOCK_M])) * qk_scale)  # [BN, BM]
+    else:
+        b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
+    if ACC_TERMS & 1:
+        dp_acc = tl.broadcast_to(-b_delta[None, :], [BN_, BLOCK_M])
+    else:
+        dp_acc = tl.zeros([BN_, BLOCK_M], tl.float32)
     if FUSED_DQ:
         b_pt = tl.where(pos_k < k_len, b_pt, 0.0)
     if MASKED:
@@ -515,12 +526,15 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
         # dP first: Triton 3.6 waits for a non-accumulator product right after issuing it but leaves the
         # accumulating dV product in flight, so dS below is computed while dV runs on the tensor cores
         # (issued the other way round, one wait drains both and dS overlaps nothing)
-        b_dpt = tl.dot(b_v, tl.trans(b_do))  # [BN, BM]
+        b_dpt = tl.dot(b_v, tl.trans(b_do), dp_acc)  # [BN, BM]
         b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
     else:
         b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
-        b_dpt = tl.dot(b_v, tl.trans(b_do))
-    b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)  # [BN, BM]
+        b_dpt = tl.dot(b_v, tl.trans(b_do), dp_acc)
+    if ACC_TERMS & 1:
+        b_dst = (b_pt * b_dpt).to(b_q.dtype)  # [BN, BM]
+    else:
+        b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)  # [BN, BM]
     b_dk = tl.dot(b_dst, b_q, b_dk)
     if FUSED_DQ:
         b_dq = tl.dot(tl.trans(b_dst), b_k) * sm_scale  # [BM, D]
@@ -540,7 +554,8 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
-               PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_r, period, seg, WAVE: tl.constexpr):
+               PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_r, period, seg, WAVE: tl.constexpr,
+               ACC_TERMS: tl.constexpr = 0):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
     layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv.
     WAVE (indexed walks only): phase 0 walks the piece seg (SEG_*) of the row, with its start slot
@@ -578,7 +593,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                 b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
                                         q_base, do_base, l_base, dq_base, run0 + it * BLOCK_M, q_len, k_len, offset,
                                         o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS, -1,
-                                        BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST)
+                                        BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, ACC_TERMS)
         elif IDX_CHUNK > 0:
             # Indices come from registers, one chunk at a time: an index load inside the pipelined
             # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
@@ -599,7 +614,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                                             offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
                                             sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
                                             N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA,
-                                            DP_FIRST)
+                                            DP_FIRST, ACC_TERMS)
         else:
             for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
                 start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
@@ -607,7 +622,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                                         q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
                                         pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
                                         tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
-                                        phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST)
+                                        phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, ACC_TERMS)
     return b_dk, b_dv
 
 
@@ -632,7 +647,7 @@ def bwd_dkdv_kernel(
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
-    KV_TMA: tl.constexpr = False, MASKED_PASS: tl.constexpr = True,
+    KV_TMA: tl.constexpr = False, MASKED_PASS: tl.constexpr = True, ACC_TERMS: tl.constexpr = 0,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -702,7 +717,7 @@ def bwd_dkdv_kernel(
                                     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, D_PAD, BLOCK_Q,
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
                                     p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else (2 if MASKED_PASS else 1), CONTIGUOUS,
-                                    wave_t * G % period if SPLIT else wave_t, period, seg, WAVE)
+                                    wave_t * G % period if SPLIT else wave_t, period, seg, WAVE, ACC_TERMS)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)

@@ -75,6 +75,9 @@ BWD_DQ_SIDE_STREAM = os.environ.get("SPARSE_ATTN_BWD_DQ_STREAM", "1") != "0"
 # wrong for schedules with masked or end-crossing blocks) its masked pass compiled out
 BWD_DKDV_KV_TMA = False
 BWD_EXP_NO_MASKED_PASS = False
+# EXPERIMENT: the dK/dV kernel's row terms through the products' accumulators (kernels._dkdv_step
+# ACC_TERMS: 1 delta, 2 the LSE, 3 both)
+BWD_DKDV_ACC_TERMS = 0
 _SIDE_STREAMS: dict = {}
 # dK/dV kernel: issue order of the dV and dP products in each iteration, "dp-first" or "dv-first"
 # (kernels._dkdv_step). dp-first lets dS be computed while dV runs: backward alone 3-6% faster, H100
@@ -554,7 +557,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     # only with the head loop inside the phases)
     wave = BWD_WAVE != "0" and BWD_IDX_CHUNK > 0 and not varlen
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
-                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "KV_TMA", "MASKED_PASS"),
+                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "KV_TMA", "MASKED_PASS",
+                          "ACC_TERMS"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
@@ -569,7 +573,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
         CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0,
         WAVE=wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv),
-        KV_TMA=BWD_DKDV_KV_TMA and _tma_ok(k, v, dk, dv), MASKED_PASS=not BWD_EXP_NO_MASKED_PASS, **common)
+        KV_TMA=BWD_DKDV_KV_TMA and _tma_ok(k, v, dk, dv), MASKED_PASS=not BWD_EXP_NO_MASKED_PASS,
+        ACC_TERMS=BWD_DKDV_ACC_TERMS, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
