@@ -36,8 +36,7 @@ from sparse_attn.patterns import to_flex  # noqa: E402
 # name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
 # (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
 DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto",
-            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1", "BWD_DKDV_KV_TMA": False, "BWD_EXP_NO_MASKED_PASS": False,
-            "BWD_DKDV_ACC_TERMS": 0}
+            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1", "BWD_DKDV_DELTA_ACC": "auto"}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
@@ -59,15 +58,10 @@ VARIANTS = {
                                   {"BWD_WAVE": "0", "BWD_DQ_SIDE_STREAM": False}),
     "split-regs-wave-dq": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dq"}),
     "split-regs-wave-dkdv": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dkdv"}),
-    # EXPERIMENT: dK/dV kernel's K/V loads and dK/dV stores through TMA; its masked pass compiled out
-    # (only for layouts without masked or end-crossing blocks)
-    "split-regs-kvtma": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_KV_TMA": True}),
-    "split-regs-kvtma-nomasked": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3),
-                                  {"BWD_DKDV_KV_TMA": True, "BWD_EXP_NO_MASKED_PASS": True}),
-    # EXPERIMENT: the dK/dV kernel's row terms through the accumulators (1 delta, 2 LSE, 3 both)
-    "split-regs-acc1": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_ACC_TERMS": 1}),
-    "split-regs-acc2": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_ACC_TERMS": 2}),
-    "split-regs-acc3": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_ACC_TERMS": 3}),
+    # delta through dP's accumulator in the dK/dV kernel everywhere / nowhere (launch.BWD_DKDV_DELTA_ACC;
+    # the default "auto" picks by walk)
+    "split-regs-delta-acc": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_DELTA_ACC": "1"}),
+    "split-regs-no-delta-acc": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_DELTA_ACC": "0"}),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {

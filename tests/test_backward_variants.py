@@ -267,3 +267,45 @@ def test_wave_order_changes_only_the_summation_order_of_the_backward(monkeypatch
     for name, a, b in zip(("dq", "dk", "dv"), wave, plain):
         assert not torch.equal(a, b), f"{name}: bitwise equal to the plain order, so no rotation ran"
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, lq, lk, hq, hkv", [
+    ("dense", 70, 70, 2, 2),            # the arithmetic walk, one query head per kv head
+    ("causal", 50, 75, 4, 2),           # GQA (heads inside), masked blocks, Lq < Lk bottom-right
+    ("random", 90, 90, 4, 1),           # MQA, indexed walk in the wave order, partial last block
+])
+def test_delta_through_dp_accumulator_keeps_the_gradients(kind, lq, lk, hq, hkv):
+    """The dK/dV kernel can seed dP's accumulator with -delta (launch.BWD_DKDV_DELTA_ACC) instead of
+    subtracting delta after the product. Gradients meet rule 3 against the fp64 oracle that way. The
+    interpreter adds a product's accumulator after the whole product, so -delta + dP rounds exactly as
+    dP - delta: the gradients must be bitwise those of the subtraction (on the GPU only summation
+    order differs; tests/gpu covers it)."""
+    from sparse_attn import patterns
+    from sparse_attn.ops.block_sparse import attention_op
+
+    if kind == "random":
+        g = torch.Generator().manual_seed(3)
+        bm = (torch.rand(1, hq, 6, 6, generator=g) < 0.5) | torch.eye(6, dtype=torch.bool)
+        layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, q_len=lq, kv_len=lk)
+    else:
+        layout = {"dense": lambda: patterns.dense(lq, lk, block_q=16, block_k=16),
+                  "causal": lambda: patterns.causal(lq, lk, block_q=16, block_k=16)}[kind]()
+    q, k, v = _qkv(hq, hkv, lq, lk, 16, seed=13, dtype=torch.float32)
+    saved = launch.BWD_DKDV_DELTA_ACC
+    try:
+        launch.BWD_DKDV_DELTA_ACC = "1"
+        assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)
+    finally:
+        launch.BWD_DKDV_DELTA_ACC = saved
+    do = torch.randn(1, hq, lq, 16, generator=torch.Generator().manual_seed(14))
+    seeded, subtracted = grads_per_launch_setting(q, k, v, layout, do, "BWD_DKDV_DELTA_ACC", ("1", "0"))
+    assert all(torch.isfinite(g).all() for g in seeded)
+    for name, a, b in zip(("dq", "dk", "dv"), seeded, subtracted):
+        assert torch.equal(a, b), f"{name} differs between delta in dP's accumulator and delta subtracted"
+
+
+def test_unknown_delta_accumulator_setting_is_a_clear_error():
+    env = dict(os.environ, SPARSE_ATTN_BWD_DKDV_DELTA_ACC="yes")
+    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "SPARSE_ATTN_BWD_DKDV_DELTA_ACC must be 'auto', '0' or '1', got 'yes'" in r.stderr

@@ -77,6 +77,7 @@ def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
     fwd = dict(base, K_SCALE_SPAN=0, WAVE=False)
     bwd = dict(base, WAVE=False)
+    dkdv = dict(bwd, DELTA_ACC=False)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                  CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
@@ -106,26 +107,34 @@ def variants():
     # the configs bwd_configs gives; the fused kernel's 3 stages are the tightest fit, ~214 KB)
     for n_terms, varlen, (fused, dq_tma), qdo_tma, chunk in itertools.product(
             (0, 2), (False, True), ((False, False), (True, False), (True, True)), (False, True), (0, 64)):
-        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3 if chunk else 2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms,
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3 if chunk else 2, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms,
                                       IS_VARLEN=varlen, FUSED_DQ=fused, DQ_TMA=dq_tma, QDO_TMA=qdo_tma, IDX_CHUNK=chunk,
                                       DP_FIRST=True, HEADS_INSIDE=True, CONTIGUOUS=False)
     # the other issue order of dV and dP (launch.BWD_DKDV_ORDER), on the default schedule
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=False,
                                       HEADS_INSIDE=True, CONTIGUOUS=False)
     # one query head per kv head: the JIT specializes G == 1 to a constant, which removes the head loop;
     # there launch.BWD_DKDV_HEADS "auto" puts the (one) head outside the phases
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True, G=1,
                                       HEADS_INSIDE=False, CONTIGUOUS=False)
     # contiguous schedules walked by arithmetic (launch.BWD_CONTIGUOUS): the dK/dV kernel only without
     # element masks (N_TERMS 0), one query head per kv head or GQA
     for varlen, (g, inside) in itertools.product((False, True), ((1, False), (None, True))):
-        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=0, IS_VARLEN=varlen,
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=0, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
                                       HEADS_INSIDE=inside, CONTIGUOUS=True, **({"G": g} if g else {}))
+    # delta through dP's accumulator (launch.BWD_DKDV_DELTA_ACC "auto"): the arithmetic MHA walk, and
+    # GQA's heads-inside walks, indexed (with and without element masks) and arithmetic
+    for varlen, (g, inside, contiguous, n_terms) in itertools.product(
+            (False, True), ((1, False, True, 0), (None, True, False, 0), (None, True, False, 2), (None, True, True, 0))):
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
+                                      FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
+                                      HEADS_INSIDE=inside, CONTIGUOUS=contiguous, DELTA_ACC=True,
+                                      **({"G": g} if g else {}))
     for n_terms, varlen, chunk, kv_tma in itertools.product((0, 2), (False, True), (0, 64), (False, True)):
         yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
                                     N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk, KV_TMA=kv_tma, CONTIGUOUS=False)
@@ -135,7 +144,7 @@ def variants():
     # the wave order of indexed walks (launch.BWD_WAVE): dK/dV with GQA (heads inside) and with G == 1,
     # dQ; with and without element masks
     for n_terms, (g, inside) in itertools.product((0, 2), ((1, False), (None, True))):
-        yield K.bwd_dkdv_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False,
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
                                       HEADS_INSIDE=inside, CONTIGUOUS=False, WAVE=True, **({"G": g} if g else {}))
     for n_terms in (0, 2):
@@ -210,7 +219,7 @@ def report_residency(target) -> None:
             seen.add((kind, d, m, n, s, w))
             consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=bq, BLOCK_K=bq, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                           IS_VARLEN=False, IDX_CHUNK=64, CONTIGUOUS=False, WAVE=True)
-            consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True)
+            consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True, DELTA_ACC=False)
                           if kind == "dkdv" else dict(KV_TMA=True))
             fn = K.bwd_dkdv_kernel if kind == "dkdv" else K.bwd_dq_kernel
             line(f"{kind} d{d} {m}x{n} {s} stages {w} warps", *_residency(target, fn, consts, w, s),
@@ -230,7 +239,7 @@ def main(filters: list[str]):
             continue
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
-                                                                 "DP_FIRST", "G", "HEADS_INSIDE", "WAVE")}
+                                                                 "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

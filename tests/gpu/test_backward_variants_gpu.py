@@ -28,12 +28,14 @@ def _layout(kind, lq, lk, bq, bk):
     return BlockLayout.from_mask(mask, q_len=lq, kv_len=lk, block_q=bq, block_k=bk, device="cuda")
 
 
-# "split-dvfirst": dV issued before dP (launch.BWD_DKDV_ORDER), the default before the fourteenth session
-@pytest.mark.parametrize("variant", ["fused", "fused-ptr", "split", "split-dvfirst"])
+# "split-dvfirst": dV issued before dP (launch.BWD_DKDV_ORDER), the default before the fourteenth session;
+# "split-deltaacc": delta through dP's accumulator in every dK/dV walk (launch.BWD_DKDV_DELTA_ACC "1")
+@pytest.mark.parametrize("variant", ["fused", "fused-ptr", "split", "split-dvfirst", "split-deltaacc"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-L{c[1]}x{c[2]}-h{c[3]}/{c[4]}-D{c[5]}-b{c[6]}x{c[7]}")
 def test_backward_variant_meets_rule3(variant, case, monkeypatch):
-    monkeypatch.setattr(launch, "BWD_VARIANT", variant.removesuffix("-dvfirst"))
+    monkeypatch.setattr(launch, "BWD_VARIANT", variant.removesuffix("-dvfirst").removesuffix("-deltaacc"))
     monkeypatch.setattr(launch, "BWD_DKDV_ORDER", "dv-first" if variant.endswith("-dvfirst") else "dp-first")
+    monkeypatch.setattr(launch, "BWD_DKDV_DELTA_ACC", "1" if variant.endswith("-deltaacc") else "auto")
     kind, lq, lk, hq, hkv, d, bq, bk = case
     layout = _layout(kind, lq, lk, bq, bk)
     mk = lambda h, n: torch.randn(1, h, n, d, device="cuda").bfloat16().requires_grad_()  # noqa: E731
@@ -135,3 +137,24 @@ def test_wave_order_backward_within_rounding_of_grid_order(hkv):
         assert not torch.equal(a, b), f"{name}: bitwise equal to grid order, so no rotation ran"
         err = (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
         assert err <= 8e-3, f"{name}: max difference {err:.2e} of the largest gradient, beyond bf16 rounding"
+
+
+@pytest.mark.parametrize("kind, hkv", [("dense", 32), ("causal", 8)])
+def test_delta_in_dp_accumulator_within_rounding(kind, hkv):
+    """launch.BWD_DKDV_DELTA_ACC: -delta seeds dP's accumulator in the dK/dV kernel instead of being
+    subtracted after the product (the default "auto" does so on these two walks: the arithmetic MHA one
+    and GQA's heads inside). dQ comes from the other kernel and dV does not involve delta: both
+    bitwise equal. dK: the fp32 sum dP - delta is rounded in another order, so within bf16 rounding,
+    and not bitwise equal (the seeded path ran)."""
+    L, H = 4096, 32
+    layout = (BlockLayout.from_mask(ElementMask((causal_term(),)), q_len=L, block_q=128, block_k=128, device="cuda")
+              if kind == "causal" else sparse_attn.patterns.dense(L, device="cuda"))
+    q = torch.randn(1, H, L, 128, device="cuda").bfloat16().requires_grad_()
+    k, v = (torch.randn(1, hkv, L, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
+    do = torch.randn_like(q)
+    seeded, subtracted = grads_per_launch_setting(q, k, v, layout, do, "BWD_DKDV_DELTA_ACC", ("1", "0"))
+    assert torch.equal(seeded[0], subtracted[0]) and torch.equal(seeded[2], subtracted[2])
+    assert torch.isfinite(seeded[1]).all()
+    assert not torch.equal(seeded[1], subtracted[1]), "dK bitwise equal: the seeded accumulator did not run"
+    err = (seeded[1].float() - subtracted[1].float()).abs().max().item() / subtracted[1].float().abs().max().item()
+    assert err <= 8e-3, f"dk: max difference {err:.2e} of the largest gradient, beyond bf16 rounding"

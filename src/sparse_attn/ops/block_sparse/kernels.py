@@ -277,7 +277,7 @@ def fwd_kernel(
     m_d = o_d < HEAD_DIM
     p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, D]
-    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + tl.cast(k0, tl.int64) * stride_kn
+    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
     V_TRANS: tl.constexpr = QUANT == 2
     if V_TRANS and IS_VARLEN:  # packed FP8 V^T: each sequence's columns start 16-byte aligned
         v0 = vt_column0(k0, i_b)
@@ -479,17 +479,31 @@ def _bwd_wave(i_tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.co
 
 
 @triton.jit
+def _dp_product(b_v, b_do, b_delta, BLOCK_M: tl.constexpr, DELTA_ACC: tl.constexpr):
+    """The dK/dV kernel's dP^T = V dO^T ([BN, BM]); with DELTA_ACC, dP^T - delta: delta seeds the
+    product's accumulator, so its registers are free once the product is issued instead of once dS
+    is formed. At 255 registers a thread that decides whether ptxas spills in the loop: the MHA
+    dense loop went from 15 spill loads per iteration to 3 and the kernel ran 12% faster
+    (benchmarks/NOTES.md, backward 23). fp32 either way; the sum is rounded in another order."""
+    if DELTA_ACC:
+        return tl.dot(b_v, tl.trans(b_do), tl.broadcast_to(-b_delta[None, :], [b_v.shape[0], BLOCK_M]))
+    else:
+        return tl.dot(b_v, tl.trans(b_do))
+
+
+@triton.jit
 def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
                dq_base, start_m, q_len, k_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqm, qk_scale,
                sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
                MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr,
-               DP_FIRST: tl.constexpr, ACC_TERMS: tl.constexpr = 0):
+               DP_FIRST: tl.constexpr, DELTA_ACC: tl.constexpr):
     """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products).
     FUSED_DQ: also add the tile's dQ share, sm_scale * dS @ K, into the fp32 accumulator DQA (TMA
     reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0, and so do keys past
     k_len (their zero K rows give P = 2**-lse2, inf for rows with an LSE below -88, and inf * 0 would
     put NaN in dQ; without FUSED_DQ those keys' dK/dV rows are never stored). LSE2 / DELTA: the rows'
-    terms from bwd_delta_kernel, padded, at l_base."""
+    terms from bwd_delta_kernel, padded, at l_base. DELTA_ACC: delta enters through dP's accumulator
+    (_dp_product)."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     m_m = o_m < q_len
     m_md = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
@@ -505,18 +519,7 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
     # multiple of 16) 4-byte instead of 16-byte copies: 23% more instructions in the loop.
     b_lse = tl.load(LSE2 + l_base + o_m)
     b_delta = tl.load(DELTA + l_base + o_m)
-    # EXPERIMENT ACC_TERMS: bit 0, delta enters through dP's accumulator (dP^T - delta); bit 1, the LSE
-    # through S's (S^T - lse / c): each is then live only until its product is issued
-    BN_: tl.constexpr = b_k.shape[0]
-    if ACC_TERMS & 2:
-        b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q), tl.broadcast_to((b_lse * (-1.0 / qk_scale))[None, :],
-                                                                        [BN_, BLOCK_M])) * qk_scale)  # [BN, BM]
-    else:
-        b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
-    if ACC_TERMS & 1:
-        dp_acc = tl.broadcast_to(-b_delta[None, :], [BN_, BLOCK_M])
-    else:
-        dp_acc = tl.zeros([BN_, BLOCK_M], tl.float32)
+    b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
     if FUSED_DQ:
         b_pt = tl.where(pos_k < k_len, b_pt, 0.0)
     if MASKED:
@@ -526,15 +529,14 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
         # dP first: Triton 3.6 waits for a non-accumulator product right after issuing it but leaves the
         # accumulating dV product in flight, so dS below is computed while dV runs on the tensor cores
         # (issued the other way round, one wait drains both and dS overlaps nothing)
-        b_dpt = tl.dot(b_v, tl.trans(b_do), dp_acc)  # [BN, BM]
+        b_dpt = _dp_product(b_v, b_do, b_delta, BLOCK_M, DELTA_ACC)  # [BN, BM]
         b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
     else:
         b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv)
-        b_dpt = tl.dot(b_v, tl.trans(b_do), dp_acc)
-    if ACC_TERMS & 1:
-        b_dst = (b_pt * b_dpt).to(b_q.dtype)  # [BN, BM]
-    else:
-        b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)  # [BN, BM]
+        b_dpt = _dp_product(b_v, b_do, b_delta, BLOCK_M, DELTA_ACC)
+    if not DELTA_ACC:
+        b_dpt = b_dpt - b_delta[None, :]
+    b_dst = (b_pt * b_dpt).to(b_q.dtype)  # [BN, BM]
     b_dk = tl.dot(b_dst, b_q, b_dk)
     if FUSED_DQ:
         b_dq = tl.dot(tl.trans(b_dst), b_k) * sm_scale  # [BM, D]
@@ -555,7 +557,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
                PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_r, period, seg, WAVE: tl.constexpr,
-               ACC_TERMS: tl.constexpr = 0):
+               DELTA_ACC: tl.constexpr):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
     layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv.
     WAVE (indexed walks only): phase 0 walks the piece seg (SEG_*) of the row, with its start slot
@@ -593,7 +595,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                 b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
                                         q_base, do_base, l_base, dq_base, run0 + it * BLOCK_M, q_len, k_len, offset,
                                         o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS, -1,
-                                        BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, ACC_TERMS)
+                                        BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, DELTA_ACC)
         elif IDX_CHUNK > 0:
             # Indices come from registers, one chunk at a time: an index load inside the pipelined
             # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
@@ -614,7 +616,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                                             offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
                                             sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
                                             N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA,
-                                            DP_FIRST, ACC_TERMS)
+                                            DP_FIRST, DELTA_ACC)
         else:
             for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
                 start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
@@ -622,7 +624,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                                         q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
                                         pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
                                         tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
-                                        phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, ACC_TERMS)
+                                        phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, DELTA_ACC)
     return b_dk, b_dv
 
 
@@ -647,7 +649,7 @@ def bwd_dkdv_kernel(
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
-    KV_TMA: tl.constexpr = False, MASKED_PASS: tl.constexpr = True, ACC_TERMS: tl.constexpr = 0,
+    DELTA_ACC: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -673,15 +675,11 @@ def bwd_dkdv_kernel(
     kb = (i_n * BLOCK_N) // BLOCK_K
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, D_PAD)
-    k_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + tl.cast(k0, tl.int64) * stride_kn
-    v_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + tl.cast(k0, tl.int64) * stride_vn
-    if KV_TMA:  # rows past k_len read as zeros
-        b_k = _rows_desc(K, k_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, True).load([i_n * BLOCK_N, 0])
-        b_v = _rows_desc(V, v_base, k_len, stride_vn, BLOCK_N, HEAD_DIM, D_PAD, True).load([i_n * BLOCK_N, 0])
-    else:
-        m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
-        b_k = tl.load(K + k_base + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0.0)
-        b_v = tl.load(V + v_base + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0.0)
+    m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
+    p_k = K + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + (k0 + o_n.to(tl.int64))[:, None] * stride_kn + o_d[None, :]
+    p_v = V + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + (k0 + o_n.to(tl.int64))[:, None] * stride_vn + o_d[None, :]
+    b_k = tl.load(p_k, mask=m_nd, other=0.0)  # [BN, D]
+    b_v = tl.load(p_v, mask=m_nd, other=0.0)  # [BN, D]
     qk_scale = sm_scale * LOG2E
     b_dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     b_dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
@@ -691,7 +689,7 @@ def bwd_dkdv_kernel(
     # Heads inside because with the head loop outside (heads, then phases) ptxas (CUDA 13, sm_90)
     # waited for every wgmma right after issuing it whenever G > 1 (the JIT specializes G == 1 away),
     # with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
-    PASSES: tl.constexpr = (2 if MASKED_PASS else 1) if HEADS_INSIDE else 1
+    PASSES: tl.constexpr = 2 if HEADS_INSIDE else 1
     wave_t, period = _bwd_wave(i_n, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE)
     # the wave order over G heads (heads inside): pass 0 walks G + 1 pieces, h0's row split in two.
     # Pass 1 then takes G + 1 steps too, the last one empty: with G + 1 steps in pass 0 and G in pass
@@ -716,26 +714,17 @@ def bwd_dkdv_kernel(
                                     stride_dom, stride_lb, stride_lh, stride_dqab, stride_dqah, stride_dqam,
                                     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, D_PAD, BLOCK_Q,
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
-                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else (2 if MASKED_PASS else 1), CONTIGUOUS,
-                                    wave_t * G % period if SPLIT else wave_t, period, seg, WAVE, ACC_TERMS)
+                                    p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS,
+                                    wave_t * G % period if SPLIT else wave_t, period, seg, WAVE, DELTA_ACC)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
     else:
         dk0 = 0
-    dk_base = i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh + tl.cast(dk0, tl.int64) * stride_dkn
-    dv_base = i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh + tl.cast(dk0, tl.int64) * stride_dvn
-    if KV_TMA:  # rows past k_len are not written
-        _rows_desc(DK, dk_base, k_len, stride_dkn, BLOCK_N, HEAD_DIM, D_PAD, True).store(
-            [i_n * BLOCK_N, 0], b_dk.to(DK.dtype.element_ty))
-        _rows_desc(DV, dv_base, k_len, stride_dvn, BLOCK_N, HEAD_DIM, D_PAD, True).store(
-            [i_n * BLOCK_N, 0], b_dv.to(DV.dtype.element_ty))
-    else:
-        m_nd = (o_n < k_len)[:, None] & (o_d < HEAD_DIM)[None, :]
-        tl.store(DK + dk_base + o_n.to(tl.int64)[:, None] * stride_dkn + o_d[None, :], b_dk.to(DK.dtype.element_ty),
-                 mask=m_nd)
-        tl.store(DV + dv_base + o_n.to(tl.int64)[:, None] * stride_dvn + o_d[None, :], b_dv.to(DV.dtype.element_ty),
-                 mask=m_nd)
+    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh + (dk0 + o_n.to(tl.int64))[:, None] * stride_dkn + o_d[None, :]
+    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh + (dk0 + o_n.to(tl.int64))[:, None] * stride_dvn + o_d[None, :]
+    tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=m_nd)
+    tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_nd)
 
 
 @triton.jit
@@ -807,8 +796,8 @@ def bwd_dq_kernel(
     l_off = i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + _rows_start(CU_L, i_b, IS_VARLEN) + o_m
     b_lse = tl.load(LSE2 + l_off, mask=m_m, other=float("inf"))  # once per program: the mask costs nothing
     b_delta = tl.load(DELTA + l_off, mask=m_m, other=0.0)
-    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + tl.cast(k0, tl.int64) * stride_kn
-    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + tl.cast(k0, tl.int64) * stride_vn
+    kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
+    vv_base = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + k0.to(tl.int64) * stride_vn
     # this kv head's keys of the sequence (KV_TMA): rows past k_len read as 0
     desc_k = _rows_desc(K, kv_base, k_len, stride_kn, BLOCK_N, HEAD_DIM, D_PAD, KV_TMA)
     desc_v = _rows_desc(V, vv_base, k_len, stride_vn, BLOCK_N, HEAD_DIM, D_PAD, KV_TMA)

@@ -67,17 +67,21 @@ if BWD_DQ_KV not in ("tma", "ptr"):
 BWD_IDX_CHUNK = int(os.environ.get("SPARSE_ATTN_BWD_IDX_CHUNK", "64"))
 if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
     raise ValueError(f"SPARSE_ATTN_BWD_IDX_CHUNK must be 0 or a power of two, got {BWD_IDX_CHUNK}")
+# dK/dV kernel: delta enters through dP's accumulator (kernels._dp_product), which frees registers
+# in its loop. "auto": on where it was measured faster (head dim 128, split schedule): the walks
+# without the wave order with one
+# query head per kv head by arithmetic (CONTIGUOUS: dense, block-diagonal) or with GQA's heads inside
+# (backward alone, H100 bf16 16K: dense 24.32 -> 22.81 ms, block-diagonal 6.60 -> 6.21; Hkv 8
+# causal 13.06 -> 12.64, window 6.29 -> 6.14). Off elsewhere: the wave-order walks (random layouts)
+# ran 2-5% slower at 32K, the masked MHA walks (causal, window) 0.5-2.6% slower
+# (benchmarks/NOTES.md, backward 23). "1" / "0": on / off everywhere.
+BWD_DKDV_DELTA_ACC = os.environ.get("SPARSE_ATTN_BWD_DKDV_DELTA_ACC", "auto")
+if BWD_DKDV_DELTA_ACC not in ("auto", "0", "1"):
+    raise ValueError(f"SPARSE_ATTN_BWD_DKDV_DELTA_ACC must be 'auto', '0' or '1', got {BWD_DKDV_DELTA_ACC!r}")
 # split schedule: the dQ kernel on a second CUDA stream, concurrent with the dK/dV kernel (both read
 # only the forward's tensors and delta), so its programs fill the SMs the dK/dV grid's last wave leaves
 # idle, as FlexAttention's one-grid backward does. Off: one stream, the two kernels back to back.
 BWD_DQ_SIDE_STREAM = os.environ.get("SPARSE_ATTN_BWD_DQ_STREAM", "1") != "0"
-# EXPERIMENT: the dK/dV kernel's K/V loads and dK/dV stores through TMA descriptors; and (probes only,
-# wrong for schedules with masked or end-crossing blocks) its masked pass compiled out
-BWD_DKDV_KV_TMA = False
-BWD_EXP_NO_MASKED_PASS = False
-# EXPERIMENT: the dK/dV kernel's row terms through the products' accumulators (kernels._dkdv_step
-# ACC_TERMS: 1 delta, 2 the LSE, 3 both)
-BWD_DKDV_ACC_TERMS = 0
 _SIDE_STREAMS: dict = {}
 # dK/dV kernel: issue order of the dV and dP products in each iteration, "dp-first" or "dv-first"
 # (kernels._dkdv_step). dp-first lets dS be computed while dV runs: backward alone 3-6% faster, H100
@@ -557,11 +561,14 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     # only with the head loop inside the phases)
     wave = BWD_WAVE != "0" and BWD_IDX_CHUNK > 0 and not varlen
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
-                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "KV_TMA", "MASKED_PASS",
-                          "ACC_TERMS"),
+                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "DELTA_ACC"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
+    dkdv_contiguous = t_contiguous and BWD_CONTIGUOUS and n_terms == 0
+    dkdv_wave = wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv)
+    delta_acc = BWD_DKDV_DELTA_ACC == "1" or (BWD_DKDV_DELTA_ACC == "auto" and d_pad == 128 and not fused
+                                              and not dkdv_wave and (heads_inside or dkdv_contiguous))
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
         q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
@@ -571,10 +578,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
         hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
-        CONTIGUOUS=t_contiguous and BWD_CONTIGUOUS and n_terms == 0,
-        WAVE=wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv),
-        KV_TMA=BWD_DKDV_KV_TMA and _tma_ok(k, v, dk, dv), MASKED_PASS=not BWD_EXP_NO_MASKED_PASS,
-        ACC_TERMS=BWD_DKDV_ACC_TERMS, **common)
+        CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
