@@ -62,6 +62,8 @@ VARIANTS = {
     # the default "auto" picks by walk)
     "split-regs-delta-acc": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_DELTA_ACC": "1"}),
     "split-regs-no-delta-acc": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_DELTA_ACC": "0"}),
+    # ... with a 4th dK/dV stage: does the seeded product wait for a late delta on random layouts?
+    "split-regs-delta-acc-dkdv4": ("split", 64, (64, 128, 8, 4), (128, 64, 8, 3), {"BWD_DKDV_DELTA_ACC": "1"}),
 }
 # --sweep: tile configs of the split schedule with register indices
 SWEEP = {
