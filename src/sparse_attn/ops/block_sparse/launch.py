@@ -68,13 +68,12 @@ BWD_IDX_CHUNK = int(os.environ.get("SPARSE_ATTN_BWD_IDX_CHUNK", "64"))
 if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
     raise ValueError(f"SPARSE_ATTN_BWD_IDX_CHUNK must be 0 or a power of two, got {BWD_IDX_CHUNK}")
 # dK/dV kernel: delta enters through dP's accumulator (kernels._dp_product), which frees registers
-# in its loop. "auto": on where it was measured faster (head dim 128, split schedule): the walks
-# without the wave order with one
-# query head per kv head by arithmetic (CONTIGUOUS: dense, block-diagonal) or with GQA's heads inside
-# (backward alone, H100 bf16 16K: dense 24.32 -> 22.81 ms, block-diagonal 6.60 -> 6.21; Hkv 8
-# causal 13.06 -> 12.64, window 6.29 -> 6.14). Off elsewhere: the wave-order walks (random layouts)
-# ran 2-5% slower at 32K, the masked MHA walks (causal, window) 0.5-2.6% slower
-# (benchmarks/NOTES.md, backward 23). "1" / "0": on / off everywhere.
+# in its loop. "auto": on where it was measured faster (head dim 128, split schedule), the walks
+# without the wave order that go by arithmetic with one query head per kv head (dense,
+# block-diagonal) or hold GQA's heads inside. Backward alone, H100 bf16 16K: dense 24.32 -> 22.81 ms,
+# block-diagonal 6.60 -> 6.21; Hkv 8 causal 13.06 -> 12.64, window 6.29 -> 6.14. Off elsewhere: on
+# the wave-order walks (random layouts) it ran -3% to +8% at 32K, on the masked MHA walks (causal,
+# window) -1% to +3% (benchmarks/NOTES.md, backward 23). "1" / "0": on / off everywhere.
 BWD_DKDV_DELTA_ACC = os.environ.get("SPARSE_ATTN_BWD_DKDV_DELTA_ACC", "auto")
 if BWD_DKDV_DELTA_ACC not in ("auto", "0", "1"):
     raise ValueError(f"SPARSE_ATTN_BWD_DKDV_DELTA_ACC must be 'auto', '0' or '1', got {BWD_DKDV_DELTA_ACC!r}")
