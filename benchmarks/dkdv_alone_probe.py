@@ -50,6 +50,7 @@ def backward_without(skip: tuple, c, attrs=None):
     real = launch._tuned
 
     def fn():
+        saved = {name: getattr(launch, name) for name in DEFAULTS}
         for name, value in {**DEFAULTS, **(attrs or {})}.items():
             setattr(launch, name, value)
         launch._tuned = lambda kernel, *a, **kw: _Skip() if kernel in skip else real(kernel, *a, **kw)
@@ -62,6 +63,8 @@ def backward_without(skip: tuple, c, attrs=None):
                                    t_contiguous=t_contiguous)
         finally:
             launch._tuned = real
+            for name, value in saved.items():
+                setattr(launch, name, value)
     return fn
 
 

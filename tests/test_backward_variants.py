@@ -274,7 +274,7 @@ def test_wave_order_changes_only_the_summation_order_of_the_backward(monkeypatch
     ("causal", 50, 75, 4, 2),           # GQA (heads inside), masked blocks, Lq < Lk bottom-right
     ("random", 90, 90, 4, 1),           # MQA, indexed walk in the wave order, partial last block
 ])
-def test_delta_through_dp_accumulator_keeps_the_gradients(kind, lq, lk, hq, hkv):
+def test_delta_through_dp_accumulator_keeps_the_gradients(kind, lq, lk, hq, hkv, monkeypatch):
     """The dK/dV kernel can seed dP's accumulator with -delta (launch.BWD_DKDV_DELTA_ACC) instead of
     subtracting delta after the product. Gradients meet rule 3 against the fp64 oracle that way. The
     interpreter adds a product's accumulator after the whole product, so -delta + dP rounds exactly as
@@ -291,12 +291,8 @@ def test_delta_through_dp_accumulator_keeps_the_gradients(kind, lq, lk, hq, hkv)
         layout = {"dense": lambda: patterns.dense(lq, lk, block_q=16, block_k=16),
                   "causal": lambda: patterns.causal(lq, lk, block_q=16, block_k=16)}[kind]()
     q, k, v = _qkv(hq, hkv, lq, lk, 16, seed=13, dtype=torch.float32)
-    saved = launch.BWD_DKDV_DELTA_ACC
-    try:
-        launch.BWD_DKDV_DELTA_ACC = "1"
-        assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)
-    finally:
-        launch.BWD_DKDV_DELTA_ACC = saved
+    monkeypatch.setattr(launch, "BWD_DKDV_DELTA_ACC", "1")
+    assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)
     do = torch.randn(1, hq, lq, 16, generator=torch.Generator().manual_seed(14))
     seeded, subtracted = grads_per_launch_setting(q, k, v, layout, do, "BWD_DKDV_DELTA_ACC", ("1", "0"))
     assert all(torch.isfinite(g).all() for g in seeded)
