@@ -24,17 +24,21 @@ pytestmark = [
 ]
 
 
-# (schedule, IDX_CHUNK[, dK/dV issue order]): block indices per iteration (0), or in register chunks of 2
-# blocks, so the tiny layouts here span several chunks (the default chunk, 64, would hold every row in one);
-# the last: dV issued before dP (launch.BWD_DKDV_ORDER), the default before the fourteenth session
-@pytest.fixture(params=[("fused", 2), ("split", 2), ("fused", 0), ("split", 0), ("split", 2, "dv-first")],
+# (schedule, IDX_CHUNK[, dK/dV issue order or "deep"]): block indices per iteration (0), or in register
+# chunks of 2 blocks, so the tiny layouts here span several chunks (the default chunk, 64, would hold
+# every row in one); "dv-first": dV issued before dP (launch.BWD_DKDV_ORDER), the default before the
+# fourteenth session; "deep": per-iteration index loads pipelined two levels deep (launch.BWD_IDX_DEEP
+# "1"; "auto" keeps them to head dim 128, which these tests do not use)
+@pytest.fixture(params=[("fused", 2), ("split", 2), ("fused", 0), ("split", 0), ("split", 2, "dv-first"),
+                        ("split", 2, "deep")],
                 ids=lambda p: "-".join([p[0], f"chunk{p[1]}", *p[2:]]))
 def variant(request, monkeypatch):
-    schedule, chunk, *order = request.param
+    schedule, chunk, *extra = request.param
     monkeypatch.setattr(launch, "BWD_VARIANT", schedule)
     monkeypatch.setattr(launch, "BWD_IDX_CHUNK", chunk)
-    monkeypatch.setattr(launch, "BWD_DKDV_ORDER", order[0] if order else "dp-first")
-    return "-".join([schedule, f"chunk{chunk}", *order])
+    monkeypatch.setattr(launch, "BWD_DKDV_ORDER", "dv-first" if extra == ["dv-first"] else "dp-first")
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", "1" if extra == ["deep"] else "0")
+    return "-".join([schedule, f"chunk{chunk}", *extra])
 
 
 def _qkv(hq, hkv, lq, lk, d, seed, dtype=torch.float16):
@@ -238,18 +242,20 @@ def test_contiguous_backward_walk_does_not_change_gradients(kind, lq, lk, hq, hk
     assert all(torch.equal(a, b) for a, b in zip(indexed, walked))
 
 
-@pytest.mark.parametrize("chunk", [2, 64])
+@pytest.mark.parametrize("chunk", [2, 64, "deep"])
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_wave_order_changes_only_the_summation_order_of_the_backward(monkeypatch, chunk, hkv):
     """The backward kernels' indexed walks in the wave order (launch.BWD_WAVE): each program starts
     its row's unmasked slots at (program id mod resident programs) / resident programs and wraps
-    around, also across register chunks (chunk 2: rows of up to 6 blocks span three); with two query
-    heads per kv head (hkv 2) the dK/dV program walks both heads' rows as one, the first head's in two
-    pieces. The same blocks in another order: gradients meet rule 3 against the fp64 oracle, agree
-    with the plain order to fp32 rounding, and differ from it in some bits (so the rotation ran). The
-    forward's wave is off, so only the backward's order differs. The interpreter stands in 3 SMs of
-    2 programs: 6 phases over 24 (dQ) and 12 or 24 (dK/dV) programs."""
-    monkeypatch.setattr(launch, "BWD_IDX_CHUNK", chunk)
+    around, also across register chunks (chunk 2: rows of up to 6 blocks span three) and with one
+    index load per iteration ("deep", launch.BWD_IDX_DEEP); with two query heads per kv head (hkv 2)
+    the dK/dV program walks both heads' rows as one, the first head's in two pieces. The same blocks
+    in another order: gradients meet rule 3 against the fp64 oracle, agree with the plain order to
+    fp32 rounding, and differ from it in some bits (so the rotation ran). The forward's wave is off,
+    so only the backward's order differs. The interpreter stands in 3 SMs of 2 programs: 6 phases
+    over 24 (dQ) and 12 or 24 (dK/dV) programs."""
+    monkeypatch.setattr(launch, "BWD_IDX_CHUNK", 64 if chunk == "deep" else chunk)
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", "1" if chunk == "deep" else "0")
     monkeypatch.setattr(launch, "FWD_WAVE", False)
     g = torch.Generator().manual_seed(8)
     bm = torch.rand(1, 4, 6, 6, generator=g) < 0.6
@@ -305,3 +311,26 @@ def test_unknown_delta_accumulator_setting_is_a_clear_error():
     r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
                        capture_output=True, text=True)
     assert r.returncode != 0 and "SPARSE_ATTN_BWD_DKDV_DELTA_ACC must be 'auto', '0' or '1', got 'yes'" in r.stderr
+
+
+def test_deep_index_loads_where_measured_faster(monkeypatch):
+    """launch.BWD_IDX_DEEP "auto" takes the deep per-iteration index loads only where the H100 measured
+    them faster (benchmarks/NOTES.md, backward 24): head dim 128, no element masks, not packed, split
+    schedule. "1" takes them on every split call, "0" on none; the fused schedule never does."""
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", "auto")
+    assert launch.deep_index_loads(False, 128, 0, False)
+    assert not launch.deep_index_loads(False, 128, 1, False)  # element masks: causal, streaming
+    assert not launch.deep_index_loads(False, 64, 0, False)
+    assert not launch.deep_index_loads(False, 128, 0, True)
+    assert not launch.deep_index_loads(True, 128, 0, False)
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", "1")
+    assert launch.deep_index_loads(False, 64, 2, True) and not launch.deep_index_loads(True, 128, 0, False)
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", "0")
+    assert not launch.deep_index_loads(False, 128, 0, False)
+
+
+def test_unknown_deep_index_setting_is_a_clear_error():
+    env = dict(os.environ, SPARSE_ATTN_BWD_IDX_DEEP="yes")
+    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "SPARSE_ATTN_BWD_IDX_DEEP must be 'auto', '0' or '1', got 'yes'" in r.stderr

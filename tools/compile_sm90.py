@@ -76,7 +76,7 @@ def divisibility(fn, sig):
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
     fwd = dict(base, K_SCALE_SPAN=0, WAVE=False)
-    bwd = dict(base, WAVE=False)
+    bwd = dict(base, WAVE=False, IDX_DEEP=False)
     dkdv = dict(bwd, DELTA_ACC=False)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
@@ -150,6 +150,16 @@ def variants():
     for n_terms in (0, 2):
         yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
                                     IDX_CHUNK=64, KV_TMA=True, CONTIGUOUS=False, WAVE=True)
+    # deep per-iteration index loads (launch.BWD_IDX_DEEP; "auto": no element masks, delta in dP's
+    # accumulator, wave order): MHA and GQA, dQ; "1" also with element masks and on packed inputs
+    for n_terms, varlen, (g, inside) in itertools.product((0, 2), (False, True), ((1, False), (None, True))):
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
+                                      FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=0, DP_FIRST=True,
+                                      HEADS_INSIDE=inside, CONTIGUOUS=False, WAVE=not varlen, DELTA_ACC=True,
+                                      IDX_DEEP=True, **({"G": g} if g else {}))
+    for n_terms, varlen in itertools.product((0, 2), (False, True)):
+        yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
+                                    IDX_CHUNK=0, KV_TMA=True, CONTIGUOUS=False, WAVE=not varlen, IDX_DEEP=True)
     for varlen in (False, True):
         yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen)
 
@@ -218,7 +228,7 @@ def report_residency(target) -> None:
                 continue
             seen.add((kind, d, m, n, s, w))
             consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=bq, BLOCK_K=bq, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
-                          IS_VARLEN=False, IDX_CHUNK=64, CONTIGUOUS=False, WAVE=True)
+                          IS_VARLEN=False, IDX_CHUNK=64, CONTIGUOUS=False, WAVE=True, IDX_DEEP=False)
             consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True, DELTA_ACC=False)
                           if kind == "dkdv" else dict(KV_TMA=True))
             fn = K.bwd_dkdv_kernel if kind == "dkdv" else K.bwd_dq_kernel
@@ -239,7 +249,7 @@ def main(filters: list[str]):
             continue
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
-                                                                 "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC")}
+                                                                 "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC", "IDX_DEEP")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

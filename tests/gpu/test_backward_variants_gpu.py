@@ -29,13 +29,16 @@ def _layout(kind, lq, lk, bq, bk):
 
 
 # "split-dvfirst": dV issued before dP (launch.BWD_DKDV_ORDER), the default before the fourteenth session;
-# "split-deltaacc": delta through dP's accumulator in every dK/dV walk (launch.BWD_DKDV_DELTA_ACC "1")
-@pytest.mark.parametrize("variant", ["fused", "fused-ptr", "split", "split-dvfirst", "split-deltaacc"])
+# "split-deltaacc": delta through dP's accumulator in every dK/dV walk (launch.BWD_DKDV_DELTA_ACC "1");
+# "split-deep": deep per-iteration index loads in every indexed walk (launch.BWD_IDX_DEEP "1")
+@pytest.mark.parametrize("variant", ["fused", "fused-ptr", "split", "split-dvfirst", "split-deltaacc", "split-deep"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-L{c[1]}x{c[2]}-h{c[3]}/{c[4]}-D{c[5]}-b{c[6]}x{c[7]}")
 def test_backward_variant_meets_rule3(variant, case, monkeypatch):
-    monkeypatch.setattr(launch, "BWD_VARIANT", variant.removesuffix("-dvfirst").removesuffix("-deltaacc"))
-    monkeypatch.setattr(launch, "BWD_DKDV_ORDER", "dv-first" if variant.endswith("-dvfirst") else "dp-first")
-    monkeypatch.setattr(launch, "BWD_DKDV_DELTA_ACC", "1" if variant.endswith("-deltaacc") else "auto")
+    schedule, _, option = variant.partition("-")
+    monkeypatch.setattr(launch, "BWD_VARIANT", schedule)
+    monkeypatch.setattr(launch, "BWD_DKDV_ORDER", "dv-first" if option == "dvfirst" else "dp-first")
+    monkeypatch.setattr(launch, "BWD_DKDV_DELTA_ACC", "1" if option == "deltaacc" else "auto")
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", "1" if option == "deep" else "auto")
     kind, lq, lk, hq, hkv, d, bq, bk = case
     layout = _layout(kind, lq, lk, bq, bk)
     mk = lambda h, n: torch.randn(1, h, n, d, device="cuda").bfloat16().requires_grad_()  # noqa: E731
@@ -161,3 +164,25 @@ def test_delta_in_dp_accumulator_within_rounding(kind, hkv):
     assert not torch.equal(seeded[1], subtracted[1]), "dK bitwise equal: the seeded accumulator did not run"
     err = (seeded[1].float() - subtracted[1].float()).abs().max().item() / subtracted[1].float().abs().max().item()
     assert err <= 8e-3, f"dk: max difference {err:.2e} of the largest gradient, beyond bf16 rounding"
+
+
+@pytest.mark.parametrize("hkv", [32, 8])
+def test_deep_index_loads_bitwise_equal_to_register_chunks(hkv, monkeypatch):
+    """launch.BWD_IDX_DEEP: one block index load per iteration, pipelined two levels deep, instead of
+    indices picked from register chunks ("auto" takes it here: random blocks, head dim 128, no element
+    masks). The same blocks in the same (wave) order and the same products, with delta through dP's
+    accumulator in both: gradients bitwise equal. An odd length puts the last block through the
+    masked pass (one load per iteration, not deep). Rule 3 with the default on random layouts: the
+    fuzz tests (tests/gpu/test_fuzz_gpu.py) and "split-deep" above."""
+    monkeypatch.setattr(launch, "BWD_DKDV_DELTA_ACC", "1")
+    L, H, n = 8192 - 37, 32, 64
+    bm = torch.rand(1, H, n, n, generator=torch.Generator().manual_seed(17)) < 0.3
+    bm |= torch.eye(n, dtype=torch.bool)
+    layout = BlockLayout.from_block_mask(bm, block_q=128, block_k=128, q_len=L, kv_len=L).to("cuda")
+    q = torch.randn(1, H, L, 128, device="cuda").bfloat16().requires_grad_()
+    k, v = (torch.randn(1, hkv, L, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
+    do = torch.randn_like(q)
+    deep, chunks = grads_per_launch_setting(q, k, v, layout, do, "BWD_IDX_DEEP", ("auto", "0"))
+    for name, a, b in zip(("dq", "dk", "dv"), deep, chunks):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name} differs between deep index loads and register chunks"

@@ -442,15 +442,23 @@ def _run_start(INDICES, p_row, n_full, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _rotated(step, rot, n, ROTATE: tl.constexpr):
+    """The slot of a walk's step: with ROTATE (the wave order, _bwd_wave) the walk starts at slot rot
+    and wraps around the row's n slots; else the step itself."""
+    if ROTATE:
+        s = step + rot
+        return tl.where(s >= n, s - n, s)
+    else:
+        return step
+
+
+@triton.jit
 def _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c, rot, n, ROTATE: tl.constexpr):
     """The block indices and mask ids of a layout row's slots c0 + o_c (those at or past hi: block 0,
     mask -1), read into registers at once for the backward loops (see bwd_dkdv_kernel). ROTATE (the
     wave order, _bwd_wave): the walk's steps c0 + o_c are the slots from rot on, modulo the row's n."""
     m_c = c0 + o_c < hi
-    s = c0 + o_c
-    if ROTATE:
-        s = s + rot
-        s = tl.where(s >= n, s - n, s)
+    s = _rotated(c0 + o_c, rot, n, ROTATE)
     return (tl.load(INDICES + p_row + s, mask=m_c, other=0),
             tl.load(MASK_IDS + p_row + s, mask=m_c, other=-1))
 
@@ -557,13 +565,14 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
                PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_r, period, seg, WAVE: tl.constexpr,
-               DELTA_ACC: tl.constexpr):
+               DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
     layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv.
     WAVE (indexed walks only): phase 0 walks the piece seg (SEG_*) of the row, with its start slot
     s0 = wave_r * n_full // period (bwd_dkdv_kernel's order over several heads); phase 1 walks nothing
     for SEG_NONE."""
-    tl.static_assert(not WAVE or (IDX_CHUNK > 0 and not CONTIGUOUS), "the wave order rotates indexed chunks only")
+    tl.static_assert(not WAVE or not CONTIGUOUS, "the wave order rotates indexed walks only")
+    tl.static_assert(not IDX_DEEP or IDX_CHUNK == 0, "deep index loads replace the register chunks")
     SUB: tl.constexpr = BLOCK_Q // BLOCK_M
     p_cnt = i_b * stride_cb + i_h * stride_ch + kb
     count = tl.load(T_COUNTS + p_cnt)
@@ -618,12 +627,23 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                                             N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA,
                                             DP_FIRST, DELTA_ACC)
         else:
-            for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
-                start_m = tl.load(T_INDICES + p_row + it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
+            # One index load per iteration. IDX_DEEP (the unmasked pass): pipelined as the forward's
+            # indexed rows, with 2 * NUM_STAGES - 1 stages the index goes two iterations ahead and
+            # Q/dO as many tiles ahead as with indices from registers, with no per-iteration pick
+            # (_pick: a cross-warp reduction). Not the masked pass, whose rows are a block or two.
+            rot = 0
+            if WAVE and phase == 0:
+                s0 = wave_r * hi // period
+                rot = tl.where((seg == SEG_ROUND) | (seg == SEG_FROM_S0), s0, 0)
+                hi = tl.where(seg == SEG_FROM_S0, hi - s0, tl.where(seg == SEG_TO_S0, s0, hi))  # its steps
+            for it in tl.range(lo * SUB, hi * SUB,
+                               num_stages=2 * NUM_STAGES - 1 if IDX_DEEP and phase == 0 else NUM_STAGES):
+                slot = _rotated(it // SUB, rot, n_full, WAVE and phase == 0)
+                start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
                 b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
                                         q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
                                         pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
-                                        tl.load(T_MASK_IDS + p_row + it // SUB), BLOCK_M, HEAD_DIM, N_TERMS,
+                                        tl.load(T_MASK_IDS + p_row + slot), BLOCK_M, HEAD_DIM, N_TERMS,
                                         phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, DELTA_ACC)
     return b_dk, b_dv
 
@@ -649,7 +669,7 @@ def bwd_dkdv_kernel(
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
-    DELTA_ACC: tl.constexpr,
+    DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -658,7 +678,9 @@ def bwd_dkdv_kernel(
     FUSED_DQ: dQ is accumulated here too, into the zeroed fp32 DQA (same row layout as Q), by atomic
     adds, and the dQ kernel is not run (FA2/FA3's schedule: five matmuls per block pair instead of
     seven).
-    WAVE (indexed rows, IDX_CHUNK > 0): the wave order of fwd_kernel, here over the query blocks of
+    IDX_CHUNK > 0: indexed walks read the query-block indices IDX_CHUNK at a time into registers;
+    else one index load per iteration, which IDX_DEEP pipelines two levels deep in the unmasked pass
+    (_dkdv_head). WAVE (indexed rows): the wave order of fwd_kernel, here over the query blocks of
     the transposed rows, so the programs running at once read one stretch of Q / dO (_bwd_wave). With
     G query heads a program's unmasked walks are one walk of G rows, started at the fraction t / P of
     it: head h0 = floor(G t / P) from slot s0 on, the other heads in turn, then h0 up to s0. (Rotating
@@ -715,7 +737,8 @@ def bwd_dkdv_kernel(
                                     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, D_PAD, BLOCK_Q,
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
                                     p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS,
-                                    wave_t * G % period if SPLIT else wave_t, period, seg, WAVE, DELTA_ACC)
+                                    wave_t * G % period if SPLIT else wave_t, period, seg, WAVE, DELTA_ACC,
+                                    IDX_DEEP)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)
@@ -773,11 +796,12 @@ def bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_CHUNK: tl.constexpr,
-    KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
+    KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr, IDX_DEEP: tl.constexpr,
 ):
     """Grid (query tiles, B * H), visiting the same schedule as the forward. KV_TMA: K/V tiles through
     TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads. WAVE: the unmasked blocks'
-    indexed walk in the wave order, as in bwd_dkdv_kernel."""
+    indexed walk in the wave order; IDX_CHUNK, IDX_DEEP: how indexed walks read the block indices;
+    both as in bwd_dkdv_kernel."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -804,6 +828,7 @@ def bwd_dq_kernel(
     pos_q = (o_m + offset)[:, None]
     qk_scale = sm_scale * LOG2E
     b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    tl.static_assert(not IDX_DEEP or IDX_CHUNK == 0, "deep index loads replace the register chunks")
     wave_t, period = _bwd_wave(i_m, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE)
     for phase in tl.static_range(2):  # as in bwd_dkdv_kernel: unmasked blocks, then masked ones
         lo = 0 if phase == 0 else n_full
@@ -825,12 +850,15 @@ def bwd_dq_kernel(
                                     start_n, k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS,
                                     _pick(mids, o_c, it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
                                     phase == 1, KV_TMA)
-        else:
-            for it in tl.range(lo * SUB, hi * SUB, num_stages=NUM_STAGES):
-                start_n = tl.load(INDICES + p_row + it // SUB) * BLOCK_K + (it % SUB) * BLOCK_N
+        else:  # one index load per iteration; IDX_DEEP: two levels of stages (bwd_dkdv_kernel)
+            rot = wave_t * hi // period  # (used only where WAVE and phase == 0)
+            for it in tl.range(lo * SUB, hi * SUB,
+                               num_stages=2 * NUM_STAGES - 1 if IDX_DEEP and phase == 0 else NUM_STAGES):
+                slot = _rotated(it // SUB, rot, hi, WAVE and phase == 0)
+                start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
                 b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_base, start_n,
                                 k_len, o_d, pos_q, stride_kn, stride_vn, qk_scale, TERMS,
-                                tl.load(MASK_IDS + p_row + it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
+                                tl.load(MASK_IDS + p_row + slot), BLOCK_N, HEAD_DIM, N_TERMS,
                                 phase == 1, KV_TMA)
     b_dq = b_dq * sm_scale
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh + (q0 + o_m.to(tl.int64))[:, None] * stride_dqm + o_d[None, :]

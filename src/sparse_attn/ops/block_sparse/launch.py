@@ -67,6 +67,15 @@ if BWD_DQ_KV not in ("tma", "ptr"):
 BWD_IDX_CHUNK = int(os.environ.get("SPARSE_ATTN_BWD_IDX_CHUNK", "64"))
 if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
     raise ValueError(f"SPARSE_ATTN_BWD_IDX_CHUNK must be 0 or a power of two, got {BWD_IDX_CHUNK}")
+# backward kernels' indexed walks: one index load per iteration, at 2 * NUM_STAGES - 1 pipeliner
+# stages in the unmasked pass (as the forward's indexed rows), instead of register chunks
+# (BWD_IDX_CHUNK), whose per-iteration pick is a cross-warp reduction; the dK/dV kernel then takes
+# delta through dP's accumulator too. "auto": head dim 128, no element masks, not packed, split
+# schedule (random layouts: H100 backward 2-6% faster; with element masks, as on streaming and causal,
+# 2-7% slower: benchmarks/NOTES.md, backward 24). "1": every indexed walk of the split schedule.
+BWD_IDX_DEEP = os.environ.get("SPARSE_ATTN_BWD_IDX_DEEP", "auto")
+if BWD_IDX_DEEP not in ("auto", "0", "1"):
+    raise ValueError(f"SPARSE_ATTN_BWD_IDX_DEEP must be 'auto', '0' or '1', got {BWD_IDX_DEEP!r}")
 # dK/dV kernel: delta enters through dP's accumulator (kernels._dp_product), which frees registers
 # in its loop. "auto": on where it was measured faster (head dim 128, split schedule), the walks
 # without the wave order that go by arithmetic with one query head per kv head (dense,
@@ -241,8 +250,9 @@ def bwd_configs(block_q: int, block_k: int, d_pad: int, kind: str = "dkdv") -> l
     With block indices read from registers (BWD_IDX_CHUNK > 0) 3 stages put the Q/dO (K/V) loads one
     iteration ahead: dK/dV at 64x128 and dQ at 128x64 with 3 stages are the fastest measured (a 4th
     stage or dQ's 128x128 tile at 2 stages, which fits no 3rd, lose 2-11%). With per-iteration index
-    loads extra stages bought nothing and dQ's 128x128 tile led. The fused kernel's 128x128 tile
-    does not fit in shared memory."""
+    loads (BWD_IDX_CHUNK 0) extra stages bought nothing and dQ's 128x128 tile led; the deep ones
+    (BWD_IDX_DEEP: 2 * 3 - 1 stages on indexed rows) keep the 3-stage tiles. The fused kernel's
+    128x128 tile does not fit in shared memory."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": max(_divisors(block_q, (16, 32))), "BLOCK_N": max(_divisors(block_k, (16, 32))),
                                "NUM_STAGES": 1}, num_warps=4, num_stages=1)]
@@ -250,7 +260,7 @@ def bwd_configs(block_q: int, block_k: int, d_pad: int, kind: str = "dkdv") -> l
     # sequence lengths (a new length must not re-tune) and Triton caches its choice on disk, so a space
     # holding 64x64 tiles let the first small call pick them for good, 1.6-1.7x slower at 16K
     # (measured). 64x64 is the fallback for small layout blocks and d256.
-    regs = BWD_IDX_CHUNK > 0
+    regs = BWD_IDX_CHUNK > 0 or (BWD_IDX_DEEP != "0" and kind != "dkdv-fused")  # loads ahead at 3 stages
     if kind == "dkdv-fused":  # 128x64 needs 241 KB of shared memory with the dQ staging: no fit
         big = ((64, 128, 8, 3 if regs else 2),)
     elif kind == "dkdv":  # 128x64 holds 128-row Q/dO tiles: no 3rd stage fits
@@ -498,6 +508,15 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
     return delta, lse2, strides, starts
 
 
+def deep_index_loads(fused: bool, d_pad: int, n_terms: int, varlen: bool) -> bool:
+    """Whether the backward kernels' indexed walks load one block index per iteration, pipelined two
+    levels deep (BWD_IDX_DEEP), instead of reading register chunks: "auto" where it was measured
+    faster (head dim 128, no element masks, not packed), "1" on every split-schedule call."""
+    if fused or BWD_IDX_DEEP == "0":
+        return False
+    return BWD_IDX_DEEP == "1" or (d_pad == 128 and n_terms == 0 and not varlen)
+
+
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
              terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int,
              seq_step: int = 1, cu_dk=None, dk_rows=None, dkv_dtype: torch.dtype | None = None,
@@ -556,18 +575,21 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         dv = v.new_empty(dk_rows.numel(), *v.shape[1:], dtype=torch.float32)
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
     heads_inside = BWD_DKDV_HEADS == "inside" or (BWD_DKDV_HEADS == "auto" and H > hkv)
-    # (the per-iteration index loads do not rotate; for GQA the dK/dV kernel's wave spans its heads
-    # only with the head loop inside the phases)
-    wave = BWD_WAVE != "0" and BWD_IDX_CHUNK > 0 and not varlen
+    deep = deep_index_loads(fused, d_pad, n_terms, varlen)
+    # (the shallow per-iteration index loads do not rotate; for GQA the dK/dV kernel's wave spans its
+    # heads only with the head loop inside the phases)
+    wave = BWD_WAVE != "0" and (BWD_IDX_CHUNK > 0 or deep) and not varlen
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
-                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "DELTA_ACC"),
+                  _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "DELTA_ACC",
+                           "IDX_DEEP"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
     dkdv_contiguous = t_contiguous and BWD_CONTIGUOUS and n_terms == 0
     dkdv_wave = wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv)
-    delta_acc = BWD_DKDV_DELTA_ACC == "1" or (BWD_DKDV_DELTA_ACC == "auto" and d_pad == 128 and not fused
-                                              and not dkdv_wave and (heads_inside or dkdv_contiguous))
+    dkdv_deep = deep and not dkdv_contiguous
+    delta_acc = BWD_DKDV_DELTA_ACC == "1" or (BWD_DKDV_DELTA_ACC == "auto" and d_pad == 128 and not fused and (
+        dkdv_deep or (not dkdv_wave and (heads_inside or dkdv_contiguous))))
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
     kern[grid](
         q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
@@ -576,26 +598,29 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
         hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
-        QDO_TMA=qdo_tma, IDX_CHUNK=BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first", HEADS_INSIDE=heads_inside,
-        CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc, **common)
+        QDO_TMA=qdo_tma, IDX_CHUNK=0 if dkdv_deep else BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first",
+        HEADS_INSIDE=heads_inside, CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc,
+        IDX_DEEP=dkdv_deep, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
         kv_tma = BWD_DQ_KV == "tma" and _tma_ok(k, v)
         if kv_tma:
             _ensure_allocator()
-        kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad, _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE"),
-                      variant=f"kv-{kv_tma}")
+        kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad,
+                      _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE", "IDX_DEEP"), variant=f"kv-{kv_tma}")
         grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+        dq_contiguous = contiguous and BWD_CONTIGUOUS
+        dq_deep = deep and not dq_contiguous
         with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k,
                           l_starts):
             kern[grid](
                 q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), IDX_CHUNK=BWD_IDX_CHUNK,
-                KV_TMA=kv_tma, CONTIGUOUS=contiguous and BWD_CONTIGUOUS,
-                WAVE=wave and BWD_WAVE != "dkdv" and not contiguous, **common)
+                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
+                IDX_CHUNK=0 if dq_deep else BWD_IDX_CHUNK, KV_TMA=kv_tma, CONTIGUOUS=dq_contiguous,
+                WAVE=wave and BWD_WAVE != "dkdv" and not contiguous, IDX_DEEP=dq_deep, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
