@@ -36,18 +36,18 @@ from sparse_attn.patterns import to_flex  # noqa: E402
 # name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
 # (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
 DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto",
-            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1", "BWD_DKDV_DELTA_ACC": "auto", "BWD_IDX_DEEP": True}
+            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1", "BWD_DKDV_DELTA_ACC": "auto", "BWD_IDX_DEEP": "auto"}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
-    "split-load": ("split", 0, (64, 128, 8, 2), (128, 128, 8, 2), {"BWD_IDX_DEEP": False}),
+    "split-load": ("split", 0, (64, 128, 8, 2), (128, 128, 8, 2), {"BWD_IDX_DEEP": "0"}),
     # the unmasked pass of indexed walks from register chunks too (the default until backward item 24)
-    "split-regs-no-deep": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_IDX_DEEP": False}),
+    "split-regs-no-deep": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_IDX_DEEP": "0"}),
     # no register chunks: the unmasked pass deep, the masked one one load per iteration at 3 stages
     "split-deep-load": ("split", 0, (64, 128, 8, 3), (128, 64, 8, 3)),
     "split-deep-load-delta-acc": ("split", 0, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DKDV_DELTA_ACC": "1"}),
     "split-regs-no-deep-delta-acc": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3),
-                                     {"BWD_IDX_DEEP": False, "BWD_DKDV_DELTA_ACC": "1"}),
+                                     {"BWD_IDX_DEEP": "0", "BWD_DKDV_DELTA_ACC": "1"}),
     "split-regs": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3)),
     "split-regs-1stream": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DQ_SIDE_STREAM": False}),
     "split-regs-dqkvptr": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_DQ_KV": "ptr"}),

@@ -327,6 +327,9 @@ def test_deep_index_loads_where_measured_faster(monkeypatch):
     assert launch.deep_index_loads(False, 64, 2, True) and not launch.deep_index_loads(True, 128, 0, False)
     monkeypatch.setattr(launch, "BWD_IDX_DEEP", "0")
     assert not launch.deep_index_loads(False, 128, 0, False)
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", False)  # a bool set by hand: refused, not read as "auto"
+    with pytest.raises(ValueError, match="launch.BWD_IDX_DEEP must be 'auto', '0' or '1', got False"):
+        launch.deep_index_loads(False, 128, 0, False)
 
 
 def test_unknown_deep_index_setting_is_a_clear_error():

@@ -122,6 +122,18 @@ def test_contiguous_backward_walk_bitwise_equal(kind):
     assert_layout_grads_close_to_oracle(attention_op, q, k, v, layout)  # rule 3, contiguous walk (default) on
 
 
+def _random_blocks_case(L: int, hkv: int, seed: int):
+    """(layout, q, k, v, do): random 128-token blocks at density 0.3 plus the diagonal, per head (H=32,
+    D=128, bf16); L need not be a multiple of the block (the last one crosses the end)."""
+    H, n = 32, -(-L // 128)
+    bm = torch.rand(1, H, n, n, generator=torch.Generator().manual_seed(seed)) < 0.3
+    bm |= torch.eye(n, dtype=torch.bool)
+    layout = BlockLayout.from_block_mask(bm, block_q=128, block_k=128, q_len=L, kv_len=L).to("cuda")
+    q = torch.randn(1, H, L, 128, device="cuda").bfloat16().requires_grad_()
+    k, v = (torch.randn(1, hkv, L, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
+    return layout, q, k, v, torch.randn_like(q)
+
+
 @pytest.mark.parametrize("hkv", [32, 8])
 def test_wave_order_backward_within_rounding_of_grid_order(hkv):
     """launch.BWD_WAVE at a size where the rotation takes every phase (16K, random blocks of 128 at
@@ -130,13 +142,7 @@ def test_wave_order_backward_within_rounding_of_grid_order(hkv):
     same blocks in another order, so gradients within bf16 rounding of grid order's (fp32 sums, one
     rounding), and not bitwise equal (the rotation ran). Rule 3 with the order on (the default): the
     fuzz tests' random, streaming, strided and BigBird layouts against the fp64 oracle."""
-    L, H, n = 16384, 32, 128
-    bm = torch.rand(1, H, n, n, generator=torch.Generator().manual_seed(7)) < 0.3
-    bm |= torch.eye(n, dtype=torch.bool)
-    layout = BlockLayout.from_block_mask(bm, block_q=128, block_k=128).to("cuda")
-    q = torch.randn(1, H, L, 128, device="cuda").bfloat16().requires_grad_()
-    k, v = (torch.randn(1, hkv, L, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
-    do = torch.randn_like(q)
+    layout, q, k, v, do = _random_blocks_case(16384, hkv, seed=7)
     wave, plain = grads_per_launch_setting(q, k, v, layout, do, "BWD_WAVE", ("1", "0"))
     for name, a, b in zip(("dq", "dk", "dv"), wave, plain):
         assert torch.isfinite(a).all(), name
@@ -175,13 +181,7 @@ def test_deep_index_loads_bitwise_equal_to_register_chunks(hkv, monkeypatch):
     masked pass (one load per iteration, not deep). Rule 3 with the default on random layouts: the
     fuzz tests (tests/gpu/test_fuzz_gpu.py) and "split-deep" above."""
     monkeypatch.setattr(launch, "BWD_DKDV_DELTA_ACC", "1")
-    L, H, n = 8192 - 37, 32, 64
-    bm = torch.rand(1, H, n, n, generator=torch.Generator().manual_seed(17)) < 0.3
-    bm |= torch.eye(n, dtype=torch.bool)
-    layout = BlockLayout.from_block_mask(bm, block_q=128, block_k=128, q_len=L, kv_len=L).to("cuda")
-    q = torch.randn(1, H, L, 128, device="cuda").bfloat16().requires_grad_()
-    k, v = (torch.randn(1, hkv, L, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
-    do = torch.randn_like(q)
+    layout, q, k, v, do = _random_blocks_case(8192 - 37, hkv, seed=17)
     deep, chunks = grads_per_launch_setting(q, k, v, layout, do, "BWD_IDX_DEEP", ("auto", "0"))
     for name, a, b in zip(("dq", "dk", "dv"), deep, chunks):
         assert torch.isfinite(a).all(), name

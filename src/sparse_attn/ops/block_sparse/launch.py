@@ -71,8 +71,9 @@ if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
 # stages in the unmasked pass (as the forward's indexed rows), instead of register chunks
 # (BWD_IDX_CHUNK), whose per-iteration pick is a cross-warp reduction; the dK/dV kernel then takes
 # delta through dP's accumulator too. "auto": head dim 128, no element masks, not packed, split
-# schedule (random layouts: H100 backward 2-6% faster; with element masks, as on streaming and causal,
-# 2-7% slower: benchmarks/NOTES.md, backward 24). "1": every indexed walk of the split schedule.
+# schedule (random layouts: H100 backward about 2% faster on average, -2% to +8% per case; with
+# element masks, as on streaming and causal, 2-7% slower: benchmarks/NOTES.md, backward 24).
+# "1": every indexed walk of the split schedule.
 BWD_IDX_DEEP = os.environ.get("SPARSE_ATTN_BWD_IDX_DEEP", "auto")
 if BWD_IDX_DEEP not in ("auto", "0", "1"):
     raise ValueError(f"SPARSE_ATTN_BWD_IDX_DEEP must be 'auto', '0' or '1', got {BWD_IDX_DEEP!r}")
@@ -512,6 +513,8 @@ def deep_index_loads(fused: bool, d_pad: int, n_terms: int, varlen: bool) -> boo
     """Whether the backward kernels' indexed walks load one block index per iteration, pipelined two
     levels deep (BWD_IDX_DEEP), instead of reading register chunks: "auto" where it was measured
     faster (head dim 128, no element masks, not packed), "1" on every split-schedule call."""
+    if BWD_IDX_DEEP not in ("auto", "0", "1"):  # (set by a probe or test: a bool here would mean "auto")
+        raise ValueError(f"launch.BWD_IDX_DEEP must be 'auto', '0' or '1', got {BWD_IDX_DEEP!r}")
     if fused or BWD_IDX_DEEP == "0":
         return False
     return BWD_IDX_DEEP == "1" or (d_pad == 128 and n_terms == 0 and not varlen)
