@@ -82,15 +82,21 @@ def test_backward_spaces_offer_small_tiles_only_where_no_large_one_fits(gpu_spac
 
 def test_backward_spaces_hold_the_measured_best_large_tile(gpu_spaces, monkeypatch):
     # one config each (no autotune pick that a first small call could fix for good); with register
-    # indices the third stage pays (bwd-flex-sweep-h100.json), with per-iteration index loads it did not
+    # indices the third stage pays (bwd-flex-sweep-h100.json), with shallow per-iteration index loads
+    # it did not; the deep ones (launch.BWD_IDX_DEEP) take the 3-stage tiles (2 * 3 - 1 pipeliner stages)
     monkeypatch.setattr(launch, "BWD_IDX_CHUNK", 64)
     assert _tiles(launch.bwd_configs(128, 128, 128, "dkdv")) == [(64, 128, 8, 3)]
     assert _tiles(launch.bwd_configs(128, 128, 128, "dkdv-fused")) == [(64, 128, 8, 3)]
     assert _tiles(launch.bwd_configs(128, 128, 128, "dq")) == [(128, 64, 8, 3)]
     assert _tiles(launch.bwd_configs(128, 64, 128, "dkdv")) == [(128, 64, 8, 2)]  # 64-key blocks
     monkeypatch.setattr(launch, "BWD_IDX_CHUNK", 0)
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", "0")
     assert _tiles(launch.bwd_configs(128, 128, 128, "dkdv")) == [(64, 128, 8, 2)]
     assert _tiles(launch.bwd_configs(128, 128, 128, "dq")) == [(128, 128, 8, 2)]
+    monkeypatch.setattr(launch, "BWD_IDX_DEEP", "auto")
+    assert _tiles(launch.bwd_configs(128, 128, 128, "dkdv")) == [(64, 128, 8, 3)]
+    assert _tiles(launch.bwd_configs(128, 128, 128, "dq")) == [(128, 64, 8, 3)]
+    assert _tiles(launch.bwd_configs(128, 128, 128, "dkdv-fused")) == [(64, 128, 8, 2)]  # never deep
 
 
 def test_bad_index_chunk_is_a_clear_error():
