@@ -82,6 +82,9 @@ SWEEP = {
     # one warpgroup per CTA, small enough for two CTAs per SM (the 8-bit forward's way of overlapping
     # one CTA's softmax with the other's MMAs)
     "split-regs-dkdv64w4": ("split", 64, (64, 64, 4, 3), (128, 64, 8, 3)),
+    # 2 stages: 99 KB of shared memory and 255 registers on 128 threads, so two programs share an SM
+    # (faster interleaved, not in the fwd+bwd suite: NOTES.md backward 25)
+    "split-regs-dkdv64w4-2st": ("split", 64, (64, 64, 4, 2), (128, 64, 8, 3)),
     "split-regs-dq64w4": ("split", 64, (64, 128, 8, 3), (64, 64, 4, 3)),
     "split-regs-both64w4": ("split", 64, (64, 64, 4, 3), (64, 64, 4, 3)),
 }
