@@ -328,8 +328,23 @@ def test_deep_index_loads_where_measured_faster(monkeypatch):
     monkeypatch.setattr(launch, "BWD_IDX_DEEP", "0")
     assert not launch.deep_index_loads(False, 128, 0, False)
     monkeypatch.setattr(launch, "BWD_IDX_DEEP", False)  # a bool set by hand: refused, not read as "auto"
-    with pytest.raises(ValueError, match="launch.BWD_IDX_DEEP must be 'auto', '0' or '1', got False"):
+    with pytest.raises(ValueError, match="launch.BWD_IDX_DEEP must be one of 'auto', '0', '1', got False"):
         launch.deep_index_loads(False, 128, 0, False)
+
+
+@pytest.mark.parametrize("name, value", [("BWD_WAVE", False), ("BWD_DKDV_DELTA_ACC", True),
+                                         ("BWD_VARIANT", "fast"), ("BWD_DKDV_HEADS", 1)])
+def test_backward_refuses_settings_assigned_outside_their_choices(name, value, monkeypatch):
+    """The backward's string settings reassigned at run time (as probes and tests do) to a value
+    outside their choices: a clear error before any launch, never a silently chosen branch (a bool
+    False for BWD_WAVE would have read as "on", since only "0" turns it off)."""
+    from sparse_attn.ops.block_sparse import attention_op
+    layout = BlockLayout.from_mask(ElementMask((causal_term(),)), q_len=32, block_q=16, block_k=16)
+    q, k, v = _qkv(2, 1, 32, 32, 16, seed=1)
+    out = attention_op(q, k, v, layout)
+    monkeypatch.setattr(launch, name, value)
+    with pytest.raises(ValueError, match=f"launch.{name} must be one of .*, got {value!r}"):
+        out.sum().backward()
 
 
 def test_unknown_deep_index_setting_is_a_clear_error():

@@ -509,12 +509,30 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
     return delta, lse2, strides, starts
 
 
+# The backward's string settings and their values. The module reads them from the environment at
+# import (with its own errors above); probes and tests reassign them at run time, where a bool or a
+# typo would silently select a branch (a probe's False for BWD_IDX_DEEP ran as "auto": NOTES.md,
+# backward 24), so backward() checks them on every call.
+_BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("1", "0", "dq", "dkdv"),
+                 "BWD_QDO": ("tma", "ptr"), "BWD_DQ_KV": ("tma", "ptr"), "BWD_IDX_DEEP": ("auto", "0", "1"),
+                 "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
+                 "BWD_DKDV_HEADS": ("auto", "inside", "outside")}
+
+
+def _check_bwd_settings(*names: str) -> None:
+    """ValueError naming the first of ``names`` (default: all backward settings) that holds a value
+    outside its choices."""
+    for name in names or _BWD_SETTINGS:
+        value, allowed = globals()[name], _BWD_SETTINGS[name]
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"launch.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
 def deep_index_loads(fused: bool, d_pad: int, n_terms: int, varlen: bool) -> bool:
     """Whether the backward kernels' indexed walks load one block index per iteration, pipelined two
     levels deep (BWD_IDX_DEEP), instead of reading register chunks: "auto" where it was measured
     faster (head dim 128, no element masks, not packed), "1" on every split-schedule call."""
-    if BWD_IDX_DEEP not in ("auto", "0", "1"):  # (set by a probe or test: a bool here would mean "auto")
-        raise ValueError(f"launch.BWD_IDX_DEEP must be 'auto', '0' or '1', got {BWD_IDX_DEEP!r}")
+    _check_bwd_settings("BWD_IDX_DEEP")
     if fused or BWD_IDX_DEEP == "0":
         return False
     return BWD_IDX_DEEP == "1" or (d_pad == 128 and n_terms == 0 and not varlen)
@@ -542,6 +560,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     ``contiguous`` / ``t_contiguous``: the forward / transposed schedule's claim that every row's
     unmasked blocks form one run (Schedule.contiguous); the dQ / dK/dV kernel then walks it by
     arithmetic (BWD_CONTIGUOUS). False is always safe."""
+    _check_bwd_settings()
     varlen = cu_q is not None
     if varlen:
         T, H, D = q.shape
