@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,8 +13,8 @@ import torch
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, causal_term, window_term
 from sparse_attn.ops.block_sparse import launch
-from sparse_attn.testing import (assert_layout_grads_close_to_oracle, grads_per_launch_setting, random_packed_qkv,
-                                 split_and_fused_grads)
+from sparse_attn.testing import (assert_layout_grads_close_to_oracle, grads_per_launch_setting, launch_import_stderr,
+                                 random_packed_qkv, split_and_fused_grads)
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -194,24 +192,18 @@ def test_dkdv_head_loop_placement_does_not_change_gradients(hkv):
 
 
 def test_unknown_dkdv_head_loop_placement_is_a_clear_error():
-    env = dict(os.environ, SPARSE_ATTN_BWD_DKDV_HEADS="middle")
-    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "SPARSE_ATTN_BWD_DKDV_HEADS must be 'auto', 'inside' or 'outside', got 'middle'" in r.stderr
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD_DKDV_HEADS", "middle")
+    assert "SPARSE_ATTN_BWD_DKDV_HEADS must be 'auto', 'inside' or 'outside', got 'middle'" in stderr
 
 
 def test_unknown_backward_variant_is_a_clear_error():
-    env = dict(os.environ, SPARSE_ATTN_BWD="fast")
-    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "SPARSE_ATTN_BWD must be 'fused' or 'split'" in r.stderr
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD", "fast")
+    assert "SPARSE_ATTN_BWD must be 'fused' or 'split'" in stderr
 
 
 def test_unknown_dkdv_issue_order_is_a_clear_error():
-    env = dict(os.environ, SPARSE_ATTN_BWD_DKDV_ORDER="fast")
-    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "SPARSE_ATTN_BWD_DKDV_ORDER must be 'dp-first' or 'dv-first', got 'fast'" in r.stderr
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD_DKDV_ORDER", "fast")
+    assert "SPARSE_ATTN_BWD_DKDV_ORDER must be 'dp-first' or 'dv-first', got 'fast'" in stderr
 
 
 @pytest.mark.parametrize("kind, lq, lk, hq, hkv", [
@@ -307,10 +299,8 @@ def test_delta_through_dp_accumulator_keeps_the_gradients(kind, lq, lk, hq, hkv,
 
 
 def test_unknown_delta_accumulator_setting_is_a_clear_error():
-    env = dict(os.environ, SPARSE_ATTN_BWD_DKDV_DELTA_ACC="yes")
-    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "SPARSE_ATTN_BWD_DKDV_DELTA_ACC must be 'auto', '0' or '1', got 'yes'" in r.stderr
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD_DKDV_DELTA_ACC", "yes")
+    assert "SPARSE_ATTN_BWD_DKDV_DELTA_ACC must be 'auto', '0' or '1', got 'yes'" in stderr
 
 
 def test_deep_index_loads_where_measured_faster(monkeypatch):
@@ -348,7 +338,5 @@ def test_backward_refuses_settings_assigned_outside_their_choices(name, value, m
 
 
 def test_unknown_deep_index_setting_is_a_clear_error():
-    env = dict(os.environ, SPARSE_ATTN_BWD_IDX_DEEP="yes")
-    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "SPARSE_ATTN_BWD_IDX_DEEP must be 'auto', '0' or '1', got 'yes'" in r.stderr
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD_IDX_DEEP", "yes")
+    assert "SPARSE_ATTN_BWD_IDX_DEEP must be 'auto', '0' or '1', got 'yes'" in stderr

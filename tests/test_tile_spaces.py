@@ -100,13 +100,9 @@ def test_backward_spaces_hold_the_measured_best_large_tile(gpu_spaces, monkeypat
 
 
 def test_bad_index_chunk_is_a_clear_error():
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, SPARSE_ATTN_BWD_IDX_CHUNK="48")
-    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"], env=env,
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "SPARSE_ATTN_BWD_IDX_CHUNK must be 0 or a power of two, got 48" in r.stderr
+    from sparse_attn.testing import launch_import_stderr
+    assert "SPARSE_ATTN_BWD_IDX_CHUNK must be 0 or a power of two, got 48" in launch_import_stderr(
+        "SPARSE_ATTN_BWD_IDX_CHUNK", "48")
 
 
 def test_eight_bit_space_keeps_only_tiles_dividing_the_layout_blocks(gpu_spaces):

@@ -22,7 +22,8 @@ from .reference import attention as reference_attention
 
 __all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
            "assert_layout_grads_close_to_oracle", "flash_delta_grads", "split_and_fused_grads",
-           "grads_per_launch_setting", "QUANT_L1_BOUND", "default_atol_floor", "random_qkv", "random_packed_qkv",
+           "grads_per_launch_setting", "launch_import_stderr", "QUANT_L1_BOUND", "default_atol_floor", "random_qkv",
+           "random_packed_qkv",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
 
@@ -238,6 +239,20 @@ def grads_per_launch_setting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return grads
     finally:
         setattr(launch, attr, saved)
+
+
+def launch_import_stderr(env_name: str, value: str) -> str:
+    """stderr of importing ``ops.block_sparse.launch`` in a fresh interpreter with the environment
+    variable ``env_name`` set to ``value``; raises AssertionError when that import succeeds (the
+    settings read at import must refuse a bad value, not fall back)."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "import sparse_attn.ops.block_sparse.launch"],
+                       env=dict(os.environ, **{env_name: value}), capture_output=True, text=True)
+    assert r.returncode != 0, f"{env_name}={value!r}: the import succeeded"
+    return r.stderr
 
 
 def split_and_fused_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, do: torch.Tensor) -> tuple:

@@ -596,6 +596,11 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
         hi = n_full if phase == 0 else count
         if WAVE and phase == 1:
             hi = tl.where(seg == SEG_NONE, lo, hi)
+        rot = 0
+        if WAVE and phase == 0:  # (indexed walks) the piece seg: its start slot rot and its steps
+            s0 = wave_r * hi // period
+            rot = tl.where((seg == SEG_ROUND) | (seg == SEG_FROM_S0), s0, 0)
+            hi = tl.where(seg == SEG_FROM_S0, hi - s0, tl.where(seg == SEG_TO_S0, s0, hi))
         if CONTIGUOUS and phase == 0:
             # every row's unmasked query blocks are one ascending run from slot 0: walked by arithmetic,
             # with no index chunk and no per-iteration pick (a cross-warp reduction each)
@@ -610,11 +615,6 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
             # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
             # of the iteration before their use, exposing their latency every iteration.
             o_c = tl.arange(0, IDX_CHUNK)
-            rot = 0
-            if WAVE and phase == 0:
-                s0 = wave_r * hi // period
-                rot = tl.where((seg == SEG_ROUND) | (seg == SEG_FROM_S0), s0, 0)
-                hi = tl.where(seg == SEG_FROM_S0, hi - s0, tl.where(seg == SEG_TO_S0, s0, hi))  # its steps
             for c0 in range(lo, hi, IDX_CHUNK):
                 blocks, mids = _index_chunk(T_INDICES, T_MASK_IDS, p_row, c0, hi, o_c, rot, n_full,
                                             WAVE and phase == 0)
@@ -631,11 +631,6 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
             # indexed rows, with 2 * NUM_STAGES - 1 stages the index goes two iterations ahead and
             # Q/dO as many tiles ahead as with indices from registers, with no per-iteration pick
             # (_pick: a cross-warp reduction). Not the masked pass, whose rows are a block or two.
-            rot = 0
-            if WAVE and phase == 0:
-                s0 = wave_r * hi // period
-                rot = tl.where((seg == SEG_ROUND) | (seg == SEG_FROM_S0), s0, 0)
-                hi = tl.where(seg == SEG_FROM_S0, hi - s0, tl.where(seg == SEG_TO_S0, s0, hi))  # its steps
             for it in tl.range(lo * SUB, hi * SUB,
                                num_stages=2 * NUM_STAGES - 1 if IDX_DEEP and phase == 0 else NUM_STAGES):
                 slot = _rotated(it // SUB, rot, n_full, WAVE and phase == 0)
@@ -833,6 +828,7 @@ def bwd_dq_kernel(
     for phase in tl.static_range(2):  # as in bwd_dkdv_kernel: unmasked blocks, then masked ones
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count
+        rot = wave_t * hi // period  # the wave order's start slot (used only where WAVE and phase == 0)
         if CONTIGUOUS and phase == 0:  # one run from slot 0, walked by arithmetic (bwd_dkdv_kernel)
             run0 = _run_start(INDICES, p_row, n_full, BLOCK_K)
             for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
@@ -841,7 +837,6 @@ def bwd_dq_kernel(
                                 BLOCK_N, HEAD_DIM, N_TERMS, False, KV_TMA)
         elif IDX_CHUNK > 0:  # key-block indices from registers, as in bwd_dkdv_kernel
             o_c = tl.arange(0, IDX_CHUNK)
-            rot = wave_t * hi // period  # (used only where WAVE and phase == 0)
             for c0 in range(lo, hi, IDX_CHUNK):
                 blocks, mids = _index_chunk(INDICES, MASK_IDS, p_row, c0, hi, o_c, rot, hi, WAVE and phase == 0)
                 for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
@@ -851,7 +846,6 @@ def bwd_dq_kernel(
                                     _pick(mids, o_c, it // SUB), BLOCK_N, HEAD_DIM, N_TERMS,
                                     phase == 1, KV_TMA)
         else:  # one index load per iteration; IDX_DEEP: two levels of stages (bwd_dkdv_kernel)
-            rot = wave_t * hi // period  # (used only where WAVE and phase == 0)
             for it in tl.range(lo * SUB, hi * SUB,
                                num_stages=2 * NUM_STAGES - 1 if IDX_DEEP and phase == 0 else NUM_STAGES):
                 slot = _rotated(it // SUB, rot, hi, WAVE and phase == 0)

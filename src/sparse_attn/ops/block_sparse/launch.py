@@ -17,6 +17,16 @@ import triton
 from . import kernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# The backward's string settings and their values. The module reads them from the environment at
+# import (an error naming the variable below); probes and tests reassign them at run time, where a
+# bool or a typo would silently select a branch (a probe's False for BWD_IDX_DEEP ran as "auto":
+# NOTES.md, backward 24), so backward() checks them again on every call (_check_bwd_settings).
+_BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("1", "0", "dq", "dkdv"),
+                 "BWD_QDO": ("tma", "ptr"), "BWD_DQ_KV": ("tma", "ptr"), "BWD_IDX_DEEP": ("auto", "0", "1"),
+                 "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
+                 "BWD_DKDV_HEADS": ("auto", "inside", "outside")}
+
 # SPARSE_ATTN_AUTOTUNE=0 runs one default config per kernel family (tests: compile once, not per config)
 AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
 # forward K/V loading: "ptr" (pointer loads) or "tma" (on-device TMA descriptors: Hopper+, 16-byte
@@ -35,7 +45,7 @@ FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 # schedules (their running programs already read neighbouring blocks) nor packed inputs.
 # Values: "1" both kernels, "0" neither, "dq" / "dkdv" one of them (benchmarks).
 BWD_WAVE = os.environ.get("SPARSE_ATTN_BWD_WAVE", "1")
-if BWD_WAVE not in ("0", "1", "dq", "dkdv"):
+if BWD_WAVE not in _BWD_SETTINGS["BWD_WAVE"]:
     raise ValueError(f"SPARSE_ATTN_BWD_WAVE must be '1', '0', 'dq' or 'dkdv', got {BWD_WAVE!r}")
 # backward schedule: "split" (the dK/dV kernel, then a dQ kernel that recomputes P: seven matmuls per
 # block pair, deterministic) or "fused" (one kernel: dQ accumulated by fp32 TMA reduce-adds next to
@@ -45,20 +55,20 @@ if BWD_WAVE not in ("0", "1", "dq", "dkdv"):
 # fused kernel's dQ staging keeps its tensor pipe 40% busy against 53% for split's dK/dV kernel (ncu).
 # "fused-ptr" (benchmarks): fused with per-element atomics instead of TMA reduce-adds.
 BWD_VARIANT = os.environ.get("SPARSE_ATTN_BWD", "split")
-if BWD_VARIANT not in ("fused", "split", "fused-ptr"):
+if BWD_VARIANT not in _BWD_SETTINGS["BWD_VARIANT"]:
     raise ValueError(f"SPARSE_ATTN_BWD must be 'fused' or 'split' (or 'fused-ptr'), got {BWD_VARIANT!r}")
 # split schedule's dK/dV kernel, Q and dO tiles: "tma" (descriptors; Hopper+, 16-byte aligned rows) or
 # "ptr" (pointer loads). H100, bf16, 16K (results/bwd-qdo-h100.json): tma 2.4% (causal) and 6% (random
 # 0.25) faster in split, but 17-18% slower in the fused kernel, whose dQ staging already fills shared
 # memory, so the fused kernel keeps pointer loads.
 BWD_QDO = os.environ.get("SPARSE_ATTN_BWD_QDO", "tma")
-if BWD_QDO not in ("tma", "ptr"):
+if BWD_QDO not in _BWD_SETTINGS["BWD_QDO"]:
     raise ValueError(f"SPARSE_ATTN_BWD_QDO must be 'tma' or 'ptr', got {BWD_QDO!r}")
 # the dQ kernel's K and V tiles, the same choice. H100 bf16 (results/qdo-layout-dqkv-h100.json): tma
 # 8.5 vs 9.7 ms dense, 8.4-8.8 vs 10.1 ms packed (causal 8K queries x 32K keys); the masked pointer
 # loads cost per-element address and mask instructions in the loop.
 BWD_DQ_KV = os.environ.get("SPARSE_ATTN_BWD_DQ_KV", "tma")
-if BWD_DQ_KV not in ("tma", "ptr"):
+if BWD_DQ_KV not in _BWD_SETTINGS["BWD_DQ_KV"]:
     raise ValueError(f"SPARSE_ATTN_BWD_DQ_KV must be 'tma' or 'ptr', got {BWD_DQ_KV!r}")
 # backward kernels: block indices read IDX_CHUNK at a time into registers instead of one load per
 # iteration (0: the per-iteration load). With the load inside the pipelined loop the Q/dO loads
@@ -75,7 +85,7 @@ if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
 # element masks, as on streaming and causal, 2-7% slower: benchmarks/NOTES.md, backward 24).
 # "1": every indexed walk of the split schedule.
 BWD_IDX_DEEP = os.environ.get("SPARSE_ATTN_BWD_IDX_DEEP", "auto")
-if BWD_IDX_DEEP not in ("auto", "0", "1"):
+if BWD_IDX_DEEP not in _BWD_SETTINGS["BWD_IDX_DEEP"]:
     raise ValueError(f"SPARSE_ATTN_BWD_IDX_DEEP must be 'auto', '0' or '1', got {BWD_IDX_DEEP!r}")
 # dK/dV kernel: delta enters through dP's accumulator (kernels._dp_product), which frees registers
 # in its loop. "auto": on where it was measured faster (head dim 128, split schedule), the walks
@@ -85,7 +95,7 @@ if BWD_IDX_DEEP not in ("auto", "0", "1"):
 # the wave-order walks (random layouts) it ran -3% to +8% at 32K, on the masked MHA walks (causal,
 # window) -1% to +3% (benchmarks/NOTES.md, backward 23). "1" / "0": on / off everywhere.
 BWD_DKDV_DELTA_ACC = os.environ.get("SPARSE_ATTN_BWD_DKDV_DELTA_ACC", "auto")
-if BWD_DKDV_DELTA_ACC not in ("auto", "0", "1"):
+if BWD_DKDV_DELTA_ACC not in _BWD_SETTINGS["BWD_DKDV_DELTA_ACC"]:
     raise ValueError(f"SPARSE_ATTN_BWD_DKDV_DELTA_ACC must be 'auto', '0' or '1', got {BWD_DKDV_DELTA_ACC!r}")
 # split schedule: the dQ kernel on a second CUDA stream, concurrent with the dK/dV kernel (both read
 # only the forward's tensors and delta), so its programs fill the SMs the dK/dV grid's last wave leaves
@@ -97,14 +107,14 @@ _SIDE_STREAMS: dict = {}
 # bf16 16K (results/bwd-order-h100.json: dense 25.0 vs 26.4 ms, causal 13.0 vs 13.8, random 0.25
 # 6.80 vs 7.05), gradients bitwise equal
 BWD_DKDV_ORDER = os.environ.get("SPARSE_ATTN_BWD_DKDV_ORDER", "dp-first")
-if BWD_DKDV_ORDER not in ("dp-first", "dv-first"):
+if BWD_DKDV_ORDER not in _BWD_SETTINGS["BWD_DKDV_ORDER"]:
     raise ValueError(f"SPARSE_ATTN_BWD_DKDV_ORDER must be 'dp-first' or 'dv-first', got {BWD_DKDV_ORDER!r}")
 # dK/dV kernel: where its loop over the G query heads of a kv head sits, "inside" the two phases
 # (unmasked blocks, masked blocks) or "outside" them; "auto": inside when G > 1. Outside, ptxas
 # serialized every wgmma of the kernel for G > 1 (benchmarks/NOTES.md, backward item 16); for G == 1
 # the JIT removes the head loop and "outside" is the code measured before that fix.
 BWD_DKDV_HEADS = os.environ.get("SPARSE_ATTN_BWD_DKDV_HEADS", "auto")
-if BWD_DKDV_HEADS not in ("auto", "inside", "outside"):
+if BWD_DKDV_HEADS not in _BWD_SETTINGS["BWD_DKDV_HEADS"]:
     raise ValueError(f"SPARSE_ATTN_BWD_DKDV_HEADS must be 'auto', 'inside' or 'outside', got {BWD_DKDV_HEADS!r}")
 # backward kernels on contiguous schedules (every row's unmasked blocks one run: dense, causal, windows,
 # block-diagonal): walk the run by arithmetic ("1") or through the register index chunks like any
@@ -507,16 +517,6 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
             *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, H, longest, seq_step, HEAD_DIM=dv,
             D_PAD=_d_pad(dv), BLOCK_M=block_m, BLOCK_Q=block_q, IS_VARLEN=cu_q is not None, num_warps=4)
     return delta, lse2, strides, starts
-
-
-# The backward's string settings and their values. The module reads them from the environment at
-# import (with its own errors above); probes and tests reassign them at run time, where a bool or a
-# typo would silently select a branch (a probe's False for BWD_IDX_DEEP ran as "auto": NOTES.md,
-# backward 24), so backward() checks them on every call.
-_BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("1", "0", "dq", "dkdv"),
-                 "BWD_QDO": ("tma", "ptr"), "BWD_DQ_KV": ("tma", "ptr"), "BWD_IDX_DEEP": ("auto", "0", "1"),
-                 "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
-                 "BWD_DKDV_HEADS": ("auto", "inside", "outside")}
 
 
 def _check_bwd_settings(*names: str) -> None:
