@@ -47,9 +47,21 @@ def test_long_forward_prune_keeps_spaces_without_the_pinned_tile(gpu_spaces):
     assert launch._prune_long_fwd(space, {"TUNE_CLASS": 17}) == space
 
 
-@pytest.mark.parametrize("d_pad, eight_bit, pruned", [(128, False, True), (128, True, False), (64, False, False)])
-def test_only_the_bf16_d128_forward_autotuner_gets_the_long_prune(gpu_spaces, monkeypatch, d_pad, eight_bit,
-                                                                  pruned):
+@pytest.mark.parametrize("tune_class, quant, expect", [(14, 2, None), (15, 2, (64, 128, 4, 3)),
+                                                       (17, 2, (64, 128, 4, 3)), (17, 1, None)])
+def test_long_int8_fp8_forward_is_pinned_to_the_measured_best_tile(gpu_spaces, tune_class, quant, expect):
+    # sage-long-configs-h100.json: 64x128 on 4 warps at 3 stages best for int8-fp8 in six cases at 32K-128K;
+    # int8 (bf16 P.V) has no config best everywhere, so it keeps its whole space. QUANT comes as a keyword.
+    space = launch.fwd_configs(128, 128, 128, "tma", eight_bit=True)
+    kept = launch._prune_long_fwd(space, {"TUNE_CLASS": tune_class}, QUANT=quant)
+    if expect is None:
+        assert kept == space and len(space) > 1
+    else:
+        assert _tiles(kept) == [expect]
+
+
+@pytest.mark.parametrize("d_pad, eight_bit, pruned", [(128, False, True), (128, True, True), (64, False, False)])
+def test_only_d128_forward_autotuners_get_the_long_prune(gpu_spaces, monkeypatch, d_pad, eight_bit, pruned):
     monkeypatch.setattr(launch, "_TUNED", {})
     monkeypatch.setattr(launch, "AUTOTUNE", True)
     tuned = launch._tuned(kernels.fwd_kernel, "fwd", 128, 128, d_pad, launch._KEY, "tma", eight_bit=eight_bit)

@@ -153,24 +153,32 @@ def _keep_fwd(cfg: triton.Config, block_q: int, block_k: int, d_pad: int) -> boo
 EIGHT_BIT_TILES = ((64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3))
 
 
-# From this length class up (_tune_class: sequences longer than 16K tokens) the bf16 forward's space at
-# head dim 128 is one config, 128 x 128 tiles at 3 stages, where the layout's blocks allow it. Pinned against
-# interleaved Flex, H100 (results/fwd-config-probe-h100.json), it was the best of the four configs for
-# every pattern at 32K and 128K but one (random 0.5 at 128K: 289.5 ms against 284.0 for 128 x 64 at
-# 3 stages). The autotuner, timing each config on a few 20-300 ms calls under the board's power cap,
-# picked other configs at 128K for four of five patterns and lost 2-7% there.
+# From this length class up (_tune_class: sequences longer than 16K tokens) the forward's space at head dim
+# 128 is one config per QUANT, where the layout's blocks allow it; the autotuner, timing each config on a
+# few 20-300 ms calls under the board's power cap, picked others there and lost 2-8%. H100, pinned configs:
+# - bf16 (QUANT 0), 128 x 128 at 3 stages: against interleaved Flex (results/fwd-config-probe-h100.json)
+#   the best of the four configs for every pattern at 32K and 128K but one (random 0.5 at 128K: 289.5 ms
+#   against 284.0 for 128 x 64 at 3 stages); autotuned picks lost 2-7% at 128K.
+# - int8-fp8 (QUANT 2), 64 x 128 on 4 warps at 3 stages: the best of the 8-bit space in each of six
+#   cases (dense 32K / 64K, window 4096 at 32K / 128K, random 0.1 / 0.25 at 32K; configs in turn, three
+#   rounds, results/sage-long-configs-h100.json), by 0.5-8%; the sage suite's autotuned picks (2 stages
+#   at 32K, 128 x 128 at 64K) ran 6% / 3% slower on dense.
+# - int8 (QUANT 1) is left to the autotuner: 128 x 128 won on dense and random 0.25, 64 x 128 at 2 stages
+#   on window 4096 and random 0.1, each by 1-9%.
 LONG_FWD_CLASS = 15
-LONG_FWD_TILE = (128, 128, 3)
+LONG_FWD_TILE = {0: (128, 128, 8, 3), 2: (64, 128, 4, 3)}  # QUANT -> (BLOCK_M, BLOCK_N, warps, stages)
 
 
 def _prune_long_fwd(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """The autotuner's early_config_prune for the bf16 forward at head dim 128: at TUNE_CLASS >=
-    LONG_FWD_CLASS only the LONG_FWD_TILE config (when the space has it), else the whole space."""
+    """The autotuner's early_config_prune for the forward at head dim 128: at TUNE_CLASS >=
+    LONG_FWD_CLASS only the LONG_FWD_TILE config of the call's QUANT (when the space has it), else the
+    whole space. (Triton passes positional arguments in ``nargs`` and keyword ones in ``kwargs``.)"""
     tune_class = nargs.get("TUNE_CLASS", kwargs.get("TUNE_CLASS", 0))
-    if tune_class < LONG_FWD_CLASS:
+    tile = LONG_FWD_TILE.get(kwargs.get("QUANT", nargs.get("QUANT", 0)))
+    if tune_class < LONG_FWD_CLASS or tile is None:
         return configs
     pinned = [c for c in configs
-              if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["NUM_STAGES"]) == LONG_FWD_TILE]
+              if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["NUM_STAGES"]) == tile]
     return pinned or configs
 
 
@@ -320,7 +328,7 @@ def _tuned(kernel, kind: str, block_q: int, block_k: int, d_pad: int, key: tuple
             configs = [default_config(configs, kind, d_pad, eight_bit)]
         if len(configs) > 1:
             kw = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-            if kind == "fwd" and not eight_bit and d_pad == 128:
+            if kind == "fwd" and d_pad == 128:
                 kw["prune_configs_by"] = {"early_config_prune": _prune_long_fwd}
             _TUNED[k] = triton.autotune(configs, key=list(key), reset_to_zero=list(reset_to_zero) or None,
                                         **kw)(kernel)
