@@ -322,6 +322,26 @@ def test_deep_index_loads_where_measured_faster(monkeypatch):
         launch.deep_index_loads(False, 128, 0, False)
 
 
+@pytest.mark.parametrize("setting, walk_q, walk_k, expect", [
+    ("auto", 65536, 65536, (False, False)),  # one head's Q+dO (K+V): 32 MiB, inside a 50 MiB L2
+    ("auto", 131072, 131072, (True, True)),  # 64 MiB: outgrows it
+    ("auto", 131072, 16384, (True, False)),  # each kernel by its own walked operands
+    ("auto", 16384, 131072, (False, True)),
+    ("1", 1024, 1024, (True, True)), ("0", 131072, 131072, (False, False)),
+    ("dq", 1024, 1024, (False, True)), ("dkdv", 1024, 1024, (True, False))])
+def test_backward_wave_order_where_the_walked_operands_outgrow_the_l2(monkeypatch, setting, walk_q, walk_k, expect):
+    """launch.bwd_wave: "auto" rotates a backward kernel's indexed walks only where one head's walked
+    operands (bf16, head dim 128 here) exceed the L2, where the wave order was measured faster (H100:
+    128K faster, 16K-64K 2-7% slower with deep index loads); the interpreter stands in a 50 MiB L2."""
+    monkeypatch.setattr(launch, "BWD_WAVE", setting)
+    assert launch.bwd_wave(torch.device("cpu"), 128, 2, walk_q, walk_k) == expect
+
+
+def test_unknown_wave_setting_is_a_clear_error():
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD_WAVE", "on")
+    assert "SPARSE_ATTN_BWD_WAVE must be 'auto', '1', '0', 'dq' or 'dkdv', got 'on'" in stderr
+
+
 @pytest.mark.parametrize("name, value", [("BWD_WAVE", False), ("BWD_DKDV_DELTA_ACC", True),
                                          ("BWD_VARIANT", "fast"), ("BWD_DKDV_HEADS", 1)])
 def test_backward_refuses_settings_assigned_outside_their_choices(name, value, monkeypatch):

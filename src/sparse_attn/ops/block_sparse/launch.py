@@ -22,7 +22,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # import (an error naming the variable below); probes and tests reassign them at run time, where a
 # bool or a typo would silently select a branch (a probe's False for BWD_IDX_DEEP ran as "auto":
 # NOTES.md, backward 24), so backward() checks them again on every call (_check_bwd_settings).
-_BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("1", "0", "dq", "dkdv"),
+_BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("auto", "1", "0", "dq", "dkdv"),
                  "BWD_QDO": ("tma", "ptr"), "BWD_DQ_KV": ("tma", "ptr"), "BWD_IDX_DEEP": ("auto", "0", "1"),
                  "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
                  "BWD_DKDV_HEADS": ("auto", "inside", "outside")}
@@ -43,10 +43,11 @@ FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 # the same order in the backward kernels' indexed walks (kernels._bwd_wave): dK/dV programs over the
 # transposed rows' query blocks (Q, dO), dQ programs over the key blocks (K, V). Not on contiguous
 # schedules (their running programs already read neighbouring blocks) nor packed inputs.
-# Values: "1" both kernels, "0" neither, "dq" / "dkdv" one of them (benchmarks).
-BWD_WAVE = os.environ.get("SPARSE_ATTN_BWD_WAVE", "1")
+# Values: "auto" (bwd_wave: where one head's walked operands outgrow the L2), "1" both kernels, "0"
+# neither, "dq" / "dkdv" one of them (benchmarks).
+BWD_WAVE = os.environ.get("SPARSE_ATTN_BWD_WAVE", "auto")
 if BWD_WAVE not in _BWD_SETTINGS["BWD_WAVE"]:
-    raise ValueError(f"SPARSE_ATTN_BWD_WAVE must be '1', '0', 'dq' or 'dkdv', got {BWD_WAVE!r}")
+    raise ValueError(f"SPARSE_ATTN_BWD_WAVE must be 'auto', '1', '0', 'dq' or 'dkdv', got {BWD_WAVE!r}")
 # backward schedule: "split" (the dK/dV kernel, then a dQ kernel that recomputes P: seven matmuls per
 # block pair, deterministic) or "fused" (one kernel: dQ accumulated by fp32 TMA reduce-adds next to
 # dK/dV, five matmuls; dQ's summation order, so its last bits, vary run to run). With block indices
@@ -486,6 +487,25 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
 
 
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device: torch.device) -> int:
+    """L2 cache size of a CUDA device; the interpreter, on CPU tensors, stands in the H100's 50 MiB."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 << 20
+
+
+def bwd_wave(device: torch.device, d_pad: int, elem_bytes: int, walk_q: int, walk_k: int) -> tuple[bool, bool]:
+    """(dK/dV, dQ): whether each backward kernel's indexed walks take the wave order (BWD_WAVE).
+    "auto": where one head's walked operands outgrow the L2, the dK/dV kernel's Q and dO over
+    ``walk_q`` query rows, the dQ kernel's K and V over ``walk_k`` key rows. The order brings L2 hits
+    back where those miss, but with deep index loads it cost 2-7% where they fit (H100 random layouts,
+    backward alone: 16K-64K slower, 128K 1-4% faster; NOTES.md backward 26)."""
+    _check_bwd_settings("BWD_WAVE")
+    if BWD_WAVE == "auto":
+        l2 = _l2_bytes(device)
+        return 2 * walk_q * d_pad * elem_bytes > l2, 2 * walk_k * d_pad * elem_bytes > l2
+    return BWD_WAVE in ("1", "dkdv"), BWD_WAVE in ("1", "dq")
+
+
 def _round_up(n: int, multiple: int) -> int:
     return triton.cdiv(n, multiple) * multiple
 
@@ -606,9 +626,11 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms, IS_VARLEN=varlen)
     heads_inside = BWD_DKDV_HEADS == "inside" or (BWD_DKDV_HEADS == "auto" and H > hkv)
     deep = deep_index_loads(fused, d_pad, n_terms, varlen)
-    # (the shallow per-iteration index loads do not rotate; for GQA the dK/dV kernel's wave spans its
-    # heads only with the head loop inside the phases)
-    wave = BWD_WAVE != "0" and (BWD_IDX_CHUNK > 0 or deep) and not varlen
+    # the wave order where bwd_wave asks for it (the shallow per-iteration index loads do not rotate,
+    # packed inputs keep grid order; for GQA the dK/dV kernel's wave spans its heads only with the
+    # head loop inside the phases)
+    wave_ok = (BWD_IDX_CHUNK > 0 or deep) and not varlen
+    dkdv_order, dq_order = bwd_wave(q.device, d_pad, q.element_size(), Lq, Lk)
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
                   _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "DELTA_ACC",
                            "IDX_DEEP"),
@@ -616,7 +638,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
     dkdv_contiguous = t_contiguous and BWD_CONTIGUOUS and n_terms == 0
-    dkdv_wave = wave and BWD_WAVE != "dq" and not t_contiguous and (heads_inside or H == hkv)
+    dkdv_wave = wave_ok and dkdv_order and not t_contiguous and (heads_inside or H == hkv)
     dkdv_deep = deep and not dkdv_contiguous
     delta_acc = BWD_DKDV_DELTA_ACC == "1" or (BWD_DKDV_DELTA_ACC == "auto" and d_pad == 128 and not fused and (
         dkdv_deep or (not dkdv_wave and (heads_inside or dkdv_contiguous))))
@@ -650,7 +672,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
                 H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
                 IDX_CHUNK=0 if dq_deep else BWD_IDX_CHUNK, KV_TMA=kv_tma, CONTIGUOUS=dq_contiguous,
-                WAVE=wave and BWD_WAVE != "dkdv" and not contiguous, IDX_DEEP=dq_deep, **common)
+                WAVE=wave_ok and dq_order and not contiguous, IDX_DEEP=dq_deep, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)
