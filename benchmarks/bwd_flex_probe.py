@@ -36,7 +36,7 @@ from sparse_attn.patterns import to_flex  # noqa: E402
 # name -> (schedule, IDX_CHUNK, dK/dV tile config, dQ tile config[, {launch attribute: value}]): configs
 # (BLOCK_M, BLOCK_N, warps, stages); the attributes default to DEFAULTS
 DEFAULTS = {"BWD_DQ_SIDE_STREAM": True, "BWD_DQ_KV": "tma", "BWD_DKDV_ORDER": "dp-first", "BWD_DKDV_HEADS": "auto",
-            "BWD_CONTIGUOUS": True, "BWD_WAVE": "1", "BWD_DKDV_DELTA_ACC": "auto", "BWD_IDX_DEEP": "auto"}
+            "BWD_CONTIGUOUS": True, "BWD_WAVE": "auto", "BWD_DKDV_DELTA_ACC": "auto", "BWD_IDX_DEEP": "auto"}
 VARIANTS = {
     "fused-load": ("fused", 0, (64, 128, 8, 2), (128, 128, 8, 2)),
     "fused-regs": ("fused", 64, (64, 128, 8, 3), (128, 128, 8, 2)),
@@ -61,6 +61,8 @@ VARIANTS = {
     "split-regs-indexed": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_CONTIGUOUS": False}),
     # indexed walks in grid order, not the wave order (the default before the twentieth session)
     "split-regs-nowave": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "0"}),
+    # the wave order on every indexed walk (the default before backward item 26; "auto" keeps it for 128K)
+    "split-regs-wave": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "1"}),
     "split-regs-nowave-1stream": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3),
                                   {"BWD_WAVE": "0", "BWD_DQ_SIDE_STREAM": False}),
     "split-regs-wave-dq": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {"BWD_WAVE": "dq"}),
