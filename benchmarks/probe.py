@@ -26,6 +26,14 @@ def layouts(L, which):
         return streaming(L, 4096, 128, device="cuda"), True
     if which == "blockdiag4096":
         return mk(ElementMask((document_term(4096),))), False
+    if which.startswith("randcausal"):  # random blocks under the causal triangle: element-masked diagonal
+        d = float(which[10:])
+        g = torch.Generator().manual_seed(0)
+        n = math.ceil(L / 128)
+        eye = torch.eye(n, dtype=torch.bool).expand(1, 32, n, n)
+        bm = (torch.rand(1, 32, n, n, generator=g) < d).tril() | eye
+        return BlockLayout.from_block_mask(bm, block_q=128, block_k=128, partial=eye,
+                                           mask=ElementMask((causal_term(),))).to("cuda"), True
     if which.startswith("random"):
         d = float(which[6:])
         g = torch.Generator().manual_seed(0)
