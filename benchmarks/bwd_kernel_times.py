@@ -28,16 +28,22 @@ from sparse_attn.ops.block_sparse import launch  # noqa: E402
 
 REPS = 5
 ONE_STREAM = {"BWD_DQ_SIDE_STREAM": False}
-OURS = {"split-regs": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), ONE_STREAM)}
+
+
+def _split(**attrs):
+    """The shipped split schedule's tiles, dQ on the main stream, with these launch attributes."""
+    return ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {**ONE_STREAM, **attrs})
+
+
+OURS = {"split-regs": _split()}
 # --variants: which part of a walk costs the dK/dV kernel time per unit of density (NOTES backward 26)
 VARIANTS = {
     # contiguous schedules (dense, block-diagonal) through the indexed walk: deep index loads, wave order
-    "indexed": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {**ONE_STREAM, "BWD_CONTIGUOUS": False}),
-    "nowave": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {**ONE_STREAM, "BWD_WAVE": "0"}),
-    "indexed-nowave": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3),
-                       {**ONE_STREAM, "BWD_CONTIGUOUS": False, "BWD_WAVE": "0"}),
-    "nodeep": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {**ONE_STREAM, "BWD_IDX_DEEP": "0"}),
-    "nodeltaacc": ("split", 64, (64, 128, 8, 3), (128, 64, 8, 3), {**ONE_STREAM, "BWD_DKDV_DELTA_ACC": "0"}),
+    "indexed": _split(BWD_CONTIGUOUS=False),
+    "nowave": _split(BWD_WAVE="0"),
+    "indexed-nowave": _split(BWD_CONTIGUOUS=False, BWD_WAVE="0"),
+    "nodeep": _split(BWD_IDX_DEEP="0"),
+    "nodeltaacc": _split(BWD_DKDV_DELTA_ACC="0"),
 }
 
 

@@ -501,8 +501,9 @@ def bwd_wave(device: torch.device, d_pad: int, elem_bytes: int, walk_q: int, wal
     backward alone: 16K-64K slower, 128K 1-4% faster; NOTES.md backward 26)."""
     _check_bwd_settings("BWD_WAVE")
     if BWD_WAVE == "auto":
-        l2 = _l2_bytes(device)
-        return 2 * walk_q * d_pad * elem_bytes > l2, 2 * walk_k * d_pad * elem_bytes > l2
+        def outgrows_l2(rows: int) -> bool:  # two [rows, d_pad] operands of one head
+            return 2 * rows * d_pad * elem_bytes > _l2_bytes(device)
+        return outgrows_l2(walk_q), outgrows_l2(walk_k)
     return BWD_WAVE in ("1", "dkdv"), BWD_WAVE in ("1", "dq")
 
 
