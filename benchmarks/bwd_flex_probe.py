@@ -94,7 +94,12 @@ SWEEP = {
 
 def backwards(case: str, hkv: int, variants: dict):
     """{name: zero-argument backward} on one case's inputs, and the case's backward FLOP count."""
-    c = case_inputs(case, hkv)
+    return backwards_on(case_inputs(case, hkv), hkv, variants)
+
+
+def backwards_on(c, hkv: int, variants: dict, flex: bool = True):
+    """backwards() on given case inputs ``c`` (bwd_probe.case_inputs' namespace); Flex's backward
+    only with ``flex``."""
     layout, L, H, q, k, v, do, scale, out, lse = c.layout, c.L, c.H, c.q, c.k, c.v, c.do, c.scale, c.out, c.lse
     (counts, n_full, _, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, t_contiguous, terms,
      n_terms) = c.ins
@@ -116,17 +121,19 @@ def backwards(case: str, hkv: int, variants: dict):
                                    layout.block_k, scale, L, L, contiguous=contiguous, t_contiguous=t_contiguous)
         return bwd
 
+    fns = {name: ours(*spec) for name, spec in variants.items()}
+    if not flex:
+        return fns, c.flops_bwd
     # a compiled backward with donated buffers refuses retain_graph (seen on Flex's causal graph)
     torch._functorch.config.donated_buffer = False
     qf, kf, vf = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     flex_out = _flex_fn("cuda")(qf, kf, vf, block_mask=to_flex(layout), scale=scale,
                                 enable_gqa=hkv != H)
 
-    def flex():  # retain_graph: the same graph's backward, timed again and again
+    def flex_bwd():  # retain_graph: the same graph's backward, timed again and again
         return torch.autograd.grad(flex_out, (qf, kf, vf), do, retain_graph=True)
 
-    fns = {name: ours(*spec) for name, spec in variants.items()}
-    fns["flex"] = flex
+    fns["flex"] = flex_bwd
     return fns, c.flops_bwd
 
 

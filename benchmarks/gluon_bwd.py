@@ -320,6 +320,7 @@ def fused_backward(q, k, v, out, do, lse, sm_scale: float, causal: bool, num_buf
 def _compile_sm90(causal: bool, num_buf: int, order: str, delta_acc: bool = False, dq_out: str = "atomic",
                   terms_tma: bool = True, rotate: bool = True):
     """Compile fused_bwd_kernel for sm_90 here (no GPU): registers, spills, serialized wgmmas."""
+    import re
     import sys
     from pathlib import Path
 
@@ -330,7 +331,7 @@ def _compile_sm90(causal: bool, num_buf: int, order: str, delta_acc: bool = Fals
     from triton.runtime.jit import mangle_type
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    from compile_sm90 import wgmma_serialized
+    from compile_sm90 import ptxas_log, wgmma_serialized
 
     base = torch.empty(4096 * 128, dtype=torch.bfloat16).view(4096, 128)
 
@@ -354,16 +355,7 @@ def _compile_sm90(causal: bool, num_buf: int, order: str, delta_acc: bool = Fals
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("LSE2", "DELTA", "DK", "DV", "DQA")}
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in consts.items()}, attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-    import os
-    import re
-    import subprocess
-    import tempfile
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
-        f.write(k.asm["ptx"])
-        f.flush()
-        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
-                             text=True, check=True).stderr
+    log = ptxas_log(k.asm["ptx"])
     usage = " ".join(re.findall(r"(Used \d+ registers|\d+ bytes spill stores|\d+ bytes spill loads)", log))
     warn = "; ".join(line for line in log.splitlines() if "arning" in line)
     print(f"causal={causal} num_buf={num_buf} order={order} delta_acc={delta_acc} dq_out={dq_out} "
@@ -383,13 +375,5 @@ if __name__ == "__main__":
     for i, kw in enumerate(variants):
         kern = _compile_sm90(**kw)
         if a.sass and i == 0:
-            import subprocess
-            import tempfile
-
-            import triton
-            nvdisasm = f"{triton.__path__[0]}/backends/nvidia/bin/nvdisasm"
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kern.asm["cubin"])
-                f.flush()
-                open(a.sass, "w").write(subprocess.run([nvdisasm, "-c", f.name], capture_output=True,
-                                                       text=True, check=True).stdout)
+            from compile_sm90 import sass  # (tools/ is on sys.path once _compile_sm90 ran)
+            open(a.sass, "w").write(sass(kern.asm["cubin"]))

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bwd_flex_probe import DEFAULTS  # noqa: E402
+from bwd_flex_probe import VARIANTS, backwards_on as flex_probe_backwards  # noqa: E402
 from bwd_probe import case_inputs  # noqa: E402
 from gluon_bwd import fused_backward  # noqa: E402
 
@@ -45,6 +45,7 @@ GLUON = {
     "gluon-A-skip": dict(order="A", dq_out="skip"),
 }
 TIMING_ONLY = ("-store", "-skip")
+SPLIT = {"split-regs": VARIANTS["split-regs"]}  # our shipped backward: split schedule, its shipped tiles
 
 
 def reference_grads(c, causal: bool):
@@ -83,36 +84,12 @@ def check(case: str, dtype: torch.dtype, rows: list):
 def backwards_on(c, case: str, flex: bool = True, poison: bool = False):
     """{name: zero-argument backward} for our split backward, Flex's (with ``flex``) and the gluon
     variants (``poison``: their dK/dV buffers start as NaN), all on case inputs ``c``."""
-    from sparse_attn.ops.block_sparse import launch
     causal = case.startswith("causal")
-    (counts, n_full, _, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids, t_contiguous,
-     terms, n_terms) = c.ins
-
-    def split():
-        for attr, value in DEFAULTS.items():
-            setattr(launch, attr, value)
-        launch.BWD_VARIANT = "split"
-        return launch.backward(c.do, c.q, c.k, c.v, c.out, c.lse, counts, n_full, indices, mask_ids, t_counts,
-                               t_n_full, t_indices, t_mask_ids, terms, n_terms, None, None, c.layout.block_q,
-                               c.layout.block_k, c.scale, c.L, c.L, contiguous=contiguous, t_contiguous=t_contiguous)
-    fns = {"split-regs": split}
-    if flex:
-        fns["flex"] = flex_backward(c)
+    fns, flops = flex_probe_backwards(c, 32, SPLIT, flex=flex)
     for name, kw in GLUON.items():
         fns[name] = (lambda kw=kw: fused_backward(c.q, c.k, c.v, c.out, c.do, c.lse, c.scale, causal, poison=poison,
                                                   **kw))
-    return fns, c.flops_bwd
-
-
-def flex_backward(c):
-    """Flex's backward on c's inputs and layout (its compiled forward run once; the graph kept)."""
-    from sparse_attn.bench.providers import _flex_fn
-    from sparse_attn.patterns import to_flex
-
-    torch._functorch.config.donated_buffer = False
-    qf, kf, vf = (t.detach().clone().requires_grad_(True) for t in (c.q, c.k, c.v))
-    out = _flex_fn("cuda")(qf, kf, vf, block_mask=to_flex(c.layout), scale=c.scale)
-    return lambda: torch.autograd.grad(out, (qf, kf, vf), c.do, retain_graph=True)
+    return fns, flops
 
 
 def main():

@@ -48,20 +48,27 @@ def signature(fn, consts):
     return sig
 
 
-def wgmma_serialized(cubin):
-    """True when ptxas waits for every wgmma right after issuing it (a WARPGROUP.DEPBAR per HGMMA /
-    IGMMA / QGMMA in the SASS): the tensor-core pipeline is then off. ptxas does this without a warning in some loop
-    nests (benchmarks/NOTES.md, backward item 16); a healthy kernel waits once per product of several
-    HGMMAs. None when nvdisasm (shipped with Triton's NVIDIA backend) is missing."""
+def sass(cubin) -> str | None:
+    """The SASS of a cubin (nvdisasm, shipped with Triton's NVIDIA backend); None when it is missing."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    hgmma = sum(sass.count(op) for op in ("HGMMA.", "IGMMA.", "QGMMA."))
-    waits = sass.count("WARPGROUP.DEPBAR")
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def wgmma_serialized(cubin):
+    """True when ptxas waits for every wgmma right after issuing it (a WARPGROUP.DEPBAR per HGMMA /
+    IGMMA / QGMMA in the SASS): the tensor-core pipeline is then off. ptxas does this without a warning in some loop
+    nests (benchmarks/NOTES.md, backward item 16); a healthy kernel waits once per product of several
+    HGMMAs. None when nvdisasm (shipped with Triton's NVIDIA backend) is missing."""
+    sass_text = sass(cubin)
+    if sass_text is None:
+        return None
+    hgmma = sum(sass_text.count(op) for op in ("HGMMA.", "IGMMA.", "QGMMA."))
+    waits = sass_text.count("WARPGROUP.DEPBAR")
     return hgmma > 0 and waits >= hgmma
 
 
@@ -164,15 +171,19 @@ def variants():
         yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen)
 
 
-def ptxas_registers(ptx: str) -> int:
-    """Registers a thread uses, from ``ptxas -v`` on the kernel's PTX (Triton's bundled ptxas)."""
+def ptxas_log(ptx: str) -> str:
+    """``ptxas -v`` 's report (registers, spills, warnings) on a kernel's PTX, Triton's bundled ptxas."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
         f.write(ptx)
         f.flush()
-        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
-                             text=True, check=True).stderr
-    return int(re.search(r"Used (\d+) registers", log).group(1))
+        return subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
+                              text=True, check=True).stderr
+
+
+def ptxas_registers(ptx: str) -> int:
+    """Registers a thread uses, from ``ptxas -v`` on the kernel's PTX."""
+    return int(re.search(r"Used (\d+) registers", ptxas_log(ptx)).group(1))
 
 
 class _Elem:

@@ -27,6 +27,18 @@ _BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("a
                  "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
                  "BWD_DKDV_HEADS": ("auto", "inside", "outside")}
 
+
+def _bwd_setting(name: str, env: str, default: str, choices_text: str | None = None) -> str:
+    """Backward setting ``name`` read from the environment variable ``env`` (``default`` when unset);
+    a value outside _BWD_SETTINGS[name] is an error naming the variable and its choices
+    (``choices_text``, or the choices listed as "'a', 'b' or 'c'")."""
+    value = os.environ.get(env, default)
+    allowed = _BWD_SETTINGS[name]
+    if value not in allowed:
+        text = choices_text or ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+        raise ValueError(f"{env} must be {text}, got {value!r}")
+    return value
+
 # SPARSE_ATTN_AUTOTUNE=0 runs one default config per kernel family (tests: compile once, not per config)
 AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
 # forward K/V loading: "ptr" (pointer loads) or "tma" (on-device TMA descriptors: Hopper+, 16-byte
@@ -45,9 +57,7 @@ FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 # schedules (their running programs already read neighbouring blocks) nor packed inputs.
 # Values: "auto" (bwd_wave: where one head's walked operands outgrow the L2), "1" both kernels, "0"
 # neither, "dq" / "dkdv" one of them (benchmarks).
-BWD_WAVE = os.environ.get("SPARSE_ATTN_BWD_WAVE", "auto")
-if BWD_WAVE not in _BWD_SETTINGS["BWD_WAVE"]:
-    raise ValueError(f"SPARSE_ATTN_BWD_WAVE must be 'auto', '1', '0', 'dq' or 'dkdv', got {BWD_WAVE!r}")
+BWD_WAVE = _bwd_setting("BWD_WAVE", "SPARSE_ATTN_BWD_WAVE", "auto")
 # backward schedule: "split" (the dK/dV kernel, then a dQ kernel that recomputes P: seven matmuls per
 # block pair, deterministic) or "fused" (one kernel: dQ accumulated by fp32 TMA reduce-adds next to
 # dK/dV, five matmuls; dQ's summation order, so its last bits, vary run to run). With block indices
@@ -55,22 +65,16 @@ if BWD_WAVE not in _BWD_SETTINGS["BWD_WAVE"]:
 # bwd-flex-sweep-h100.json): 28.0 vs 29.5 ms dense, 7.41 vs 7.69 random 0.25, 14.5 vs 15.1 causal; the
 # fused kernel's dQ staging keeps its tensor pipe 40% busy against 53% for split's dK/dV kernel (ncu).
 # "fused-ptr" (benchmarks): fused with per-element atomics instead of TMA reduce-adds.
-BWD_VARIANT = os.environ.get("SPARSE_ATTN_BWD", "split")
-if BWD_VARIANT not in _BWD_SETTINGS["BWD_VARIANT"]:
-    raise ValueError(f"SPARSE_ATTN_BWD must be 'fused' or 'split' (or 'fused-ptr'), got {BWD_VARIANT!r}")
+BWD_VARIANT = _bwd_setting("BWD_VARIANT", "SPARSE_ATTN_BWD", "split", "'fused' or 'split' (or 'fused-ptr')")
 # split schedule's dK/dV kernel, Q and dO tiles: "tma" (descriptors; Hopper+, 16-byte aligned rows) or
 # "ptr" (pointer loads). H100, bf16, 16K (results/bwd-qdo-h100.json): tma 2.4% (causal) and 6% (random
 # 0.25) faster in split, but 17-18% slower in the fused kernel, whose dQ staging already fills shared
 # memory, so the fused kernel keeps pointer loads.
-BWD_QDO = os.environ.get("SPARSE_ATTN_BWD_QDO", "tma")
-if BWD_QDO not in _BWD_SETTINGS["BWD_QDO"]:
-    raise ValueError(f"SPARSE_ATTN_BWD_QDO must be 'tma' or 'ptr', got {BWD_QDO!r}")
+BWD_QDO = _bwd_setting("BWD_QDO", "SPARSE_ATTN_BWD_QDO", "tma")
 # the dQ kernel's K and V tiles, the same choice. H100 bf16 (results/qdo-layout-dqkv-h100.json): tma
 # 8.5 vs 9.7 ms dense, 8.4-8.8 vs 10.1 ms packed (causal 8K queries x 32K keys); the masked pointer
 # loads cost per-element address and mask instructions in the loop.
-BWD_DQ_KV = os.environ.get("SPARSE_ATTN_BWD_DQ_KV", "tma")
-if BWD_DQ_KV not in _BWD_SETTINGS["BWD_DQ_KV"]:
-    raise ValueError(f"SPARSE_ATTN_BWD_DQ_KV must be 'tma' or 'ptr', got {BWD_DQ_KV!r}")
+BWD_DQ_KV = _bwd_setting("BWD_DQ_KV", "SPARSE_ATTN_BWD_DQ_KV", "tma")
 # backward kernels: block indices read IDX_CHUNK at a time into registers instead of one load per
 # iteration (0: the per-iteration load). With the load inside the pipelined loop the Q/dO loads
 # became indirect and Triton issued them right before their use; from registers they run one
@@ -85,9 +89,7 @@ if BWD_IDX_CHUNK < 0 or BWD_IDX_CHUNK & (BWD_IDX_CHUNK - 1):
 # schedule (random layouts: H100 backward about 2% faster on average, -2% to +8% per case; with
 # element masks, as on streaming and causal, 2-7% slower: benchmarks/NOTES.md, backward 24).
 # "1": every indexed walk of the split schedule.
-BWD_IDX_DEEP = os.environ.get("SPARSE_ATTN_BWD_IDX_DEEP", "auto")
-if BWD_IDX_DEEP not in _BWD_SETTINGS["BWD_IDX_DEEP"]:
-    raise ValueError(f"SPARSE_ATTN_BWD_IDX_DEEP must be 'auto', '0' or '1', got {BWD_IDX_DEEP!r}")
+BWD_IDX_DEEP = _bwd_setting("BWD_IDX_DEEP", "SPARSE_ATTN_BWD_IDX_DEEP", "auto")
 # dK/dV kernel: delta enters through dP's accumulator (kernels._dp_product), which frees registers
 # in its loop. "auto": on where it was measured faster (head dim 128, split schedule), the walks
 # without the wave order that go by arithmetic with one query head per kv head (dense,
@@ -95,9 +97,7 @@ if BWD_IDX_DEEP not in _BWD_SETTINGS["BWD_IDX_DEEP"]:
 # block-diagonal 6.60 -> 6.21; Hkv 8 causal 13.06 -> 12.64, window 6.29 -> 6.14. Off elsewhere: on
 # the wave-order walks (random layouts) it ran -3% to +8% at 32K, on the masked MHA walks (causal,
 # window) -1% to +3% (benchmarks/NOTES.md, backward 23). "1" / "0": on / off everywhere.
-BWD_DKDV_DELTA_ACC = os.environ.get("SPARSE_ATTN_BWD_DKDV_DELTA_ACC", "auto")
-if BWD_DKDV_DELTA_ACC not in _BWD_SETTINGS["BWD_DKDV_DELTA_ACC"]:
-    raise ValueError(f"SPARSE_ATTN_BWD_DKDV_DELTA_ACC must be 'auto', '0' or '1', got {BWD_DKDV_DELTA_ACC!r}")
+BWD_DKDV_DELTA_ACC = _bwd_setting("BWD_DKDV_DELTA_ACC", "SPARSE_ATTN_BWD_DKDV_DELTA_ACC", "auto")
 # split schedule: the dQ kernel on a second CUDA stream, concurrent with the dK/dV kernel (both read
 # only the forward's tensors and delta), so its programs fill the SMs the dK/dV grid's last wave leaves
 # idle, as FlexAttention's one-grid backward does. Off: one stream, the two kernels back to back.
@@ -107,16 +107,12 @@ _SIDE_STREAMS: dict = {}
 # (kernels._dkdv_step). dp-first lets dS be computed while dV runs: backward alone 3-6% faster, H100
 # bf16 16K (results/bwd-order-h100.json: dense 25.0 vs 26.4 ms, causal 13.0 vs 13.8, random 0.25
 # 6.80 vs 7.05), gradients bitwise equal
-BWD_DKDV_ORDER = os.environ.get("SPARSE_ATTN_BWD_DKDV_ORDER", "dp-first")
-if BWD_DKDV_ORDER not in _BWD_SETTINGS["BWD_DKDV_ORDER"]:
-    raise ValueError(f"SPARSE_ATTN_BWD_DKDV_ORDER must be 'dp-first' or 'dv-first', got {BWD_DKDV_ORDER!r}")
+BWD_DKDV_ORDER = _bwd_setting("BWD_DKDV_ORDER", "SPARSE_ATTN_BWD_DKDV_ORDER", "dp-first")
 # dK/dV kernel: where its loop over the G query heads of a kv head sits, "inside" the two phases
 # (unmasked blocks, masked blocks) or "outside" them; "auto": inside when G > 1. Outside, ptxas
 # serialized every wgmma of the kernel for G > 1 (benchmarks/NOTES.md, backward item 16); for G == 1
 # the JIT removes the head loop and "outside" is the code measured before that fix.
-BWD_DKDV_HEADS = os.environ.get("SPARSE_ATTN_BWD_DKDV_HEADS", "auto")
-if BWD_DKDV_HEADS not in _BWD_SETTINGS["BWD_DKDV_HEADS"]:
-    raise ValueError(f"SPARSE_ATTN_BWD_DKDV_HEADS must be 'auto', 'inside' or 'outside', got {BWD_DKDV_HEADS!r}")
+BWD_DKDV_HEADS = _bwd_setting("BWD_DKDV_HEADS", "SPARSE_ATTN_BWD_DKDV_HEADS", "auto")
 # backward kernels on contiguous schedules (every row's unmasked blocks one run: dense, causal, windows,
 # block-diagonal): walk the run by arithmetic ("1") or through the register index chunks like any
 # other layout ("0", benchmarks). H100 bf16 16K, per kernel (results/bwd-contig-h100.json): dQ 2-6%
