@@ -52,12 +52,13 @@ def run_case(case: str, quant: int, rows: list, configs: list, rounds: int = 1):
     flops = 4 * D * 128 * 128 * layout.num_blocks * (H // layout.heads)  # as benchmarks/probe.py
     first = None
     # rounds > 1: every config once per round, in turn, so the board's clock drifts over all alike
-    times: dict = {tuple(c): [] for c in configs}
+    configs = [tuple(c) for c in configs]  # dictionary keys
+    times: dict = {c: [] for c in configs}
     errors: dict = {}
     diffs: dict = {}
     for _ in range(rounds):
         for c in configs:
-            if tuple(c) in errors:
+            if c in errors:
                 continue
             m, n, w, s = c[:4]
             cap = c[4] if len(c) > 4 else None
@@ -75,17 +76,17 @@ def run_case(case: str, quant: int, rows: list, configs: list, rounds: int = 1):
                 diff = (out.float() - first.float()).abs().max().item()
                 if not math.isfinite(diff):
                     raise RuntimeError(f"non-finite output difference {diff}")
-                diffs[tuple(c)] = max(diff, diffs.get(tuple(c), 0.0))
-                times[tuple(c)].append(triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median"))
+                diffs[c] = max(diff, diffs.get(c, 0.0))
+                times[c].append(triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median"))
             except Exception as e:  # noqa: BLE001 - a config that does not compile must not hide the others
-                errors[tuple(c)] = f"{type(e).__name__}: {str(e)[-200:]}"
+                errors[c] = f"{type(e).__name__}: {str(e)[-200:]}"
     for c in configs:
-        if tuple(c) in errors:
-            row = dict(case=case, quant=quant, config=list(c), error=errors[tuple(c)])
+        if c in errors:
+            row = dict(case=case, quant=quant, config=list(c), error=errors[c])
         else:
-            ms = sorted(times[tuple(c)])[len(times[tuple(c)]) // 2]
+            ms = sorted(times[c])[len(times[c]) // 2]
             row = dict(case=case, quant=quant, config=list(c), ms=ms, tflops=flops / ms * 1e-9,
-                       max_abs_diff_vs_first=diffs[tuple(c)], rounds_ms=times[tuple(c)])
+                       max_abs_diff_vs_first=diffs[c], rounds_ms=times[c])
         print(json.dumps(row), flush=True)
         rows.append(row)
 
