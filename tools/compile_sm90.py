@@ -15,6 +15,7 @@ import types
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from sparse_attn.ops.block_sparse import kernels as K
@@ -172,8 +173,9 @@ def variants():
 
 
 def ptxas_log(ptx: str) -> str:
-    """``ptxas -v`` 's report (registers, spills, warnings) on a kernel's PTX, Triton's bundled ptxas."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    """``ptxas -v`` 's report (registers, spills, warnings) on a kernel's PTX, by the ptxas Triton itself
+    uses for sm_90 (triton 3.9 emits PTX 9.4, which only its bundled ``ptxas-blackwell`` reads)."""
+    ptxas = get_ptxas(90).path
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
         f.write(ptx)
         f.flush()
