@@ -32,9 +32,10 @@ import pynvml
 import torch
 
 from sparse_attn import patterns
-from sparse_attn.bench.registry import get_provider
+from sparse_attn.bench.registry import get_provider, register_provider
 from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import _flush, reset_grads
+from sparse_attn.ops.block_sparse import launch
 from sparse_attn.testing import random_qkv
 
 H, D = 32, 128
@@ -46,7 +47,23 @@ CASE_PATTERNS = {
 }
 DEFAULT_CASES = ("dense:16384:fwd:sparse_attn+flex+sdpa-cudnn,random-0.5:131072:fwd:sparse_attn+flex,"
                  "dense:16384:bwd:sparse_attn+flex,dense:32768:fwd:sparse_attn-int8-fp8+sparse_attn")
-# NVML clock-event reasons worth naming (nvmlClocksEventReason*); others are summed under "other"
+
+
+@register_provider("sparse_attn-indexed", description="sparse_attn with contiguous rows walked through their "
+                   "block indices (launch.FORCE_INDEXED): the indexed walk's cost on the same blocks")
+def _indexed(q, k, v, layout, causal):
+    forward = get_provider("sparse_attn").build(q, k, v, layout, causal)
+
+    def run():
+        launch.FORCE_INDEXED = True  # read on the host at launch, so only this call is affected
+        try:
+            return forward()
+        finally:
+            launch.FORCE_INDEXED = False
+    return run
+
+
+# NVML clock-event reasons recorded (nvmlClocksEventReason* bits): the share of samples with each set
 REASONS = {0x1: "gpu_idle", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
            0x80: "hw_power_brake"}
 
