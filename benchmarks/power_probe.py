@@ -16,6 +16,7 @@ figures under both methods. Calls are timed like ``bench.timing`` (CUDA events, 
 before each, warm-up excluded).
 
     python benchmarks/power_probe.py --out $OUT/power-h100.json [--cases dense:16384:fwd,...]
+    bash benchmarks/power_ncu.sh [CASES]   # --profile: one call each, for Nsight Compute
 
 Case syntax ``pattern:seq_len:mode[:providers]`` (providers joined by ``+``), pattern one of the
 names in CASE_PATTERNS.
@@ -32,7 +33,7 @@ import pynvml
 import torch
 
 from sparse_attn import patterns
-from sparse_attn.bench.registry import get_provider, register_provider
+from sparse_attn.bench.registry import MODES, get_provider, register_provider
 from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import _flush, reset_grads
 from sparse_attn.ops.block_sparse import launch
@@ -42,6 +43,7 @@ H, D = 32, 128
 CASE_PATTERNS = {
     "dense": lambda L: patterns.dense(L, device="cuda"),
     "causal": lambda L: patterns.causal(L, device="cuda"),
+    "random-0.1": lambda L: patterns.random(L, density=0.1, heads=H, seed=0, device="cuda"),
     "random-0.25": lambda L: patterns.random(L, density=0.25, heads=H, seed=0, device="cuda"),
     "random-0.5": lambda L: patterns.random(L, density=0.5, heads=H, seed=0, device="cuda"),
 }
@@ -168,19 +170,45 @@ def summarize(spans, samples, name: str, i: int) -> dict:
     return row
 
 
-def measure(case: str, handle, a) -> list[dict]:
-    pattern, seq_len, mode, *provs = case.split(":")
-    L = int(seq_len)
-    providers = provs[0].split("+") if provs else ["sparse_attn", "flex"]
+def parse_case(case: str) -> tuple[str, int, str, list[str]]:
+    """``pattern:seq_len:mode[:p1+p2...]`` -> (pattern, seq_len, mode, providers), checked before any run."""
+    parts = case.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in CASE_PATTERNS or not parts[1].isdigit() or parts[2] not in MODES:
+        raise SystemExit(f"case {case!r}: expected pattern:seq_len:mode[:providers], pattern one of "
+                         f"{', '.join(CASE_PATTERNS)}, mode one of {', '.join(MODES)}")
+    providers = parts[3].split("+") if len(parts) == 4 else ["sparse_attn", "flex"]
+    for p in providers:
+        get_provider(p)  # KeyError naming the registered providers
+    return parts[0], int(parts[1]), parts[2], providers
+
+
+def prepare(case: str):
+    """(provider names, their runs), compiled, autotuned and warmed up."""
+    pattern, L, mode, providers = parse_case(case)
     q, k, v = random_qkv(1, H, H, L, L, D, torch.bfloat16, "cuda", seed=0, requires_grad=mode != "fwd")
     layout = CASE_PATTERNS[pattern](L)
-    causal = pattern == "causal"
-    runs = [get_provider(p).make_run(q, k, v, layout, causal, mode) for p in providers]
+    runs = [get_provider(p).make_run(q, k, v, layout, pattern == "causal", mode) for p in providers]
     for r in runs:  # compile / autotune / warm-up, untimed
         for _ in range(3):
             reset_grads(r.grad_to_none)
             r.fn()
     torch.cuda.synchronize()
+    return providers, runs
+
+
+def profile(case: str) -> None:
+    """One call of each provider between cudaProfilerStart / Stop, for ncu --profile-from-start off."""
+    _, runs = prepare(case)
+    for r in runs:
+        reset_grads(r.grad_to_none)
+        torch.cuda.cudart().cudaProfilerStart()
+        r.fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
+def measure(case: str, handle, a) -> list[dict]:
+    providers, runs = prepare(case)
     rows = []
     for rnd in range(a.rounds):
         for i, name in enumerate(providers):
@@ -218,19 +246,26 @@ def main():
     ap.add_argument("--rest-s", type=float, default=1.0)
     ap.add_argument("--period-s", type=float, default=0.005)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile", action="store_true", help="one call each under ncu, no sampling")
     a = ap.parse_args()
+    cases = a.cases.split(",")
+    for case in cases:
+        parse_case(case)
+    if a.profile:
+        for case in cases:
+            profile(case)
+        return
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
     limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
     max_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
     print(f"power limit {limit_w:.0f} W, max SM clock {max_mhz} MHz", flush=True)
-    rows = []
-    for case in a.cases.split(","):
-        rows += measure(case, handle, a)
     header = make_header("cuda", "probe", script="benchmarks/power_probe.py", power_limit_w=limit_w,
                          max_sm_mhz=max_mhz, block_s=a.block_s, inter_s=a.inter_s, period_s=a.period_s)
-    json.dump({**header, "rows": rows}, open(a.out, "w"), indent=1)
-
+    rows = []
+    for case in cases:
+        rows += measure(case, handle, a)
+        json.dump({**header, "rows": rows}, open(a.out, "w"), indent=1)  # after every case: a crash keeps the rest
 
 if __name__ == "__main__":
     main()
