@@ -37,7 +37,10 @@ from sparse_attn.bench.registry import MODES, get_provider, register_provider
 from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import _flush, reset_grads
 from sparse_attn.ops.block_sparse import launch
+from sparse_attn.layout import BlockLayout
 from sparse_attn.testing import random_qkv
+
+from kv_split_probe import random_mask  # benchmarks/, beside this script
 
 H, D = 32, 128
 CASE_PATTERNS = {
@@ -46,23 +49,34 @@ CASE_PATTERNS = {
     "random-0.1": lambda L: patterns.random(L, density=0.1, heads=H, seed=0, device="cuda"),
     "random-0.25": lambda L: patterns.random(L, density=0.25, heads=H, seed=0, device="cuda"),
     "random-0.5": lambda L: patterns.random(L, density=0.5, heads=H, seed=0, device="cuda"),
+    # each block in with probability 0.5, so rows differ in length (binomially), unlike patterns.random's
+    # equal rows: the row-length spread the wave order was designed and first measured on
+    "bernoulli-0.5": lambda L: BlockLayout.from_block_mask(random_mask(L, 0.5), block_q=128, block_k=128).to("cuda"),
 }
 DEFAULT_CASES = ("dense:16384:fwd:sparse_attn+flex+sdpa-cudnn,random-0.5:131072:fwd:sparse_attn+flex,"
                  "dense:16384:bwd:sparse_attn+flex,dense:32768:fwd:sparse_attn-int8-fp8+sparse_attn")
 
 
-@register_provider("sparse_attn-indexed", description="sparse_attn with contiguous rows walked through their "
-                   "block indices (launch.FORCE_INDEXED): the indexed walk's cost on the same blocks")
-def _indexed(q, k, v, layout, causal):
-    forward = get_provider("sparse_attn").build(q, k, v, layout, causal)
+def _register_with_setting(name: str, setting: str, value, description: str) -> None:
+    """A provider: sparse_attn with ``launch.<setting>`` set to ``value`` during its calls only (the
+    launcher reads these settings on the host at launch time)."""
+    def build(q, k, v, layout, causal):
+        forward = get_provider("sparse_attn").build(q, k, v, layout, causal)
 
-    def run():
-        launch.FORCE_INDEXED = True  # read on the host at launch, so only this call is affected
-        try:
-            return forward()
-        finally:
-            launch.FORCE_INDEXED = False
-    return run
+        def run():
+            saved = getattr(launch, setting)
+            setattr(launch, setting, value)
+            try:
+                return forward()
+            finally:
+                setattr(launch, setting, saved)
+        return run
+    register_provider(name, description=description)(build)
+
+
+_register_with_setting("sparse_attn-indexed", "FORCE_INDEXED", True,
+                       "contiguous rows walked through their block indices: the indexed walk's cost")
+_register_with_setting("sparse_attn-grid", "FWD_WAVE", False, "indexed rows in grid order (no wave order)")
 
 
 # NVML clock-event reasons recorded (nvmlClocksEventReason* bits): the share of samples with each set
