@@ -79,6 +79,30 @@ _register_with_setting("sparse_attn-indexed", "FORCE_INDEXED", True,
 _register_with_setting("sparse_attn-grid", "FWD_WAVE", False, "indexed rows in grid order (no wave order)")
 
 
+@register_provider("sparse_attn-time", description="the wave order's phase from the GPU clock "
+                   "(launch.FWD_WAVE_PERIOD_NS = one row's duration, measured here once)")
+def _time_phase(q, k, v, layout, causal):
+    forward = get_provider("sparse_attn").build(q, k, v, layout, causal)
+    forward()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    forward()
+    end.record()
+    torch.cuda.synchronize()
+    rows = q.shape[0] * q.shape[1] * layout.kv_counts.shape[-1]  # one program per (query tile, head)
+    programs_at_once = torch.cuda.get_device_properties(q.device).multi_processor_count  # 128x128 tiles: 1 an SM
+    period_ns = int(start.elapsed_time(end) * 1e6 * programs_at_once / rows)
+    print(f"sparse_attn-time: row duration {period_ns} ns", flush=True)
+
+    def run():
+        launch.FWD_WAVE_PERIOD_NS = period_ns
+        try:
+            return forward()
+        finally:
+            launch.FWD_WAVE_PERIOD_NS = 0
+    return run
+
+
 # NVML clock-event reasons recorded (nvmlClocksEventReason* bits): the share of samples with each set
 REASONS = {0x1: "gpu_idle", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
            0x80: "hw_power_brake"}

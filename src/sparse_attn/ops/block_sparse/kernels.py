@@ -246,7 +246,7 @@ def fwd_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
-    WAVE: tl.constexpr,
+    WAVE: tl.constexpr, WAVE_PERIOD_NS: tl.constexpr = 0,
 ):
     """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
@@ -330,8 +330,13 @@ def fwd_kernel(
     if CONTIGUOUS:
         run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
     if WAVE:
-        period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
-        rot = _wave_place(i_m, period) * n_it // period
+        if WAVE_PERIOD_NS > 0:  # experiment (launch.FWD_WAVE_PERIOD_NS): the phase from the GPU's clock
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                            pack=1)
+            rot = ((now % WAVE_PERIOD_NS) * n_it // WAVE_PERIOD_NS).to(tl.int32)
+        else:
+            period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
+            rot = _wave_place(i_m, period) * n_it // period
     for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
         if CONTIGUOUS:
             start_n = run0 + it * BLOCK_N

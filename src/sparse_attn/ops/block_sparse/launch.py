@@ -52,6 +52,10 @@ FORCE_INDEXED = False
 # H100 bf16 128K random 0.25 / 0.5: L2 hits 38% -> 90%, +11-15% (benchmarks/NOTES.md "The wave order").
 # Not on packed (varlen) inputs, whose empty tiles past a sequence's end would shift the phases.
 FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
+# experiment (benchmarks/power_probe.py): > 0 takes the wave order's phase from the GPU clock instead of
+# the grid position, start slot = (globaltimer mod period) / period of the row: programs running at
+# once then stand at one fraction of their walks however dispatch went. Not deterministic.
+FWD_WAVE_PERIOD_NS = 0
 # the same order in the backward kernels' indexed walks (kernels._bwd_wave): dK/dV programs over the
 # transposed rows' query blocks (Q, dO), dQ programs over the key blocks (K, V). Not on contiguous
 # schedules (their running programs already read neighbouring blocks) nor packed inputs.
@@ -473,7 +477,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        K_SCALE_SPAN=k_scale_span, WAVE=FWD_WAVE and not contiguous and not varlen)
+        K_SCALE_SPAN=k_scale_span, WAVE=FWD_WAVE and not contiguous and not varlen, WAVE_PERIOD_NS=FWD_WAVE_PERIOD_NS)
     return out, lse
 
 
