@@ -77,30 +77,9 @@ def _register_with_setting(name: str, setting: str, value, description: str) -> 
 _register_with_setting("sparse_attn-indexed", "FORCE_INDEXED", True,
                        "contiguous rows walked through their block indices: the indexed walk's cost")
 _register_with_setting("sparse_attn-grid", "FWD_WAVE", False, "indexed rows in grid order (no wave order)")
-
-
-@register_provider("sparse_attn-time", description="the wave order's phase from the GPU clock "
-                   "(launch.FWD_WAVE_PERIOD_NS = one row's duration, measured here once)")
-def _time_phase(q, k, v, layout, causal):
-    forward = get_provider("sparse_attn").build(q, k, v, layout, causal)
-    forward()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    forward()
-    end.record()
-    torch.cuda.synchronize()
-    rows = q.shape[0] * q.shape[1] * layout.kv_counts.shape[-1]  # one program per (query tile, head)
-    programs_at_once = torch.cuda.get_device_properties(q.device).multi_processor_count  # 128x128 tiles: 1 an SM
-    period_ns = int(start.elapsed_time(end) * 1e6 * programs_at_once / rows)
-    print(f"sparse_attn-time: row duration {period_ns} ns", flush=True)
-
-    def run():
-        launch.FWD_WAVE_PERIOD_NS = period_ns
-        try:
-            return forward()
-        finally:
-            launch.FWD_WAVE_PERIOD_NS = 0
-    return run
+_register_with_setting("sparse_attn-clock", "FWD_WAVE_CLOCK", "1", "the wave order's phase from the GPU clock")
+_register_with_setting("sparse_attn-gridphase", "FWD_WAVE_CLOCK", "0",
+                       "the wave order's phase from the grid position (the order before the clock's)")
 
 
 # NVML clock-event reasons recorded (nvmlClocksEventReason* bits): the share of samples with each set

@@ -94,6 +94,49 @@ def test_wave_order_changes_only_the_summation_order(monkeypatch):
     assert (wave[0] - plain[0]).abs().max() < 1e-5 and (wave[1] - plain[1]).abs().max() < 1e-5
 
 
+_CLOCK_ARGS = dict(d_pad=128, elem_bytes=2, quant=0, block_q=128, block_k=128, lk=131072, max_k=512)
+
+
+@pytest.mark.parametrize("setting, changes, expect", [
+    ("auto", {}, 512 * 1950),                            # one kv head's K+V (bf16 d128, 128K): 64 MiB > 50 MiB
+    ("auto", dict(lk=65536), 0),                         # 32 MiB: inside the L2, keep the grid-position phase
+    ("auto", dict(elem_bytes=1, quant=2), 0),            # 8-bit: not measured
+    ("auto", dict(d_pad=64, lk=262144), 0),              # head dim 64: not measured
+    ("auto", dict(block_q=64, block_k=64), 0),           # 64-token blocks: not measured
+    ("auto", dict(block_k=256, max_k=256), 512 * 1950),  # the period counts 128 x 128 blocks
+    ("auto", dict(max_k=0), 0),                          # no indexed block at all
+    ("1", dict(lk=1024, block_q=64, block_k=64), 512 * 1950 // 4),
+    ("0", {}, 0)])
+def test_forward_wave_phase_from_the_gpu_clock_where_kv_outgrow_the_l2(monkeypatch, setting, changes, expect):
+    """launch.fwd_wave_clock: the wave order's period in ns (one row's duration at WAVE_NS_PER_BLOCK
+    per 128 x 128 block), "auto" only where measured (16-bit, head dim 128, 128-token blocks) and
+    where one kv head's K/V outgrow the L2 (the interpreter stands in 50 MiB); 0 keeps the phase of
+    the grid position."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", setting)
+    assert launch.fwd_wave_clock(torch.device("cpu"), **{**_CLOCK_ARGS, **changes}) == expect
+
+
+def test_forward_wave_clock_off_under_deterministic_algorithms(monkeypatch):
+    """The clock's phase makes the summation order depend on timing, so "auto" leaves it off when the
+    caller asks torch for deterministic algorithms."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", "auto")
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    assert launch.fwd_wave_clock(torch.device("cpu"), **_CLOCK_ARGS) > 0
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert launch.fwd_wave_clock(torch.device("cpu"), **_CLOCK_ARGS) == 0
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_unknown_forward_wave_clock_setting_is_a_clear_error():
+    from sparse_attn.testing import launch_import_stderr
+    stderr = launch_import_stderr("SPARSE_ATTN_FWD_WAVE_CLOCK", "on")
+    assert "SPARSE_ATTN_FWD_WAVE_CLOCK must be 'auto', '0' or '1', got 'on'" in stderr
+
+
 def test_composed_layout_with_different_masks_per_block():
     a = BlockLayout.from_mask(MASKS["streaming"], q_len=48, block_q=16, block_k=16)
     b = BlockLayout.from_mask(MASKS["block_diag"], q_len=48, block_q=16, block_k=16)

@@ -150,4 +150,4 @@ def test_launched_kernels_key_their_autotuning_on_the_length_class_without_recom
     assert "TUNE_CLASS" in launch._KEY and "TUNE_CLASS" in kernel.arg_names
     # the interpreter's wrapper drops the decorator's arguments: read them from the source
     decorator = inspect.getsource(getattr(kernel, "fn", kernel)).splitlines()[0]
-    assert decorator == '@triton.jit(do_not_specialize=["TUNE_CLASS"])'
+    assert decorator.startswith("@triton.jit(do_not_specialize=[") and '"TUNE_CLASS"' in decorator

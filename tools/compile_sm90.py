@@ -34,7 +34,7 @@ def signature(fn, consts):
             sig[name] = "constexpr"
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
-        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM"):
+        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM", "WAVE_NS"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
@@ -83,7 +83,7 @@ def divisibility(fn, sig):
 
 def variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, WAVE_PERIOD_NS=0)
+    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False)
     bwd = dict(base, WAVE=False, IDX_DEEP=False)
     dkdv = dict(bwd, DELTA_ACC=False)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
@@ -102,9 +102,6 @@ def variants():
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128 if quant == 0 else 64, BLOCK_N=128, N_TERMS=n_terms,
                                  IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
                                  K_SCALE_SPAN=128 if quant else 0, WAVE=True)
-    # the wave order's phase from the GPU clock (launch.FWD_WAVE_PERIOD_NS, an experiment)
-    yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=128, N_TERMS=0, IS_VARLEN=False, CONTIGUOUS=False,
-                             USE_TMA=True, QUANT=0, PV_SKIP=False, WAVE=True, WAVE_PERIOD_NS=1 << 21)
     # 8-bit: per-key K scales (span 0) and one K scale per tile (span 128, per_block / per_warp)
     for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
@@ -232,7 +229,7 @@ def report_residency(target) -> None:
         seen.add((d, m, n, s, w, quant))
         consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                       IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
-                      K_SCALE_SPAN=128 if quant else 0, WAVE=True, WAVE_PERIOD_NS=0)
+                      K_SCALE_SPAN=128 if quant else 0, WAVE=True)
         assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(8 if quant == 2 else 16), m, n, d, s)
         line(f"d{d} {m}x{n} {s} stages {w} warps quant {quant}", *_residency(target, K.fwd_kernel, consts, w, s),
              assumed)

@@ -176,6 +176,46 @@ def test_long_sequences_sliding_window(seq_len):
     _run_case(layout, 1, 2, 1, seq_len, seq_len, 128, torch.bfloat16, bwd=seq_len <= 65536)
 
 
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_wave_clock_phase_against_the_oracle(monkeypatch, hkv):
+    """launch.FWD_WAVE_CLOCK "1": indexed rows start their walk at the GPU clock's phase. Rule 3 on a
+    random layout (rows of binomial length), odd length, GQA; forward and backward."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", "1")
+    L = 4096 + 77
+    _run_case(_random_layout(L, L, 128, 128, 4, 0.5, seed=11), 1, 4, hkv, L, L, 128, torch.bfloat16)
+
+
+def test_wave_clock_phase_at_128k_changes_only_the_summation_order(monkeypatch):
+    """At 128K one kv head's K/V (64 MiB) outgrow the H100's L2, so FWD_WAVE_CLOCK "auto" takes the
+    clock's phase: against the grid-position phase ("0") on the same inputs, outputs within fp32
+    summation order (NaN-poisoned allocations before each call) and LSEs within 1e-4. Under
+    torch.use_deterministic_algorithms(True) "auto" keeps the grid phase: bitwise that output."""
+    from sparse_attn import metrics, patterns
+    from sparse_attn.ops.block_sparse import launch
+    L = 131072 + 33
+    q, k, v = (_rand((1, n, L, 128), torch.bfloat16) for n in (2, 1, 1))
+    layout = patterns.random(L, density=0.5, heads=2, seed=3, device="cuda")
+    assert launch.fwd_wave_clock(q.device, 128, 2, 0, 128, 128, L, layout.kv_indices.shape[-1]) > 0
+
+    def run(setting):
+        monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", setting)
+        poison = torch.full((4, *q.shape), float("nan"), device="cuda", dtype=q.dtype)
+        del poison  # the caching allocator hands this NaN-filled memory to the call's outputs
+        return sparse_attn.attention(q, k, v, layout, return_lse=True)
+
+    (clock, clock_lse), (grid, grid_lse) = run("auto"), run("0")
+    assert not clock.isnan().any() and not clock_lse.isnan().any()
+    assert metrics.relative_l1(clock.float(), grid.float()) < 2e-4
+    assert (clock_lse - grid_lse).abs().max().item() < 1e-4
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert torch.equal(run("auto")[0], grid)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def test_compiles_fullgraph():
     layout = sparse_attn.prepare(BlockLayout.from_mask(_mask("local"), q_len=512, block_q=64, block_k=64, device="cuda"))
 

@@ -206,6 +206,12 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
 
 
 @triton.jit
+def _globaltimer_ns():
+    """The GPU's nanosecond clock (PTX %globaltimer), the same on every SM: int64 scalar."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _wave_place(i_tile, period):
     """The wave order's phase numerator (fwd_kernel's WAVE): the program's place in the grid's order
     (tile i_tile of axis 0, fastest), modulo the period P of programs resident at once."""
@@ -228,7 +234,7 @@ def _resident_per_sm(Q, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: 
     return BY_REGS if BY_REGS < BY_SMEM else BY_SMEM
 
 
-@triton.jit(do_not_specialize=["TUNE_CLASS"])
+@triton.jit(do_not_specialize=["TUNE_CLASS", "WAVE_NS"])
 def fwd_kernel(
     Q, K, V, O, LSE,
     COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE,
@@ -241,12 +247,12 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
-    WAVE: tl.constexpr, WAVE_PERIOD_NS: tl.constexpr = 0,
+    WAVE: tl.constexpr,
 ):
     """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
@@ -260,7 +266,12 @@ def fwd_kernel(
     _resident_per_sm). Programs start in grid order at a rate of P per row duration once the first
     waves have drifted apart, so the ones running at once then stand at the same fraction of their
     walks: on random layouts, at the same stretch of keys, which stays in L2 (at 128K one head's K/V
-    outgrow it; H100, benchmarks/NOTES.md "The wave order")."""
+    outgrow it; H100, benchmarks/NOTES.md "The wave order").
+    WAVE_NS > 0 (launch.fwd_wave_clock): the phase comes from the GPU clock instead, (globaltimer mod
+    WAVE_NS) / WAVE_NS, WAVE_NS being about one row's duration, so the programs running at once stand
+    at one fraction of their walks however dispatch went (on rows of equal length the grid's waves
+    start together and then drift, which the grid-position phase cannot follow). The start slot then
+    depends on timing, so the summation order, and the output's last bits, vary run to run."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -330,10 +341,8 @@ def fwd_kernel(
     if CONTIGUOUS:
         run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
     if WAVE:
-        if WAVE_PERIOD_NS > 0:  # experiment (launch.FWD_WAVE_PERIOD_NS): the phase from the GPU's clock
-            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                            pack=1)
-            rot = ((now % WAVE_PERIOD_NS) * n_it // WAVE_PERIOD_NS).to(tl.int32)
+        if WAVE_NS > 0:
+            rot = (_globaltimer_ns() % WAVE_NS * n_it // WAVE_NS).to(tl.int32)
         else:
             period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
             rot = _wave_place(i_m, period) * n_it // period

@@ -52,10 +52,20 @@ FORCE_INDEXED = False
 # H100 bf16 128K random 0.25 / 0.5: L2 hits 38% -> 90%, +11-15% (benchmarks/NOTES.md "The wave order").
 # Not on packed (varlen) inputs, whose empty tiles past a sequence's end would shift the phases.
 FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
-# experiment (benchmarks/power_probe.py): > 0 takes the wave order's phase from the GPU clock instead of
-# the grid position, start slot = (globaltimer mod period) / period of the row: programs running at
-# once then stand at one fraction of their walks however dispatch went. Not deterministic.
-FWD_WAVE_PERIOD_NS = 0
+# the wave order's phase from the GPU clock instead of the grid position (kernels.fwd_kernel WAVE_NS,
+# fwd_wave_clock): "auto" where one kv head's K/V outgrow the L2 (H100: 128K+), 16-bit at head dim 128
+# on 128-token blocks (where measured), unless torch.use_deterministic_algorithms(True) is on: the
+# start slot then depends on timing, so the output's last bits vary run to run. "1": wherever the wave
+# order applies; "0": never. H100 bf16 128K, blocks (benchmarks/NOTES.md "The wave order's clock
+# phase"): random 0.5 268.1 -> 241.6 ms (L2 hits 81% -> 97%), random 0.25 132.1 -> 122.9 ms.
+FWD_WAVE_CLOCK = os.environ.get("SPARSE_ATTN_FWD_WAVE_CLOCK", "auto")
+if FWD_WAVE_CLOCK not in ("auto", "0", "1"):
+    raise ValueError(f"SPARSE_ATTN_FWD_WAVE_CLOCK must be 'auto', '0' or '1', got {FWD_WAVE_CLOCK!r}")
+# ns a 128-row program spends on one 128 x 128 layout block at head dim 128 in 16-bit, one program an SM
+# (H100 at its power cap, ~1.6 GHz: 241.6 ms / 248 waves / 512 blocks = 1.90 us). The period is one
+# row's duration from it; an error of x in it spreads the running programs over about x of the keys
+# (L2 misses), never affects correctness.
+WAVE_NS_PER_BLOCK = 1950
 # the same order in the backward kernels' indexed walks (kernels._bwd_wave): dK/dV programs over the
 # transposed rows' query blocks (Q, dO), dQ programs over the key blocks (K, V). Not on contiguous
 # schedules (their running programs already read neighbouring blocks) nor packed inputs.
@@ -467,6 +477,9 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP", "WAVE"),
                   variant, eight_bit=quant != 0)
     contiguous = contiguous and not FORCE_INDEXED
+    wave = FWD_WAVE and not contiguous and not varlen
+    wave_ns = fwd_wave_clock(q.device, d_pad, k.element_size(), quant, block_q, block_k, Lk,
+                             indices.shape[-1]) if wave and q.device.type == "cuda" else 0
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
@@ -474,11 +487,28 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
         *l_strides, *_layout_strides(counts, indices),
         *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
-        H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
+        H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        K_SCALE_SPAN=k_scale_span, WAVE=FWD_WAVE and not contiguous and not varlen, WAVE_PERIOD_NS=FWD_WAVE_PERIOD_NS)
+        K_SCALE_SPAN=k_scale_span, WAVE=wave)
     return out, lse
+
+
+def fwd_wave_clock(device: torch.device, d_pad: int, elem_bytes: int, quant: int, block_q: int, block_k: int,
+                   lk: int, max_k: int) -> int:
+    """WAVE_NS of a forward launch whose indexed rows take the wave order (FWD_WAVE_CLOCK): about one
+    row's duration in ns, for rows of at most ``max_k`` layout blocks, or 0 for the grid-position
+    phase. "auto" takes the clock where one kv head's K and V (``lk`` rows each) outgrow the L2, in
+    16-bit at head dim 128 on 128-token blocks, unless deterministic algorithms are requested (the
+    interpreter stands in a 50 MiB L2; launch.forward passes 0 there: it has no GPU clock)."""
+    if FWD_WAVE_CLOCK == "0" or max_k == 0:
+        return 0
+    if FWD_WAVE_CLOCK == "auto":
+        measured = quant == 0 and d_pad == 128 and block_q % 128 == 0 and block_k % 128 == 0
+        fits_l2 = 2 * lk * d_pad * elem_bytes <= _l2_bytes(device)
+        if not measured or fits_l2 or torch.are_deterministic_algorithms_enabled():
+            return 0
+    return max_k * block_q * block_k // (128 * 128) * WAVE_NS_PER_BLOCK
 
 
 @functools.lru_cache(maxsize=None)
