@@ -188,9 +188,12 @@ def test_wave_clock_phase_against_the_oracle(monkeypatch, hkv):
 
 def test_wave_clock_phase_at_128k_changes_only_the_summation_order(monkeypatch):
     """At 128K one kv head's K/V (64 MiB) outgrow the H100's L2, so FWD_WAVE_CLOCK "auto" takes the
-    clock's phase: against the grid-position phase ("0") on the same inputs, outputs within fp32
-    summation order (NaN-poisoned allocations before each call) and LSEs within 1e-4. Under
-    torch.use_deterministic_algorithms(True) "auto" keeps the grid phase: bitwise that output."""
+    clock's phase. Another start slot changes where the running max stands when each tile's
+    probabilities are rounded to bf16 for P.V, so outputs differ at that rounding's level: the clock's
+    phase may differ from the grid position's phase ("0") by at most twice what the grid position's
+    phase differs from no rotation at all (FWD_WAVE off), two deterministic orders of the same blocks;
+    LSEs within 1e-4; NaN-poisoned allocations before each call. Under
+    torch.use_deterministic_algorithms(True) "auto" keeps the grid position's phase: bitwise its output."""
     from sparse_attn import metrics, patterns
     from sparse_attn.ops.block_sparse import launch
     L = 131072 + 33
@@ -198,20 +201,24 @@ def test_wave_clock_phase_at_128k_changes_only_the_summation_order(monkeypatch):
     layout = patterns.random(L, density=0.5, heads=2, seed=3, device="cuda")
     assert launch.fwd_wave_clock(q.device, 128, 2, 0, 128, 128, L, layout.kv_indices.shape[-1]) > 0
 
-    def run(setting):
-        monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", setting)
+    def run(clock, wave=True):
+        monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", clock)
+        monkeypatch.setattr(launch, "FWD_WAVE", wave)
         poison = torch.full((4, *q.shape), float("nan"), device="cuda", dtype=q.dtype)
         del poison  # the caching allocator hands this NaN-filled memory to the call's outputs
-        return sparse_attn.attention(q, k, v, layout, return_lse=True)
+        out, lse = sparse_attn.attention(q, k, v, layout, return_lse=True)
+        assert not out.isnan().any() and not lse.isnan().any()
+        return out.float(), lse
 
-    (clock, clock_lse), (grid, grid_lse) = run("auto"), run("0")
-    assert not clock.isnan().any() and not clock_lse.isnan().any()
-    assert metrics.relative_l1(clock.float(), grid.float()) < 2e-4
-    assert (clock_lse - grid_lse).abs().max().item() < 1e-4
+    (clock, clock_lse), (phase, phase_lse), (plain, _) = run("auto"), run("0"), run("0", wave=False)
+    other_order = metrics.relative_l1(phase, plain)
+    assert other_order > 0, "the wave order did not rotate any row"
+    assert metrics.relative_l1(clock, phase) <= 2 * other_order
+    assert (clock_lse - phase_lse).abs().max().item() < 1e-4
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        assert torch.equal(run("auto")[0], grid)
+        assert torch.equal(run("auto")[0], phase)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
