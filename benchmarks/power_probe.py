@@ -19,7 +19,11 @@ before each, warm-up excluded).
     bash benchmarks/power_ncu.sh [CASES]   # --profile: one call each, for Nsight Compute
 
 Case syntax ``pattern:seq_len:mode[:providers]`` (providers joined by ``+``), pattern one of the
-names in CASE_PATTERNS.
+names in CASE_PATTERNS. Besides the registry's providers, this file registers sparse_attn with one
+launch setting changed during its calls: ``sparse_attn-indexed`` (contiguous rows through their
+indices), ``sparse_attn-grid`` (no wave order), ``sparse_attn-clock`` / ``sparse_attn-gridphase`` (the
+wave order's phase from the GPU clock / from the grid position). NOTES.md "Power, clocks and energy"
+and "The wave order's clock phase" hold what it measured.
 """
 from __future__ import annotations
 
