@@ -53,6 +53,8 @@ CASE_PATTERNS = {
     "random-0.1": lambda L: patterns.random(L, density=0.1, heads=H, seed=0, device="cuda"),
     "random-0.25": lambda L: patterns.random(L, density=0.25, heads=H, seed=0, device="cuda"),
     "random-0.5": lambda L: patterns.random(L, density=0.5, heads=H, seed=0, device="cuda"),
+    # rows of the causal triangle: row i keeps half of its i + 1 candidate blocks (lengths 1..n/2)
+    "random-causal-0.5": lambda L: patterns.random(L, density=0.5, heads=H, seed=0, causal=True, device="cuda"),
     # each block in with probability 0.5, so rows differ in length (binomially), unlike patterns.random's
     # equal rows: the row-length spread the wave order was designed and first measured on
     "bernoulli-0.5": lambda L: BlockLayout.from_block_mask(random_mask(L, 0.5), block_q=128, block_k=128).to("cuda"),
