@@ -84,6 +84,8 @@ _register_with_setting("sparse_attn-indexed", "FORCE_INDEXED", True,
                        "contiguous rows walked through their block indices: the indexed walk's cost")
 _register_with_setting("sparse_attn-grid", "FWD_WAVE", False, "indexed rows in grid order (no wave order)")
 _register_with_setting("sparse_attn-clock", "FWD_WAVE_CLOCK", "1", "the wave order's phase from the GPU clock")
+_register_with_setting("sparse_attn-clockruns", "FWD_WAVE_CLOCK_RUNS", True,
+                       "contiguous runs (dense, causal) rotated by the clock's phase too")
 _register_with_setting("sparse_attn-gridphase", "FWD_WAVE_CLOCK", "0",
                        "the wave order's phase from the grid position (the order before the clock's)")
 

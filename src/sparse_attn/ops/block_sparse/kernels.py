@@ -348,7 +348,11 @@ def fwd_kernel(
             rot = _wave_place(i_m, period) * n_it // period
     for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
         if CONTIGUOUS:
-            start_n = run0 + it * BLOCK_N
+            if WAVE:  # contiguous runs take only the clock's phase (launch: WAVE_NS > 0 there)
+                j = it + rot
+                start_n = run0 + tl.where(j >= n_it, j - n_it, j) * BLOCK_N
+            else:
+                start_n = run0 + it * BLOCK_N
         else:
             j = it
             if WAVE:

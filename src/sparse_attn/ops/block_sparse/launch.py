@@ -66,6 +66,8 @@ if FWD_WAVE_CLOCK not in ("auto", "0", "1"):
 # row's duration from it; an error of x in it spreads the running programs over about x of the keys
 # (L2 misses), never affects correctness.
 WAVE_NS_PER_BLOCK = 1950
+# experiment: contiguous runs (dense, causal) rotated by the clock's phase as well
+FWD_WAVE_CLOCK_RUNS = False
 # the same order in the backward kernels' indexed walks (kernels._bwd_wave): dK/dV programs over the
 # transposed rows' query blocks (Q, dO), dQ programs over the key blocks (K, V). Not on contiguous
 # schedules (their running programs already read neighbouring blocks) nor packed inputs.
@@ -477,9 +479,10 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP", "WAVE"),
                   variant, eight_bit=quant != 0)
     contiguous = contiguous and not FORCE_INDEXED
-    wave = FWD_WAVE and not contiguous and not varlen
     wave_ns = fwd_wave_clock(q.device, d_pad, k.element_size(), quant, block_q, block_k, Lk,
-                             indices.shape[-1]) if wave and q.device.type == "cuda" else 0
+                             indices.shape[-1]) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
+    # indexed rows: the grid position's phase or the clock's; contiguous runs: only the clock's
+    wave = FWD_WAVE and not varlen and (not contiguous or (FWD_WAVE_CLOCK_RUNS and wave_ns > 0))
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
