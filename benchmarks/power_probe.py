@@ -22,7 +22,8 @@ Case syntax ``pattern:seq_len:mode[:providers]`` (providers joined by ``+``), pa
 names in CASE_PATTERNS. Besides the registry's providers, this file registers sparse_attn with one
 launch setting changed during its calls: ``sparse_attn-indexed`` (contiguous rows through their
 indices), ``sparse_attn-grid`` (no wave order), ``sparse_attn-clock`` / ``sparse_attn-gridphase`` (the
-wave order's phase from the GPU clock / from the grid position). NOTES.md "Power, clocks and energy"
+wave order's phase from the GPU clock, contiguous runs rotated by it too / from the grid position, no
+rotation of contiguous runs). NOTES.md "Power, clocks and energy"
 and "The wave order's clock phase" hold what it measured.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ H, D = 32, 128
 CASE_PATTERNS = {
     "dense": lambda L: patterns.dense(L, device="cuda"),
     "causal": lambda L: patterns.causal(L, device="cuda"),
+    "streaming": lambda L: patterns.streaming(L, window=4096, num_sink=128, device="cuda"),
     "random-0.1": lambda L: patterns.random(L, density=0.1, heads=H, seed=0, device="cuda"),
     "random-0.25": lambda L: patterns.random(L, density=0.25, heads=H, seed=0, device="cuda"),
     "random-0.5": lambda L: patterns.random(L, density=0.5, heads=H, seed=0, device="cuda"),
@@ -84,8 +86,6 @@ _register_with_setting("sparse_attn-indexed", "FORCE_INDEXED", True,
                        "contiguous rows walked through their block indices: the indexed walk's cost")
 _register_with_setting("sparse_attn-grid", "FWD_WAVE", False, "indexed rows in grid order (no wave order)")
 _register_with_setting("sparse_attn-clock", "FWD_WAVE_CLOCK", "1", "the wave order's phase from the GPU clock")
-_register_with_setting("sparse_attn-clockruns", "FWD_WAVE_CLOCK_RUNS", True,
-                       "contiguous runs (dense, causal) rotated by the clock's phase too")
 _register_with_setting("sparse_attn-gridphase", "FWD_WAVE_CLOCK", "0",
                        "the wave order's phase from the grid position (the order before the clock's)")
 

@@ -106,12 +106,17 @@ _CLOCK_ARGS = dict(d_pad=128, elem_bytes=2, quant=0, block_q=128, block_k=128, l
     ("auto", dict(block_k=256, max_k=256), 512 * 1950),  # the period counts 128 x 128 blocks
     ("auto", dict(max_k=0), 0),                          # no indexed block at all
     ("1", dict(lk=1024, block_q=64, block_k=64), 512 * 1950 // 4),
-    ("0", {}, 0)])
+    ("0", {}, 0),
+    # contiguous runs: the keys the running neighbours share are a run's own blocks
+    ("auto", dict(contiguous=True, max_k=1024), 1024 * 1950),  # dense / causal 128K: 64 MiB of K+V
+    ("auto", dict(contiguous=True, max_k=33), 0),              # a 4096-token window at 128K: 2 MiB
+    ("1", dict(contiguous=True, max_k=33), 33 * 1950)])
 def test_forward_wave_phase_from_the_gpu_clock_where_kv_outgrow_the_l2(monkeypatch, setting, changes, expect):
     """launch.fwd_wave_clock: the wave order's period in ns (one row's duration at WAVE_NS_PER_BLOCK
     per 128 x 128 block), "auto" only where measured (16-bit, head dim 128, 128-token blocks) and
-    where one kv head's K/V outgrow the L2 (the interpreter stands in 50 MiB); 0 keeps the phase of
-    the grid position."""
+    where the keys the running rows read outgrow the L2 (the interpreter stands in 50 MiB): all of
+    one kv head's for indexed rows, a run's own for contiguous ones; 0 keeps the phase of the grid
+    position (indexed rows) or no rotation (contiguous runs)."""
     from sparse_attn.ops.block_sparse import launch
     monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", setting)
     assert launch.fwd_wave_clock(torch.device("cpu"), **{**_CLOCK_ARGS, **changes}) == expect

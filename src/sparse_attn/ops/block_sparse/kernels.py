@@ -270,8 +270,9 @@ def fwd_kernel(
     WAVE_NS > 0 (launch.fwd_wave_clock): the phase comes from the GPU clock instead, (globaltimer mod
     WAVE_NS) / WAVE_NS, WAVE_NS being about one row's duration, so the programs running at once stand
     at one fraction of their walks however dispatch went (on rows of equal length the grid's waves
-    start together and then drift, which the grid-position phase cannot follow). The start slot then
-    depends on timing, so the summation order, and the output's last bits, vary run to run."""
+    start together and then drift, which the grid-position phase cannot follow). With CONTIGUOUS,
+    WAVE rotates the run by that phase (the launcher sets it only with WAVE_NS > 0). The start slot
+    then depends on timing, so the summation order, and the output's last bits, vary run to run."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)

@@ -53,11 +53,14 @@ FORCE_INDEXED = False
 # Not on packed (varlen) inputs, whose empty tiles past a sequence's end would shift the phases.
 FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 # the wave order's phase from the GPU clock instead of the grid position (kernels.fwd_kernel WAVE_NS,
-# fwd_wave_clock): "auto" where one kv head's K/V outgrow the L2 (H100: 128K+), 16-bit at head dim 128
-# on 128-token blocks (where measured), unless torch.use_deterministic_algorithms(True) is on: the
-# start slot then depends on timing, so the output's last bits vary run to run. "1": wherever the wave
-# order applies; "0": never. H100 bf16 128K, blocks (benchmarks/NOTES.md "The wave order's clock
-# phase"): random 0.5 268.1 -> 241.6 ms (L2 hits 81% -> 97%), random 0.25 132.1 -> 122.9 ms.
+# fwd_wave_clock), and a rotation by it of contiguous runs, which otherwise start at their first block:
+# "auto" where the keys the running rows read outgrow the L2 (H100: 128K+ random or dense / causal),
+# 16-bit at head dim 128 on 128-token blocks (where measured), unless
+# torch.use_deterministic_algorithms(True) is on: the start slot then depends on timing, so the
+# output's last bits vary run to run. "1": on every launch of the wave order or a contiguous run;
+# "0": never. H100 bf16 128K, blocks (benchmarks/NOTES.md "The wave order's clock phase"): random 0.5
+# 268.1 -> 241.6 ms (L2 hits 81% -> 97%), random 0.25 132.1 -> 122.9, causal 259.2 -> 236.8 (60% ->
+# 98%), dense 509.9 -> 493.1 ms.
 FWD_WAVE_CLOCK = os.environ.get("SPARSE_ATTN_FWD_WAVE_CLOCK", "auto")
 if FWD_WAVE_CLOCK not in ("auto", "0", "1"):
     raise ValueError(f"SPARSE_ATTN_FWD_WAVE_CLOCK must be 'auto', '0' or '1', got {FWD_WAVE_CLOCK!r}")
@@ -66,8 +69,6 @@ if FWD_WAVE_CLOCK not in ("auto", "0", "1"):
 # row's duration from it; an error of x in it spreads the running programs over about x of the keys
 # (L2 misses), never affects correctness.
 WAVE_NS_PER_BLOCK = 1950
-# experiment: contiguous runs (dense, causal) rotated by the clock's phase as well
-FWD_WAVE_CLOCK_RUNS = False
 # the same order in the backward kernels' indexed walks (kernels._bwd_wave): dK/dV programs over the
 # transposed rows' query blocks (Q, dO), dQ programs over the key blocks (K, V). Not on contiguous
 # schedules (their running programs already read neighbouring blocks) nor packed inputs.
@@ -479,10 +480,10 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP", "WAVE"),
                   variant, eight_bit=quant != 0)
     contiguous = contiguous and not FORCE_INDEXED
-    wave_ns = fwd_wave_clock(q.device, d_pad, k.element_size(), quant, block_q, block_k, Lk,
-                             indices.shape[-1]) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
+    wave_ns = fwd_wave_clock(q.device, d_pad, k.element_size(), quant, block_q, block_k, Lk, indices.shape[-1],
+                             contiguous) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
     # indexed rows: the grid position's phase or the clock's; contiguous runs: only the clock's
-    wave = FWD_WAVE and not varlen and (not contiguous or (FWD_WAVE_CLOCK_RUNS and wave_ns > 0))
+    wave = FWD_WAVE and not varlen and (not contiguous or wave_ns > 0)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
@@ -498,17 +499,20 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
 
 
 def fwd_wave_clock(device: torch.device, d_pad: int, elem_bytes: int, quant: int, block_q: int, block_k: int,
-                   lk: int, max_k: int) -> int:
-    """WAVE_NS of a forward launch whose indexed rows take the wave order (FWD_WAVE_CLOCK): about one
-    row's duration in ns, for rows of at most ``max_k`` layout blocks, or 0 for the grid-position
-    phase. "auto" takes the clock where one kv head's K and V (``lk`` rows each) outgrow the L2, in
-    16-bit at head dim 128 on 128-token blocks, unless deterministic algorithms are requested (the
-    interpreter stands in a 50 MiB L2; launch.forward passes 0 there: it has no GPU clock)."""
+                   lk: int, max_k: int, contiguous: bool = False) -> int:
+    """WAVE_NS of a forward launch (FWD_WAVE_CLOCK): about one row's duration in ns, for rows of at
+    most ``max_k`` layout blocks, or 0: indexed rows then take the grid position's phase, contiguous
+    runs no rotation. "auto" takes the clock where the keys the running rows read outgrow the L2 (K
+    and V of one kv head: all ``lk`` keys for indexed rows, which scatter over them; a run's own
+    ``max_k`` blocks for contiguous rows, which the running neighbours share), in 16-bit at head dim
+    128 on 128-token blocks, unless deterministic algorithms are requested. The interpreter stands in
+    a 50 MiB L2; launch.forward passes 0 there: it has no GPU clock."""
     if FWD_WAVE_CLOCK == "0" or max_k == 0:
         return 0
     if FWD_WAVE_CLOCK == "auto":
         measured = quant == 0 and d_pad == 128 and block_q % 128 == 0 and block_k % 128 == 0
-        fits_l2 = 2 * lk * d_pad * elem_bytes <= _l2_bytes(device)
+        keys = max_k * block_k if contiguous else lk
+        fits_l2 = 2 * keys * d_pad * elem_bytes <= _l2_bytes(device)
         if not measured or fits_l2 or torch.are_deterministic_algorithms_enabled():
             return 0
     return max_k * block_q * block_k // (128 * 128) * WAVE_NS_PER_BLOCK
