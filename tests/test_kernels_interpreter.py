@@ -122,6 +122,16 @@ def test_forward_wave_phase_from_the_gpu_clock_where_kv_outgrow_the_l2(monkeypat
     assert launch.fwd_wave_clock(torch.device("cpu"), **{**_CLOCK_ARGS, **changes}) == expect
 
 
+def test_forward_wave_clock_auto_only_on_hopper(monkeypatch):
+    """WAVE_NS_PER_BLOCK was measured on the H100: "auto" leaves other architectures on the grid phase."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", "auto")
+    assert launch.fwd_wave_clock(torch.device("cpu"), **_CLOCK_ARGS) > 0
+    for major in (8, 10):
+        monkeypatch.setattr(launch, "_sm_major", lambda device, major=major: major)
+        assert launch.fwd_wave_clock(torch.device("cpu"), **_CLOCK_ARGS) == 0
+
+
 def test_forward_wave_clock_off_under_deterministic_algorithms(monkeypatch):
     """The clock's phase makes the summation order depend on timing, so "auto" leaves it off when the
     caller asks torch for deterministic algorithms."""

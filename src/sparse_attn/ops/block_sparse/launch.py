@@ -55,7 +55,7 @@ FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 # the wave order's phase from the GPU clock instead of the grid position (kernels.fwd_kernel WAVE_NS,
 # fwd_wave_clock), and a rotation by it of contiguous runs, which otherwise start at their first block:
 # "auto" where the keys the running rows read outgrow the L2 (H100: 128K+ random or dense / causal),
-# 16-bit at head dim 128 on 128-token blocks (where measured), unless
+# 16-bit at head dim 128 on 128-token blocks of a Hopper GPU (where measured), unless
 # torch.use_deterministic_algorithms(True) is on: the start slot then depends on timing, so the
 # output's last bits vary run to run. "1": on every launch of the wave order or a contiguous run;
 # "0": never. H100 bf16 128K, blocks (benchmarks/NOTES.md "The wave order's clock phase"): random 0.5
@@ -505,12 +505,14 @@ def fwd_wave_clock(device: torch.device, d_pad: int, elem_bytes: int, quant: int
     runs no rotation. "auto" takes the clock where the keys the running rows read outgrow the L2 (K
     and V of one kv head: all ``lk`` keys for indexed rows, which scatter over them; a run's own
     ``max_k`` blocks for contiguous rows, which the running neighbours share), in 16-bit at head dim
-    128 on 128-token blocks, unless deterministic algorithms are requested. The interpreter stands in
-    a 50 MiB L2; launch.forward passes 0 there: it has no GPU clock."""
+    128 on 128-token blocks of a Hopper GPU (WAVE_NS_PER_BLOCK is the H100's), unless deterministic
+    algorithms are requested. The interpreter stands in an H100 (50 MiB of L2); launch.forward passes 0
+    there: it has no GPU clock."""
     if FWD_WAVE_CLOCK == "0" or max_k == 0:
         return 0
     if FWD_WAVE_CLOCK == "auto":
-        measured = quant == 0 and d_pad == 128 and block_q % 128 == 0 and block_k % 128 == 0
+        measured = (_sm_major(device) == 9 and quant == 0 and d_pad == 128 and block_q % 128 == 0
+                    and block_k % 128 == 0)
         keys = max_k * block_k if contiguous else lk
         fits_l2 = 2 * keys * d_pad * elem_bytes <= _l2_bytes(device)
         if not measured or fits_l2 or torch.are_deterministic_algorithms_enabled():
@@ -525,6 +527,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _sm_major(device: torch.device) -> int:
+    """Compute capability major of a CUDA device (9: Hopper); the interpreter, on CPU tensors, stands in 9."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
+
+
 def _l2_bytes(device: torch.device) -> int:
     """L2 cache size of a CUDA device; the interpreter, on CPU tensors, stands in the H100's 50 MiB."""
     return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 << 20
