@@ -113,7 +113,7 @@ _CLOCK_ARGS = dict(d_pad=128, elem_bytes=2, quant=0, block_q=128, block_k=128, l
     ("1", dict(contiguous=True, max_k=33), 33 * 1950)])
 def test_forward_wave_phase_from_the_gpu_clock_where_kv_outgrow_the_l2(monkeypatch, setting, changes, expect):
     """launch.fwd_wave_clock: the wave order's period in ns (one row's duration at WAVE_NS_PER_BLOCK
-    per 128 x 128 block), "auto" only where measured (16-bit, head dim 128, 128-token blocks) and
+    per 128 x 128 block), "auto" only where measured (Hopper, 16-bit, head dim 128, 128-token blocks) and
     where the keys the running rows read outgrow the L2 (the interpreter stands in 50 MiB): all of
     one kv head's for indexed rows, a run's own for contiguous ones; 0 keeps the phase of the grid
     position (indexed rows) or no rotation (contiguous runs)."""
