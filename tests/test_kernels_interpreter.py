@@ -137,13 +137,11 @@ def test_forward_wave_clock_off_under_deterministic_algorithms(monkeypatch):
     caller asks torch for deterministic algorithms."""
     from sparse_attn.ops.block_sparse import launch
     monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", "auto")
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    from sparse_attn.testing import deterministic_algorithms
     assert launch.fwd_wave_clock(torch.device("cpu"), **_CLOCK_ARGS) > 0
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         assert launch.fwd_wave_clock(torch.device("cpu"), **_CLOCK_ARGS) == 0
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert launch.fwd_wave_clock(torch.device("cpu"), **_CLOCK_ARGS) > 0  # the caller's setting is back
 
 
 def test_unknown_forward_wave_clock_setting_is_a_clear_error():

@@ -13,6 +13,7 @@ LSE ``-inf``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -239,6 +240,18 @@ def grads_per_launch_setting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return grads
     finally:
         setattr(launch, attr, saved)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` inside the block; the caller's
+    setting is restored after it."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def launch_import_stderr(env_name: str, value: str) -> str:

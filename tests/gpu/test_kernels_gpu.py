@@ -186,6 +186,19 @@ def test_wave_clock_phase_against_the_oracle(monkeypatch, hkv):
     _run_case(_random_layout(L, L, 128, 128, 4, 0.5, seed=11), 1, 4, hkv, L, L, 128, torch.bfloat16)
 
 
+def _poisoned_forward(monkeypatch, q, k, v, layout, settings: dict, **kw):
+    """(out as fp32, lse) of sparse_attn.attention with the launch settings ``settings`` (name ->
+    value) in force, its outputs allocated where NaN-filled memory was just freed; both NaN-free."""
+    from sparse_attn.ops.block_sparse import launch
+    for name, value in settings.items():
+        monkeypatch.setattr(launch, name, value)
+    poison = torch.full((4, *q.shape), float("nan"), device="cuda", dtype=q.dtype)
+    del poison  # the caching allocator hands this NaN-filled memory to the call's outputs
+    out, lse = sparse_attn.attention(q, k, v, layout, return_lse=True, **kw)
+    assert not out.isnan().any() and not lse.isnan().any()
+    return out.float(), lse
+
+
 def test_clock_rotated_causal_runs_at_128k_change_only_the_summation_order(monkeypatch):
     """Causal rows at 128K are contiguous runs of up to 1024 blocks (64 MiB of K/V), so FWD_WAVE_CLOCK
     "auto" rotates each run by the clock's phase: against no rotation ("0"), outputs within the bf16
@@ -193,28 +206,18 @@ def test_clock_rotated_causal_runs_at_128k_change_only_the_summation_order(monke
     NaN-poisoned allocations; under deterministic algorithms bitwise the unrotated output."""
     from sparse_attn import metrics, patterns
     from sparse_attn.ops.block_sparse import launch
+    from sparse_attn.testing import deterministic_algorithms
     L = 131072 + 33
     q, k, v = (_rand((1, n, L, 128), torch.bfloat16) for n in (2, 1, 1))
     layout = patterns.causal(L, device="cuda")
     assert launch.fwd_wave_clock(q.device, 128, 2, 0, 128, 128, L, layout.kv_indices.shape[-1], True) > 0
-
-    def run(clock):
-        monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", clock)
-        poison = torch.full((4, *q.shape), float("nan"), device="cuda", dtype=q.dtype)
-        del poison
-        out, lse = sparse_attn.attention(q, k, v, layout, causal=True, return_lse=True)
-        assert not out.isnan().any() and not lse.isnan().any()
-        return out.float(), lse
-
-    (rotated, rotated_lse), (plain, plain_lse) = run("auto"), run("0")
+    rotated, rotated_lse = _poisoned_forward(monkeypatch, q, k, v, layout, {"FWD_WAVE_CLOCK": "auto"}, causal=True)
+    plain, plain_lse = _poisoned_forward(monkeypatch, q, k, v, layout, {"FWD_WAVE_CLOCK": "0"}, causal=True)
     assert 0 < metrics.relative_l1(rotated, plain) < 4e-3
     assert (rotated_lse - plain_lse).abs().max().item() < 1e-4
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        assert torch.equal(run("auto")[0], plain)
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    with deterministic_algorithms():
+        again, _ = _poisoned_forward(monkeypatch, q, k, v, layout, {"FWD_WAVE_CLOCK": "auto"}, causal=True)
+    assert torch.equal(again, plain)
 
 
 def test_wave_clock_phase_at_128k_changes_only_the_summation_order(monkeypatch):
@@ -227,31 +230,22 @@ def test_wave_clock_phase_at_128k_changes_only_the_summation_order(monkeypatch):
     torch.use_deterministic_algorithms(True) "auto" keeps the grid position's phase: bitwise its output."""
     from sparse_attn import metrics, patterns
     from sparse_attn.ops.block_sparse import launch
+    from sparse_attn.testing import deterministic_algorithms
     L = 131072 + 33
     q, k, v = (_rand((1, n, L, 128), torch.bfloat16) for n in (2, 1, 1))
     layout = patterns.random(L, density=0.5, heads=2, seed=3, device="cuda")
     assert launch.fwd_wave_clock(q.device, 128, 2, 0, 128, 128, L, layout.kv_indices.shape[-1]) > 0
-
-    def run(clock, wave=True):
-        monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", clock)
-        monkeypatch.setattr(launch, "FWD_WAVE", wave)
-        poison = torch.full((4, *q.shape), float("nan"), device="cuda", dtype=q.dtype)
-        del poison  # the caching allocator hands this NaN-filled memory to the call's outputs
-        out, lse = sparse_attn.attention(q, k, v, layout, return_lse=True)
-        assert not out.isnan().any() and not lse.isnan().any()
-        return out.float(), lse
-
-    (clock, clock_lse), (phase, phase_lse), (plain, _) = run("auto"), run("0"), run("0", wave=False)
+    clock, clock_lse = _poisoned_forward(monkeypatch, q, k, v, layout,
+                                         {"FWD_WAVE_CLOCK": "auto", "FWD_WAVE": True})
+    phase, phase_lse = _poisoned_forward(monkeypatch, q, k, v, layout, {"FWD_WAVE_CLOCK": "0", "FWD_WAVE": True})
+    plain, _ = _poisoned_forward(monkeypatch, q, k, v, layout, {"FWD_WAVE_CLOCK": "0", "FWD_WAVE": False})
     other_order = metrics.relative_l1(phase, plain)
     assert other_order > 0, "the wave order did not rotate any row"
     assert metrics.relative_l1(clock, phase) <= 2 * other_order
     assert (clock_lse - phase_lse).abs().max().item() < 1e-4
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        assert torch.equal(run("auto")[0], phase)
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    with deterministic_algorithms():
+        again, _ = _poisoned_forward(monkeypatch, q, k, v, layout, {"FWD_WAVE_CLOCK": "auto", "FWD_WAVE": True})
+    assert torch.equal(again, phase)
 
 
 def test_compiles_fullgraph():
