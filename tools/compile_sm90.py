@@ -102,6 +102,10 @@ def variants():
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128 if quant == 0 else 64, BLOCK_N=128, N_TERMS=n_terms,
                                  IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
                                  K_SCALE_SPAN=128 if quant else 0, WAVE=True)
+    # contiguous runs rotated by the clock's phase (launch.fwd_wave_clock: dense and causal at 128K+)
+    for n_terms in (0, 2):
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False, CONTIGUOUS=True,
+                                 USE_TMA=True, QUANT=0, PV_SKIP=False, WAVE=True)
     # 8-bit: per-key K scales (span 0) and one K scale per tile (span 128, per_block / per_warp)
     for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,

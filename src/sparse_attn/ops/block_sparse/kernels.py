@@ -341,24 +341,18 @@ def fwd_kernel(
     n_it = n_full * SUB
     if CONTIGUOUS:
         run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
-    if WAVE:
+    rot = 0
+    if WAVE:  # contiguous runs take only the clock's phase (the launcher sets WAVE_NS > 0 there)
         if WAVE_NS > 0:
             rot = (_globaltimer_ns() % WAVE_NS * n_it // WAVE_NS).to(tl.int32)
         else:
             period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
             rot = _wave_place(i_m, period) * n_it // period
     for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
+        j = _rotated(it, rot, n_it, WAVE)  # the walk's step, wrapped from its start slot
         if CONTIGUOUS:
-            if WAVE:  # contiguous runs take only the clock's phase (launch: WAVE_NS > 0 there)
-                j = it + rot
-                start_n = run0 + tl.where(j >= n_it, j - n_it, j) * BLOCK_N
-            else:
-                start_n = run0 + it * BLOCK_N
+            start_n = run0 + j * BLOCK_N
         else:
-            j = it
-            if WAVE:
-                j = it + rot
-                j = tl.where(j >= n_it, j - n_it, j)
             start_n = tl.load(INDICES + p_row + j // SUB) * BLOCK_K + (j % SUB) * BLOCK_N
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
@@ -462,8 +456,8 @@ def _run_start(INDICES, p_row, n_full, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rotated(step, rot, n, ROTATE: tl.constexpr):
-    """The slot of a walk's step: with ROTATE (the wave order, _bwd_wave) the walk starts at slot rot
-    and wraps around the row's n slots; else the step itself."""
+    """The slot of a walk's step: with ROTATE (the wave order: fwd_kernel's WAVE, _bwd_wave) the walk
+    starts at slot rot and wraps around the row's n slots; else the step itself."""
     if ROTATE:
         s = step + rot
         return tl.where(s >= n, s - n, s)

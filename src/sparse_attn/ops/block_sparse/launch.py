@@ -532,6 +532,7 @@ def _sm_major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
 
 
+@functools.lru_cache(maxsize=None)
 def _l2_bytes(device: torch.device) -> int:
     """L2 cache size of a CUDA device; the interpreter, on CPU tensors, stands in the H100's 50 MiB."""
     return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 << 20
