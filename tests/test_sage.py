@@ -71,6 +71,26 @@ def test_twin_accuracy_with_offset_and_outlier_channels(quant):
         assert cos >= 0.999 and l1 <= L1_BOUND[quant], (gran, cos, l1)
 
 
+def test_e4m3_rounding_of_p_and_v_alone_misses_the_issues_l1_bar():
+    """Why int8-fp8 is held to QUANT_L1_BOUND's 0.045, not the issue's 0.02: with everything else exact
+    (fp64 scores and softmax, no int8), rounding only P (scaled to 448, as the kernel does) and only V
+    (per-channel scale, as the kernel does) to e4m3 each already gives relative L1 above 0.02 on random
+    normal inputs, and both together ~0.035, while the cosine stays above 0.999. So no FP8 P.V kernel can
+    meet 0.02 there; the bound is the format's, not the kernel's."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 1024, 128, generator=g, dtype=torch.float64) for _ in range(3))
+    p = torch.exp((s := q @ k.transpose(-1, -2) / 128 ** 0.5) - s.amax(-1, keepdim=True))
+    row_sum = p.sum(-1, keepdim=True)  # the kernel sums P before rounding it
+    exact = p @ v / row_sum
+    p_fp8 = (p * 448).to(torch.float8_e4m3fn).double() / 448
+    v_scale = v.abs().amax(-2, keepdim=True) / 448
+    v_fp8 = (v / v_scale).to(torch.float8_e4m3fn).double() * v_scale
+    errors = {name: _accuracy(pp @ vv / row_sum, exact)
+              for name, pp, vv in (("p", p_fp8, v), ("v", p, v_fp8), ("both", p_fp8, v_fp8))}
+    assert all(l1 > 0.02 for _, l1 in errors.values()), errors
+    assert 0.03 < errors["both"][1] < L1_BOUND["int8-fp8"] and errors["both"][0] > 0.999, errors
+
+
 def test_smoothing_k_is_what_makes_offsets_harmless():
     q, k, v = _qkv(2, 2, 256, 256, 64, k_offset=20.0)
     ref = reference.attention(q, k, v)

@@ -111,9 +111,9 @@ def variants():
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=tma, QUANT=quant, PV_SKIP=False, K_SCALE_SPAN=span)
     # 8-bit on packed (varlen) inputs: TMA K/V (FP8 V^T from each sequence's aligned column), K scales
-    # by pointer loads (per key) or one per tile
-    for quant, span in itertools.product((1, 2), (0, 128)):
-        yield K.fwd_kernel, dict(fwd, BLOCK_M=64, BLOCK_N=128, N_TERMS=2, IS_VARLEN=True, CONTIGUOUS=True,
+    # by pointer loads (per key) or one per tile; both query tiles of the 8-bit space (launch.EIGHT_BIT_TILES)
+    for quant, span, bm in itertools.product((1, 2), (0, 128), (64, 128)):
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=2, IS_VARLEN=True, CONTIGUOUS=True,
                                  USE_TMA=True, QUANT=quant, PV_SKIP=False, K_SCALE_SPAN=span)
     # backward: block indices per iteration (IDX_CHUNK 0, 2 stages) or from registers (64, 3 stages:
     # the configs bwd_configs gives; the fused kernel's 3 stages are the tightest fit, ~214 KB)
@@ -174,6 +174,17 @@ def variants():
                                     IDX_CHUNK=0, KV_TMA=True, CONTIGUOUS=False, WAVE=not varlen, IDX_DEEP=True)
     for varlen in (False, True):
         yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen)
+
+
+def num_warps(fn, consts) -> int:
+    """The warps the launcher's spaces give a variant's tiles: the forward puts 8 warps on 128-row query
+    tiles and 4 on 64-row ones (launch.fwd_configs, EIGHT_BIT_TILES); the backward tiles compiled here
+    (64 x 128 dK/dV, 128 x 64 dQ) run on 8 (launch.bwd_configs), the row-terms pass on 4. ptxas's register allocation, and with it
+    whether it serializes the wgmmas, depends on the warp count, so a variant compiled at warps no config
+    uses says nothing about the shipped kernels."""
+    if fn is K.fwd_kernel:
+        return 8 if consts["BLOCK_M"] >= 128 else 4
+    return 4 if fn is K.bwd_delta_kernel else 8
 
 
 def ptxas_log(ptx: str) -> str:
@@ -270,7 +281,7 @@ def main(filters: list[str]):
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,
-                               options=dict(num_warps=8, num_stages=consts.get("NUM_STAGES", 3)))
+                               options=dict(num_warps=num_warps(fn, consts), num_stages=consts.get("NUM_STAGES", 3)))
             ptx = c.asm.get("ptx", "")
             if c.metadata.shared > SMEM_LIMIT:  # compiles, but a launch would fail with OutOfResources
                 raise RuntimeError(f"shared memory {c.metadata.shared} B over the sm_90 limit {SMEM_LIMIT} B")
@@ -279,8 +290,8 @@ def main(filters: list[str]):
                 print("note: nvdisasm not found next to Triton's ptxas; wgmma serialization not checked")
             elif serialized:
                 raise RuntimeError("every wgmma is waited for right after issue (serialized tensor-core pipeline)")
-            print(f"ok   {fn.__name__:16s} {flags} smem={c.metadata.shared} wgmma={'wgmma' in ptx} "
-                  f"tma={'cp.async.bulk.tensor' in ptx}")
+            print(f"ok   {fn.__name__:16s} {flags} warps={num_warps(fn, consts)} smem={c.metadata.shared} "
+                  f"wgmma={'wgmma' in ptx} tma={'cp.async.bulk.tensor' in ptx}")
         except Exception as e:  # noqa: BLE001 - report every failure, keep going
             failed += 1
             print(f"FAIL {fn.__name__:16s} {flags}: {type(e).__name__}: {str(e)[:800]}")
