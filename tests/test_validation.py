@@ -132,8 +132,11 @@ def test_zero_kv_heads():
 # ----------------------------------------------------------------------------- layout vs tensors
 def test_layout_not_a_layout():
     q, k, v = qkv()
-    with pytest.raises(TypeError, match=r"layout must be a sparse_attn\.BlockLayout \(or None\), got Tensor"):
+    with pytest.raises(TypeError, match=r"layout must be a sparse_attn\.BlockLayout \(or None\), got Tensor: a bool "
+                                        r"block mask .* BlockLayout\.from_block_mask\(mask"):
         sparse_attn.attention(q, k, v, torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"got list$"):
+        sparse_attn.attention(q, k, v, [1, 2])  # not a tensor: no converter to suggest
 
 
 @pytest.mark.parametrize("Lq,Lk", [(41, 48), (40, 47), (48, 40)])

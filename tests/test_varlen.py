@@ -304,6 +304,14 @@ def test_layout_with_wrong_heads_is_a_layout_error(heads):
         sparse_attn.varlen_attention(q, k, v, _cu([5, 3]), _cu([4, 6]), 5, 6, layouts=layouts)
 
 
+@pytest.mark.parametrize("wrong", ["local", patterns.dense(5, 4, block_q=16, block_k=16)])
+def test_pattern_that_is_not_a_function_is_a_clear_error(wrong):
+    a = _args()
+    hint = r"pass layouts=\[one BlockLayout per sequence\]" if isinstance(wrong, BlockLayout) else r"e\.g\. pattern=lambda"
+    with pytest.raises(TypeError, match=rf"pattern must be a function \(q_len, kv_len\) -> BlockLayout.*{hint}"):
+        _call(a, pattern=wrong)
+
+
 def test_layouts_and_pattern_both_given():
     a = _args()
     with pytest.raises(ValueError, match=r"give either layouts= or pattern=, not both"):

@@ -44,7 +44,12 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
     The (host-syncing) consistency check runs once per layout object and is remembered.
     """
     if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a sparse_attn.BlockLayout (or None), got {type(layout).__name__}")
+        hint = ""
+        if isinstance(layout, torch.Tensor):  # a block or token mask: say which converter takes it
+            hint = (": a bool block mask [Qb, Kb] becomes one with BlockLayout.from_block_mask(mask, block_q=..., "
+                    "block_k=..., q_len=..., kv_len=...); top-k indices [B, H, q_blocks, top_k] with "
+                    "patterns.from_block_index")
+        raise TypeError(f"layout must be a sparse_attn.BlockLayout (or None), got {type(layout).__name__}{hint}")
     B, Hq, Lq = q.shape[:3]
     Lk = k.shape[2]
     if layout.q_len != Lq or layout.kv_len != Lk:

@@ -43,6 +43,12 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
     ``heads`` (the query heads) is checked against each layout's heads (1 or heads)."""
     if layouts is not None and pattern is not None:
         raise ValueError("give either layouts= or pattern=, not both")
+    if pattern is not None and not callable(pattern):
+        # a name ("local") or one BlockLayout is the usual slip: a layout is built per sequence length
+        hint = ("pass layouts=[one BlockLayout per sequence]" if isinstance(pattern, BlockLayout) else
+                "e.g. pattern=lambda lq, lk: patterns.local(lq, 256, kv_len=lk)")
+        raise TypeError(f"pattern must be a function (q_len, kv_len) -> BlockLayout, called once per sequence, "
+                        f"got {type(pattern).__name__} {pattern!r:.60}: {hint}")
     if layouts is None:
         if pattern is None:
             builder = patterns.causal if causal else patterns.dense
