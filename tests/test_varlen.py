@@ -307,7 +307,8 @@ def test_layout_with_wrong_heads_is_a_layout_error(heads):
 @pytest.mark.parametrize("wrong", ["local", patterns.dense(5, 4, block_q=16, block_k=16)])
 def test_pattern_that_is_not_a_function_is_a_clear_error(wrong):
     a = _args()
-    hint = r"pass layouts=\[one BlockLayout per sequence\]" if isinstance(wrong, BlockLayout) else r"e\.g\. pattern=lambda"
+    hint = (r"pass layouts=\[one BlockLayout per sequence\]" if isinstance(wrong, BlockLayout)
+            else r"e\.g\. pattern=lambda")
     with pytest.raises(TypeError, match=rf"pattern must be a function \(q_len, kv_len\) -> BlockLayout.*{hint}"):
         _call(a, pattern=wrong)
 

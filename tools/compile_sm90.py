@@ -179,9 +179,9 @@ def variants():
 def num_warps(fn, consts) -> int:
     """The warps the launcher's spaces give a variant's tiles: the forward puts 8 warps on 128-row query
     tiles and 4 on 64-row ones (launch.fwd_configs, EIGHT_BIT_TILES); the backward tiles compiled here
-    (64 x 128 dK/dV, 128 x 64 dQ) run on 8 (launch.bwd_configs), the row-terms pass on 4. ptxas's register allocation, and with it
-    whether it serializes the wgmmas, depends on the warp count, so a variant compiled at warps no config
-    uses says nothing about the shipped kernels."""
+    (64 x 128 dK/dV, 128 x 64 dQ) run on 8 (launch.bwd_configs), the row-terms pass on 4. ptxas's
+    register allocation, and with it whether it serializes the wgmmas, depends on the warp count, so a
+    variant compiled at warps no config uses says nothing about the shipped kernels."""
     if fn is K.fwd_kernel:
         return 8 if consts["BLOCK_M"] >= 128 else 4
     return 4 if fn is K.bwd_delta_kernel else 8
@@ -281,7 +281,8 @@ def main(filters: list[str]):
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,
-                               options=dict(num_warps=num_warps(fn, consts), num_stages=consts.get("NUM_STAGES", 3)))
+                               options=dict(num_warps=num_warps(fn, consts),
+                                            num_stages=consts.get("NUM_STAGES", 3)))
             ptx = c.asm.get("ptx", "")
             if c.metadata.shared > SMEM_LIMIT:  # compiles, but a launch would fail with OutOfResources
                 raise RuntimeError(f"shared memory {c.metadata.shared} B over the sm_90 limit {SMEM_LIMIT} B")
