@@ -180,6 +180,18 @@ def test_empty_kv_slice_and_causal_rows_without_keys():
     assert torch.equal(q.grad[:7], torch.zeros_like(q.grad[:7]))
 
 
+@pytest.mark.parametrize("fn", [sparse_attn.grouped_attention, grouped_attention_loop])
+def test_no_group_with_queries_still_has_a_backward(fn):
+    """Every group empty on the query side (found by test_fuzz_grouped's draw): the output is all
+    zeros and backward() works, giving zero gradients, as for any other call whose rows see nothing."""
+    q, k, v = _qkv(20, 30, grad=True)
+    out, lse = fn(q, k, v, [Group(0, 0, 3, 9), Group(7, 7, 0, 30)], return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
+
 def test_imbalanced_groups():
     q, k, v = _qkv(200, 200, hq=4, hkv=1, seed=5)
     groups = [Group(0, 10, 0, 10), Group(10, 200, 10, 200)]

@@ -136,8 +136,7 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
         if g.q_len == 0:
             continue
         if g.k_len == 0:  # nothing to see: zeros that keep q/k/v in the graph (zero grads)
-            anchor = (q[:0].sum() + k[:0].sum() + v[:0].sum()).to(q.dtype)
-            pieces.append((g.q_start, q.new_zeros(g.q_len, hq, dv) + anchor,
+            pieces.append((g.q_start, q.new_zeros(g.q_len, hq, dv) + _graph_anchor(q, k, v),
                            torch.full((hq, g.q_len), float("-inf"), device=q.device)))
             continue
         layout = None if layouts is None else layouts[i]
@@ -152,7 +151,15 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
         o, lse = attention(qs, ks, vs, layout, causal=causal, scale=scale, return_lse=True)
         pieces.append((g.q_start, o[0].transpose(0, 1), lse[0].float()))
     out, lse = _assemble(pieces, q, tq, hq, dv)
+    if not pieces:  # no group has queries: all zeros, still in the graph (as the kernel path's)
+        out = out + _graph_anchor(q, k, v)
     return (out, lse) if return_lse else out
+
+
+def _graph_anchor(q, k, v) -> torch.Tensor:
+    """A zero scalar in q's dtype that depends on q, k and v: added to an output that no attention
+    call produced, it keeps backward() working and gives q, k and v zero gradients."""
+    return (q[:0].sum() + k[:0].sum() + v[:0].sum()).to(q.dtype)
 
 
 def _assemble(pieces, q, tq, hq, dv):
@@ -264,8 +271,7 @@ def _kernel_path(q, k, v, groups, causal, scale, return_lse, layouts, pattern):
     plan = grouped_plan(groups, q.shape[0], k.shape[0], layouts=layouts, pattern=pattern, causal=causal,
                         heads=q.shape[1], device=q.device)
     if plan.stacked is None:  # no group has both queries and keys: zeros that keep q/k/v in the graph
-        anchor = (q[:0].sum() + k[:0].sum() + v[:0].sum()).to(q.dtype)
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + anchor
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + _graph_anchor(q, k, v)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
         return (out, lse) if return_lse else out
     return grouped_attention_op(q, k, v, plan.stacked, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, plan.kv_lens,

@@ -164,6 +164,56 @@ def test_groups_fwd_bwd(case, dtype):
         _run(groups, tq, tk, 8, 2, 128, dtype, pattern=pattern)
 
 
+def _draw_groups(seed: int) -> dict:
+    """A random grouped case: 1-6 groups with disjoint query slices in random order (gaps between
+    them, empty and single-token groups), K/V slices anywhere in k (overlapping, nested, identical,
+    empty), GQA / MQA, head dim 64 / 96 / 128, fp16 / bf16, causal or not, sometimes a per-group
+    pattern on 64- or 128-token blocks, sometimes a custom scale or inputs x10."""
+    rng = random.Random(30_000 + seed)
+    hkv = rng.choice((1, 2, 8))
+    hq = hkv * rng.choice((1, 2, 4))
+    tk = rng.randint(1, 1500)
+    n = rng.randint(1, 6)
+    groups, tq = [], 0
+    for _ in range(n):
+        tq += rng.choice((0, 0, rng.randint(1, 40)))  # a gap of query rows in no group
+        lq = rng.choice((0, 1, rng.randint(2, 200), rng.randint(100, 700)))
+        a = rng.randint(0, tk)
+        e = rng.choice((a, min(tk, a + 1), rng.randint(a, tk), tk))
+        groups.append(Group(tq, tq + lq, a, e))
+        tq += lq
+    rng.shuffle(groups)  # the query slices need not come in order
+    tq += rng.randint(0, 20)
+    name = rng.choice(("dense", "dense", "local", "random", "streaming"))
+    bq = rng.choice((64, 128))
+    window, density, sink, layout_seed = rng.randint(1, 400), rng.choice((0.3, 0.6)), rng.randint(0, 30), seed
+
+    def pattern(lq, lk):
+        kw = dict(kv_len=lk, block_q=bq, block_k=128)
+        return {"local": lambda: patterns.local(lq, window, **kw),
+                "random": lambda: patterns.random(lq, density=density, heads=hq, seed=layout_seed, **kw),
+                "streaming": lambda: patterns.streaming(lq, window, sink, **kw)}[name]()
+
+    return dict(groups=groups, tq=max(tq, 1), tk=tk, hq=hq, hkv=hkv, d=rng.choice((64, 96, 128)),
+                dtype=rng.choice((torch.float16, torch.bfloat16)), causal=rng.random() < 0.6,
+                pattern=None if name == "dense" else pattern, name=name,
+                scale=rng.choice((None, None, 0.05)), in_scale=rng.choice((1.0, 1.0, 10.0)))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_fuzz_grouped(seed):
+    """Randomized grouped cases (_draw_groups) against the per-group reference, forward and backward;
+    the failure message starts with the drawn case, so it can be replayed by its seed."""
+    c = _draw_groups(seed)
+    try:
+        _run(c["groups"], c["tq"], c["tk"], c["hq"], c["hkv"], c["d"], c["dtype"], causal=c["causal"],
+             pattern=c["pattern"], in_scale=c["in_scale"], scale=c["scale"])
+    except AssertionError as e:
+        what = {k: c[k] for k in ("groups", "tq", "tk", "hq", "hkv", "d", "dtype", "causal", "name", "scale",
+                                  "in_scale")}
+        raise AssertionError(f"seed {seed}: {what}\n{e}") from None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_single_group_equals_attention(dtype):
     q, k, v, out, lse = _run([Group(0, 1500, 0, 2100)], 1500, 2100, 8, 2, 128, dtype, bwd=False)
