@@ -1,5 +1,6 @@
-"""Run tests/gpu/test_fuzz_gpu.py's cases for more seeds than the suite holds, within a time budget:
-    python benchmarks/fuzz_more.py --start 48 --budget-s 300
+"""Run the randomized GPU cases (tests/gpu/test_fuzz_gpu.py's three kinds and test_grouped_gpu.py's
+grouped one) for more seeds than the suites hold, within a time budget:
+    python benchmarks/fuzz_more.py --start 48 --budget-s 300 [--kinds grouped varlen]
 Prints each failure with its drawn configuration; exit 1 if any failed."""
 import argparse
 import sys
@@ -9,15 +10,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 import test_fuzz_gpu as F  # noqa: E402
+import test_grouped_gpu as G  # noqa: E402
+
+KINDS = {"fwd-bwd": F.test_fuzz_forward_backward, "varlen": F.test_fuzz_varlen,
+         "quantized": F.test_fuzz_quantized_vs_bf16, "grouped": G.test_fuzz_grouped}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--start", type=int, default=48)
     ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     a = ap.parse_args()
     t0, n, failed = time.monotonic(), 0, []
-    kinds = (F.test_fuzz_forward_backward, F.test_fuzz_varlen, F.test_fuzz_quantized_vs_bf16)
+    kinds = [KINDS[k] for k in a.kinds]
     seed = a.start
     while time.monotonic() - t0 < a.budget_s:
         for fn in kinds:
