@@ -20,7 +20,7 @@ import sparse_attn
 from sparse_attn import reference
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
-from sparse_attn.testing import (assert_close_to_oracle, causal_token_mask, naive_masked_attention,
+from sparse_attn.testing import (ZERO_LENGTH_CASES, assert_close_to_oracle, check_zero_length_case, causal_token_mask, naive_masked_attention,
                                  oracle_attention, random_qkv)
 
 F64 = torch.float64
@@ -294,6 +294,14 @@ def test_gradients_of_fully_masked_attention_are_zero(case):
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     for g, t in ((dq, q), (dk, k), (dv, v)):
         assert torch.equal(g, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize("case", ZERO_LENGTH_CASES)
+def test_zero_length_inputs_give_zeros_and_a_working_backward(case):
+    """No query or no key token, on every public entry point (sparse_attn.testing.ZERO_LENGTH_CASES;
+    those with no query token used to return an output outside the autograd graph, so backward()
+    raised). As SDPA does: zeros of q's shape, backward() runs and gives zero gradients."""
+    check_zero_length_case(case, "cpu", torch.float32)
 
 
 def test_gradients_without_lse_tight():

@@ -172,7 +172,7 @@ def _assemble(pieces, q, tq, hq, dv):
         outs.append(o.to(q.dtype))
         lses.append(lse)
         pos = start + o.shape[0]
-    if pos < tq:
+    if pos < tq or not outs:  # (no query tokens at all: empty tensors)
         outs.append(q.new_zeros(tq - pos, hq, dv))
         lses.append(torch.full((hq, tq - pos), float("-inf"), device=q.device))
     return torch.cat(outs, 0), torch.cat(lses, 1)

@@ -110,7 +110,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         o = o / torch.where(denom > 0, denom, torch.ones_like(denom))
         outs.append(o.reshape(B, Hq, r1 - r0, Dv))
         lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))
-    out = torch.cat(outs, 2).to(q.dtype) if outs else q.new_zeros(B, Hq, 0, Dv)
+    if not outs:  # no query rows: an empty output, still in the graph (as SDPA's), so backward() runs
+        outs.append(q.new_zeros(B, Hq, 0, Dv, dtype=acc) + (q.sum() + k[..., :0].sum() + v[..., :0].sum()).to(acc))
+    out = torch.cat(outs, 2).to(q.dtype)
     if not return_lse:
         return out
     lse = torch.cat(lses, 2).float() if lses else q.new_zeros(B, Hq, 0, dtype=torch.float32)

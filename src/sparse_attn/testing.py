@@ -24,7 +24,7 @@ from .reference import attention as reference_attention
 __all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
            "assert_layout_grads_close_to_oracle", "flash_delta_grads", "split_and_fused_grads",
            "grads_per_launch_setting", "launch_import_stderr", "QUANT_L1_BOUND", "default_atol_floor", "random_qkv",
-           "random_packed_qkv",
+           "random_packed_qkv", "ZERO_LENGTH_CASES", "check_zero_length_case",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
 
@@ -300,3 +300,51 @@ def random_packed_qkv(Tq: int, Tk: int, Hq: int, Hkv: int, D: int, *, seed: int,
     g = torch.Generator().manual_seed(seed)
     shapes = ((Tq, Hq, D), (Tk, Hkv, D), (Tk, Hkv, D))
     return tuple(torch.randn(s, generator=g).to(dtype).requires_grad_(requires_grad) for s in shapes)
+
+
+
+# ----------------------------------------------------------------------------- zero-length inputs
+# case -> (q shape, k/v shape): no query token or no key token on each public entry point; packed
+# shapes are [T, H, D], the others [B, H, L, D]
+_ZERO_LENGTH_SHAPES = {
+    "attention-no-query": ((1, 2, 0, 64), (1, 1, 10, 64)),
+    "attention-no-key-causal": ((1, 2, 5, 64), (1, 1, 0, 64)),
+    "int8-no-query": ((1, 2, 0, 64), (1, 1, 10, 64)),
+    "adaptive-no-query": ((1, 2, 0, 64), (1, 1, 10, 64)),
+    "varlen-no-query": ((0, 2, 64), (10, 1, 64)),
+    "varlen-no-key": ((5, 2, 64), (0, 1, 64)),
+    "grouped-no-query": ((0, 2, 64), (10, 1, 64)),
+    "grouped-no-key": ((5, 2, 64), (0, 1, 64)),
+}
+ZERO_LENGTH_CASES = tuple(_ZERO_LENGTH_SHAPES)
+
+
+def check_zero_length_case(case: str, device, dtype) -> None:
+    """Run one of ZERO_LENGTH_CASES forward and backward and check what SDPA does with such inputs:
+    an output of q's shape, all zeros (no row sees a key), and backward() giving zero gradients."""
+    import sparse_attn
+    from sparse_attn.grouped import Group
+    q_shape, kv_shape = _ZERO_LENGTH_SHAPES[case]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_()
+               for s in (q_shape, kv_shape, kv_shape))
+
+    def cu(*offsets):
+        return torch.tensor(offsets, dtype=torch.int32, device=device)
+    calls = {
+        "attention-no-query": lambda: sparse_attn.attention(q, k, v),
+        "attention-no-key-causal": lambda: sparse_attn.attention(q, k, v, causal=True),
+        "int8-no-query": lambda: sparse_attn.attention(q, k, v, quant="int8"),
+        "adaptive-no-query": lambda: sparse_attn.attention(q, k, v, "adaptive"),
+        "varlen-no-query": lambda: sparse_attn.varlen_attention(q, k, v, cu(0, 0, 0), cu(0, 4, 10), 1, 6),
+        "varlen-no-key": lambda: sparse_attn.varlen_attention(q, k, v, cu(0, 5), cu(0, 0), 5, 1),
+        "grouped-no-query": lambda: sparse_attn.grouped_attention(q, k, v, [Group(0, 0, 0, 10)]),
+        "grouped-no-key": lambda: sparse_attn.grouped_attention(q, k, v, [Group(0, 5, 0, 0)]),
+    }
+    out = calls[case]()
+    assert out.shape == q.shape and out.dtype == q.dtype, (case, tuple(out.shape), out.dtype)
+    assert torch.equal(out, torch.zeros_like(out)), case
+    out.float().sum().backward()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.grad is not None and t.grad.shape == t.shape, (case, name)
+        assert torch.equal(t.grad, torch.zeros_like(t)), (case, name)

@@ -15,6 +15,7 @@ import torch
 import sparse_attn
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
+from sparse_attn.testing import ZERO_LENGTH_CASES, check_zero_length_case
 
 pytestmark = pytest.mark.gpu
 FACTOR = 2.0
@@ -261,6 +262,14 @@ def test_compiles_fullgraph():
     torch.testing.assert_close(out, Block()(q, k, v))
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("case", ZERO_LENGTH_CASES)
+def test_zero_length_inputs_on_the_kernels(case):
+    """No query or no key token through the CUDA paths (kernels, varlen, grouped, 8-bit, adaptive):
+    zeros of q's shape, and a backward that runs and gives zero gradients (the CPU twin:
+    tests/test_reference.py)."""
+    check_zero_length_case(case, "cuda", torch.bfloat16)
 
 
 def test_fp32_on_cuda_is_a_clear_error():
