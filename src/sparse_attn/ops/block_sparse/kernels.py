@@ -206,9 +206,17 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
 
 
 @triton.jit
-def _globaltimer_ns():
-    """The GPU's nanosecond clock (PTX %globaltimer), the same on every SM: int64 scalar."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+def _globaltimer_ns(BLOCK: tl.constexpr):
+    """The GPU's nanosecond clock (PTX %globaltimer, the same on every SM) as one int64 that every
+    thread of the program agrees on. Each thread reads the clock at its own moment, while Triton
+    takes a scalar to be the same in all threads: read as a plain scalar, two warps could disagree,
+    and the two warps that each issue half of a K/V tile's TMA copy (64 head-dim columns each)
+    then addressed different key blocks, so one tile held half of each (H100: a causal 128K LSE off
+    by 0.017 in about one run in four). So every thread reads the clock into a [BLOCK] tensor, and
+    the program's max over them, a cross-warp reduction, is the one value all use."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.zeros([BLOCK], tl.int32)],
+                                  dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(t, axis=0)
 
 
 @triton.jit
@@ -344,7 +352,7 @@ def fwd_kernel(
     rot = 0
     if WAVE:  # contiguous runs take only the clock's phase (the launcher sets WAVE_NS > 0 there)
         if WAVE_NS > 0:
-            rot = (_globaltimer_ns() % WAVE_NS * n_it // WAVE_NS).to(tl.int32)
+            rot = (_globaltimer_ns(BLOCK_M) % WAVE_NS * n_it // WAVE_NS).to(tl.int32)
         else:
             period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
             rot = _wave_place(i_m, period) * n_it // period
