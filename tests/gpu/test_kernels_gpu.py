@@ -187,6 +187,23 @@ def test_wave_clock_phase_against_the_oracle(monkeypatch, hkv):
     _run_case(_random_layout(L, L, 128, 128, 4, 0.5, seed=11), 1, 4, hkv, L, L, 128, torch.bfloat16)
 
 
+@pytest.mark.parametrize("walk", ["indexed", "contiguous"])
+def test_clock_phase_is_one_value_per_program(monkeypatch, walk):
+    """With WAVE_NS_PER_BLOCK 1 the clock's period is a few dozen ns, so the rotation differs between
+    any two readings of the clock. Warps that each used their own reading would address the two
+    halves of a K/V tile's TMA copy at different key blocks in nearly every program (the bug
+    kernels._globaltimer_ns fixes: before it, the 128K causal test failed about one run in four).
+    Rule 3, forward and backward, on indexed rows (random blocks) and contiguous runs (causal)."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", "1")
+    monkeypatch.setattr(launch, "WAVE_NS_PER_BLOCK", 1)
+    L = 4096 + 77
+    if walk == "indexed":
+        _run_case(_random_layout(L, L, 128, 128, 4, 0.5, seed=12), 1, 4, 2, L, L, 128, torch.bfloat16)
+    else:
+        _run_case(None, 1, 4, 2, L, L, 128, torch.bfloat16, causal=True)
+
+
 def _poisoned_forward(monkeypatch, q, k, v, layout, settings: dict, **kw):
     """(out as fp32, lse) of sparse_attn.attention with the launch settings ``settings`` (name ->
     value) in force, its outputs allocated where NaN-filled memory was just freed; both NaN-free."""
