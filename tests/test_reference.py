@@ -20,8 +20,8 @@ import sparse_attn
 from sparse_attn import reference
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
-from sparse_attn.testing import (ZERO_LENGTH_CASES, assert_close_to_oracle, check_zero_length_case, causal_token_mask, naive_masked_attention,
-                                 oracle_attention, random_qkv)
+from sparse_attn.testing import (ZERO_LENGTH_CASES, assert_close_to_oracle, causal_token_mask, check_zero_length_case,
+                                 naive_masked_attention, oracle_attention, random_qkv)
 
 F64 = torch.float64
 TOL = 1e-12

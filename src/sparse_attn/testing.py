@@ -302,7 +302,6 @@ def random_packed_qkv(Tq: int, Tk: int, Hq: int, Hkv: int, D: int, *, seed: int,
     return tuple(torch.randn(s, generator=g).to(dtype).requires_grad_(requires_grad) for s in shapes)
 
 
-
 # ----------------------------------------------------------------------------- zero-length inputs
 # case -> (q shape, k/v shape): no query token or no key token on each public entry point; packed
 # shapes are [T, H, D], the others [B, H, L, D]

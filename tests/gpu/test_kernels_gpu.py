@@ -190,9 +190,10 @@ def test_wave_clock_phase_against_the_oracle(monkeypatch, hkv):
 @pytest.mark.parametrize("walk", ["indexed", "contiguous"])
 def test_clock_phase_is_one_value_per_program(monkeypatch, walk):
     """With WAVE_NS_PER_BLOCK 1 the clock's period is a few dozen ns, so the rotation differs between
-    any two readings of the clock. Warps that each used their own reading would address the two
-    halves of a K/V tile's TMA copy at different key blocks in nearly every program (the bug
-    kernels._globaltimer_ns fixes: before it, the 128K causal test failed about one run in four).
+    any two readings of the clock. On contiguous runs, warps that each used their own reading
+    addressed the two halves of a K/V tile's TMA copy at different key blocks (the bug
+    kernels._globaltimer_ns fixes: this test's contiguous case failed in every run before it, the
+    128K causal test about one run in four; the indexed case passed, and guards that walk).
     Rule 3, forward and backward, on indexed rows (random blocks) and contiguous runs (causal)."""
     from sparse_attn.ops.block_sparse import launch
     monkeypatch.setattr(launch, "FWD_WAVE_CLOCK", "1")
