@@ -27,6 +27,7 @@ import torch
 
 from .layout import BlockLayout
 from .plan_cache import PlanCache
+from .reference import graph_anchor
 from .validation import check_qkv, check_scale
 
 PatternFn = Callable[[int, int], BlockLayout]
@@ -136,7 +137,7 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
         if g.q_len == 0:
             continue
         if g.k_len == 0:  # nothing to see: zeros that keep q/k/v in the graph (zero grads)
-            pieces.append((g.q_start, q.new_zeros(g.q_len, hq, dv) + _graph_anchor(q, k, v),
+            pieces.append((g.q_start, q.new_zeros(g.q_len, hq, dv) + graph_anchor(q, k, v, q.dtype),
                            torch.full((hq, g.q_len), float("-inf"), device=q.device)))
             continue
         layout = None if layouts is None else layouts[i]
@@ -152,14 +153,8 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
         pieces.append((g.q_start, o[0].transpose(0, 1), lse[0].float()))
     out, lse = _assemble(pieces, q, tq, hq, dv)
     if not pieces:  # no group has queries: all zeros, still in the graph (as the kernel path's)
-        out = out + _graph_anchor(q, k, v)
+        out = out + graph_anchor(q, k, v, q.dtype)
     return (out, lse) if return_lse else out
-
-
-def _graph_anchor(q, k, v) -> torch.Tensor:
-    """A zero scalar in q's dtype that depends on q, k and v: added to an output that no attention
-    call produced, it keeps backward() working and gives q, k and v zero gradients."""
-    return (q[:0].sum() + k[:0].sum() + v[:0].sum()).to(q.dtype)
 
 
 def _assemble(pieces, q, tq, hq, dv):
@@ -271,7 +266,7 @@ def _kernel_path(q, k, v, groups, causal, scale, return_lse, layouts, pattern):
     plan = grouped_plan(groups, q.shape[0], k.shape[0], layouts=layouts, pattern=pattern, causal=causal,
                         heads=q.shape[1], device=q.device)
     if plan.stacked is None:  # no group has both queries and keys: zeros that keep q/k/v in the graph
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + _graph_anchor(q, k, v)
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + graph_anchor(q, k, v, q.dtype)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
         return (out, lse) if return_lse else out
     return grouped_attention_op(q, k, v, plan.stacked, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, plan.kv_lens,

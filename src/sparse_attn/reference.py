@@ -86,9 +86,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         if causal:
             j1 = max(j0, min(j1, r1 + Lk - Lq))
         if j1 <= j0:  # no key visible to any row of this chunk
-            # an empty-slice sum is an exact 0 that keeps q, k and v in the autograd graph (zero grads)
-            anchor = (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum()).to(acc)
-            outs.append(q.new_zeros(B, Hq, r1 - r0, Dv, dtype=acc) + anchor)
+            outs.append(q.new_zeros(B, Hq, r1 - r0, Dv, dtype=acc) + graph_anchor(q, k, v, acc))
             lses.append(torch.full((B, Hq, r1 - r0), float("-inf"), device=q.device, dtype=acc))
             continue
         qc = q[:, :, r0:r1].to(mm).view(B, Hkv, group, r1 - r0, D)
@@ -111,12 +109,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         outs.append(o.reshape(B, Hq, r1 - r0, Dv))
         lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))
     if not outs:  # no query rows: an empty output, still in the graph (as SDPA's), so backward() runs
-        outs.append(q.new_zeros(B, Hq, 0, Dv, dtype=acc) + (q.sum() + k[..., :0].sum() + v[..., :0].sum()).to(acc))
+        outs.append(q.new_zeros(B, Hq, 0, Dv, dtype=acc) + graph_anchor(q, k, v, acc))
     out = torch.cat(outs, 2).to(q.dtype)
     if not return_lse:
         return out
     lse = torch.cat(lses, 2).float() if lses else q.new_zeros(B, Hq, 0, dtype=torch.float32)
     return out, lse
+
+
+def graph_anchor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An exact zero scalar (empty-slice sums) that depends on q, k and v: added to an output no
+    attention product made (rows that see no key, no rows at all), it keeps backward() working and
+    gives q, k and v zero gradients."""
+    return (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum()).to(dtype)
 
 
 def _heads_as_groups(ok: torch.Tensor, hkv: int, group: int) -> torch.Tensor:
