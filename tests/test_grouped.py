@@ -11,6 +11,7 @@ import torch
 import sparse_attn
 from sparse_attn import Group, patterns, reference
 from sparse_attn.grouped import grouped_attention_loop, groups_from_cu_seqlens
+from sparse_attn.layout import LayoutError
 
 
 def _qkv(tq, tk, hq=2, hkv=2, d=8, dtype=torch.float64, seed=0, grad=False):
@@ -331,9 +332,13 @@ def test_validation_errors():
     _err(TypeError, "share a dtype", q, k.float(), v, ok)
     _err(TypeError, "dtype torch.int64", q.long(), k.long(), v.long(), ok)
     _err(ValueError, "head_dim", q, k[..., :4], v, ok)
-    _err(ValueError, "same heads and seq_len", q, k, v[:11], ok)
+    _err(ValueError, r"k \(12, 2, 8\) and v \(11, 2, 8\) must have the same tokens and heads", q, k, v[:11], ok)
     _err(ValueError, "k has 3 heads, q has 4: Hq must be a multiple of Hkv", q, k[:, :1].expand(12, 3, 8),
          v[:, :1].expand(12, 3, 8), ok)
     _err(ValueError, "scale", q, k, v, ok, scale=-1.0)
+    _err(TypeError, r"pattern must be a function .*pass layouts=\[one BlockLayout per group\]", q, k, v, ok,
+         pattern=sparse_attn.patterns.dense(10, 12))
+    _err(LayoutError, "layout 0 was built for q_len=10, kv_len=10 but group 0 has 10 query and 12 key tokens", q, k, v,
+         ok, layouts=[sparse_attn.patterns.dense(10, 10)])
     if torch.device("meta") != q.device:
         _err(ValueError, "one device", q, k.to("meta"), v, ok)

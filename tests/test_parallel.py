@@ -133,6 +133,25 @@ def _case_mismatch(rank, world):
     _compare(rank, world, 4, 4, causal=True)  # the group is still usable afterwards
 
 
+def _case_other_call_or_scale(rank, world):
+    """Ranks that entered different entry points (dense vs varlen: rows of different lengths once
+    killed the gloo process) or passed different scales get the ValueError on every rank."""
+    q, k, v, _ = _inputs(world, 2, 2)
+    q, k, v = (zigzag_split(t, world, rank) for t in (q, k, v))
+    with pytest.raises(ValueError, match=rf"ranks \[{world - 1}\] made a different call than rank 0"):
+        if rank == world - 1:
+            packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]  # [T / W, H, D]
+            zigzag_llama3_varlen_attention(*packed, [0, packed[0].shape[0] * world])
+        else:
+            zigzag_llama3_attention(q, k, v)
+    with pytest.raises(ValueError, match=rf"ranks \[{world - 1}\] disagree.*rank 0: .*scale=0\.25.*"
+                                         rf"rank {world - 1}: .*scale=0\.5"):
+        zigzag_llama3_attention(q, k, v, scale=0.5 if rank == world - 1 else 0.25)
+    with pytest.raises(ValueError, match=rf"ranks \[{world - 1}\] disagree.*rank 0: .*scale=None"):
+        zigzag_llama3_attention(q, k, v, scale=0.5 if rank == world - 1 else None)
+    _compare(rank, world, 2, 2, causal=True, scale=0.3)  # the group is still usable afterwards
+
+
 # ---- packed varlen batches ---------------------------------------------------------------------
 
 def _varlen_cu(world, units=(3, 0, 5, 1)):
@@ -240,7 +259,7 @@ def _case_varlen_mismatch(rank, world):
 
 CASES = {f.__name__.removeprefix("_case_"): f for f in
          (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_unchecked,
-          _case_value_dim, _case_gather, _case_mismatch, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
+          _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
           _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense, _case_host_check_group,
           _case_varlen_mismatch)}
 
@@ -436,3 +455,9 @@ def test_plan_rejects_bad_offsets():
         zigzag_plan([0, 8, 4], 2, 0)
     with pytest.raises(ValueError, match="rank"):
         zigzag_plan([0, 8], 2, 2)
+    with pytest.raises(ValueError, match="need 0 <= rank < world_size, got rank=0, world_size=0"):
+        zigzag_plan([0, 8], 0, 0)  # once a ZeroDivisionError
+    with pytest.raises(ValueError, match=r"at least 2 entries.*got \[0\]"):
+        zigzag_split_varlen(torch.zeros(0), [0], 2, 0)
+    with pytest.raises(ValueError, match="got none"):
+        zigzag_merge([])

@@ -362,3 +362,31 @@ def test_reference_memory_is_chunked():
     for what, peak in zip(("dense causal", "window+sinks layout"), peaks):
         assert peak < bool_mask_mb / 2, \
             f"{what}: peak RSS grew by {peak:.1f} MiB (a dense [Lq, Lk] bool mask is {bool_mask_mb:.0f} MiB)"
+
+
+@pytest.mark.parametrize("make", [lambda L: sparse_attn.patterns.streaming(L, window=128, num_sink=4, block_q=64,
+                                                                          block_k=64),
+                                  lambda L: sparse_attn.patterns.random(L, density=0.08, seed=3, block_q=64,
+                                                                        block_k=64)],
+                         ids=["sinks+window", "random"])
+def test_autograd_saves_only_visited_keys(make):
+    """Layouts whose visited key blocks spread over the whole prefix (sinks + window, random): what
+    autograd keeps for backward must grow with the visited keys, not with L^2 (it once kept every
+    chunk's scores over the span from the first to the last visited key: 1.7 GiB at L=16K)."""
+    L, D = 4096, 16
+    lay = make(L)
+    q, k, v = (torch.randn(1, 1, L, D, requires_grad=True) for _ in range(3))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = reference.attention(q, k, v, lay)
+    visited_pairs = int(lay.kv_counts.sum()) * lay.block_q * lay.block_k
+    assert visited_pairs < L * L / 8  # the layouts are sparse enough for the bound below to mean something
+    assert sum(saved) < 16 * visited_pairs, (sum(saved), visited_pairs, L * L)
+    out.sum().backward()
+    dense = reference.attention(*(t.detach().double() for t in (q, k, v)), lay)
+    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-5)

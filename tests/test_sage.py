@@ -172,6 +172,22 @@ def test_kernel_shape_limits_are_clear_errors():
         sage_attention_op(q, k, v, lay, quant="int8-fp8", granularity="per_warp", smooth_k=True)
 
 
+@pytest.mark.parametrize("d", [8, 24])
+def test_the_cpu_twin_refuses_what_the_kernels_cannot_run(d):
+    """The public entries check the kernels' shape limits on every device, so a call tried on a CPU
+    does not first fail on the GPU (the twin used to accept head_dim 8 and FP8 with block_k 16)."""
+    q, k, v = _qkv(1, 1, 32, 32, d, dtype=torch.float32)
+    with pytest.raises(ValueError, match=f"head_dim a multiple of 16 and at least 32.*got {d}"):
+        sparse_attn.attention(q, k, v, quant="int8")
+    cu = torch.tensor([0, 32], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"head_dim a multiple of 16 and at least 32.*got {d}"):
+        sparse_attn.varlen_attention(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, 32, 32, quant="int8")
+    q, k, v = _qkv(1, 1, 32, 32, 32, dtype=torch.float32)
+    with pytest.raises(ValueError, match="block_k >= 32.*got block_k=16"):
+        sparse_attn.attention(q, k, v, patterns.local(32, 4, block_q=16, block_k=16), quant="int8-fp8")
+    assert sparse_attn.attention(q, k, v, patterns.local(32, 4, block_q=16, block_k=16), quant="int8").shape == q.shape
+
+
 @pytest.mark.parametrize("gran", GRANS)
 def test_group_amax_shares_one_scale_per_group(gran):
     (qs, qp), (ks, kp) = GRANULARITY[gran]

@@ -162,6 +162,39 @@ def test_dense_matches_eager_and_sdpa():
     assert sat.get_config(model) is None
 
 
+def test_bidirectional_encoder_and_cross_attention_follow_the_modules():
+    """Causality comes from each attention module (as in transformers' sdpa): a BERT encoder is
+    bidirectional (it once ran causal, silently), and BART's decoder mixes causal self-attention with
+    cross-attention over the encoder states (it was refused with a message about caches)."""
+    from transformers import BartConfig, BartForConditionalGeneration, BertConfig, BertModel
+    bert = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128, max_position_embeddings=128, attn_implementation="sdpa")).eval()
+    bart = BartForConditionalGeneration(BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
+        attn_implementation="sdpa", pad_token_id=0)).eval()
+    x, y = ids(length=40), ids(length=12, seed=2)
+    with torch.no_grad():
+        ref_bert = bert(x).last_hidden_state
+        ref_bart = bart(input_ids=x, decoder_input_ids=y, use_cache=False).logits
+        enable(bert)
+        enable(bart)
+        torch.testing.assert_close(bert(x).last_hidden_state, ref_bert, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(bart(input_ids=x, decoder_input_ids=y, use_cache=False).logits, ref_bart,
+                                   atol=1e-5, rtol=1e-5)
+        enable(bert, SparseAttnConfig(causal=True))  # forcing causal on an encoder is the caller's choice
+        assert not torch.allclose(bert(x).last_hidden_state, ref_bert, atol=1e-3)
+
+
+def test_output_attentions_warns():
+    sat._WARNED.clear()
+    model = tiny_llama(layers=1)
+    enable(model)
+    with torch.no_grad(), pytest.warns(UserWarning, match="does not return attention weights"):
+        out = model(ids(length=20), output_attentions=True)
+    assert not out.attentions or all(a is None for a in out.attentions)
+
+
 def test_gqa_passes_kv_heads_without_repeat(monkeypatch):
     model = tiny_llama(layers=2)
     seen = []

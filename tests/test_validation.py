@@ -151,6 +151,9 @@ def test_layout_batch_not_broadcastable():
     q, k, v = qkv(B=2)
     with pytest.raises(LayoutError, match=r"layout has batch 3; q has batch 2: use 1 \(broadcast\) or 2"):
         sparse_attn.attention(q, k, v, layout_for(B=3))
+    q, k, v = qkv(B=1)
+    with pytest.raises(LayoutError, match=r"layout has batch 3; q has batch 1: use 1 \(broadcast\)$"):
+        sparse_attn.attention(q, k, v, layout_for(B=3))  # not "use 1 (broadcast) or 1"
 
 
 @pytest.mark.parametrize("H", [2, 3, 8])

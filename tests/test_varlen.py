@@ -235,7 +235,7 @@ def test_cu_seqlens_not_ending_at_total():
 def test_cu_seqlens_too_short():
     a = _args()
     a[3] = torch.tensor([0], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0 and end at.*got \[0\]"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must hold num_seqs \+ 1 >= 2 offsets \(start 0, end \d+\), got \[0\]"):
         _call(a)
 
 
@@ -311,6 +311,28 @@ def test_pattern_that_is_not_a_function_is_a_clear_error(wrong):
             else r"e\.g\. pattern=lambda")
     with pytest.raises(TypeError, match=rf"pattern must be a function \(q_len, kv_len\) -> BlockLayout.*{hint}"):
         _call(a, pattern=wrong)
+
+
+def test_one_layout_instead_of_a_list_is_a_clear_error():
+    a = _args()
+    with pytest.raises(TypeError, match=r"layouts must be a list with one BlockLayout per sequence, got BlockLayout"):
+        _call(a, layouts=patterns.dense(5, 4, block_q=16, block_k=16))
+
+
+def test_plan_cache_keeps_the_given_layouts_alive():
+    """The plan cache keys on the layouts' ids: it must hold the layouts themselves, not the caller's
+    list, or replacing a list entry frees a layout whose id a new layout can take (a stale plan)."""
+    import gc
+    import weakref
+    a = _args()
+    lays = [patterns.local(5, 2, kv_len=4, block_q=16, block_k=16), patterns.dense(3, 6, block_q=16, block_k=16)]
+    _call(a, layouts=lays, causal=True)
+    first = weakref.ref(lays[0])
+    lays[0] = patterns.dense(5, 4, block_q=16, block_k=16)
+    gc.collect()
+    assert first() is not None, "the cached plan let a layout whose id is in its key be freed"
+    out = _call(a, layouts=lays, causal=True)
+    torch.testing.assert_close(out, _per_sequence(*a[:3], [5, 3], [4, 6], lays, causal=True)[0])
 
 
 def test_layouts_and_pattern_both_given():

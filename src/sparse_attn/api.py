@@ -10,7 +10,7 @@ from . import patterns, reference
 from .layout import BlockLayout
 from .patterns import causal_cut
 from .plan_cache import PlanCache
-from .validation import check_layout, check_qkv, check_scale
+from .validation import check_layout, check_packed_qkv, check_qkv, check_scale
 
 DEFAULT_BLOCK = 128
 
@@ -142,7 +142,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         layouts: one :class:`BlockLayout` per sequence, each built for that sequence's
             ``(q_len, kv_len)``; or
         pattern: ``pattern(q_len, kv_len) -> BlockLayout``, called per sequence (e.g.
-            ``lambda lq, lk: patterns.local(lq, 256, kv_len=lk)``); neither = dense.
+            ``lambda lq, lk: patterns.local(lq, 256, kv_len=lk)``); neither = dense. The layouts
+            are cached per batch shape and pattern object (the last 16), so a training loop builds
+            them once: the pattern must be a pure function of its arguments; to change what it
+            returns, pass another function object.
         causal: bottom-right aligned per sequence (query i of a sequence sees key j iff
             ``j <= i + kv_len - q_len``), combined with the layout by intersection.
         quant, quant_granularity, smooth_k: 8-bit attention as in :func:`attention`; each packed
@@ -153,14 +156,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     from . import varlen
     check_scale(scale)
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"varlen q/k/v must be packed [total_tokens, heads, head_dim], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    check_qkv(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2))
+    check_packed_qkv(q, k, v, "varlen_attention")
     q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
     k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
     if len(q_lens) != len(k_lens):
         raise ValueError(f"cu_seqlens_q has {len(q_lens)} sequences, cu_seqlens_k has {len(k_lens)}")
+    varlen.check_layout_args(layouts, pattern, len(q_lens))  # before the plan cache hashes them
     plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device)
     if quant is not None:
         from . import quantized
@@ -194,7 +195,9 @@ def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, 
         if torch.device(device).type == "cuda":
             stacked = varlen.stack([lay.to(device) for lay in per_seq], max_q, max_k, heads)
             kv_lens = tuple(k_lens)
-        return _VarlenPlan((pattern, layouts), per_seq, stacked, kv_lens)
+        # a tuple: pinning the caller's list would let it replace an entry, freeing the layout whose id
+        # is in the key for a new object to take
+        return _VarlenPlan((pattern, None if layouts is None else tuple(layouts)), per_seq, stacked, kv_lens)
     return _VARLEN_PLANS.get(key, build)
 
 

@@ -28,7 +28,7 @@ import torch
 from .layout import BlockLayout
 from .plan_cache import PlanCache
 from .reference import graph_anchor
-from .validation import check_qkv, check_scale
+from .validation import check_packed_qkv, check_scale
 
 PatternFn = Callable[[int, int], BlockLayout]
 
@@ -109,16 +109,6 @@ def check_groups(groups: Sequence[Group], tq: int, tk: int) -> list[Group]:
     return list(groups)
 
 
-def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"grouped q/k/v must be packed [total_tokens, heads, head_dim], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    check_qkv(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2))
-
-
 def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Sequence[Group], *,
                            causal: bool = True, scale: float | None = None, return_lse: bool = False,
                            layouts: Sequence[BlockLayout | None] | None = None, pattern: PatternFn | None = None):
@@ -126,7 +116,8 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     result as :func:`grouped_attention`). Outputs are assembled out of place (``torch.cat``), so
     autograd reaches q, k and v, and gradients of overlapping K/V slices add up."""
     from .api import attention
-    _check_packed(q, k, v)
+    from .varlen import check_unit_layout
+    check_packed_qkv(q, k, v, "grouped_attention")
     check_scale(scale)
     tq, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
     groups = check_groups(groups, tq, k.shape[0])
@@ -146,6 +137,8 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
             if key not in shapes:
                 shapes[key] = pattern(g.q_len, g.k_len)
             layout = shapes[key]
+        if layout is not None:  # the kernel path's checks and messages (group i, its own lengths)
+            check_unit_layout(layout, g.q_len, g.k_len, hq, "group", i)
         qs = q[g.q_start:g.q_end].transpose(0, 1)[None]
         ks = k[g.k_start:g.k_end].transpose(0, 1)[None]
         vs = v[g.k_start:g.k_end].transpose(0, 1)[None]
@@ -174,14 +167,8 @@ def _assemble(pieces, q, tq, hq, dv):
 
 
 def _check_layout_args(layouts, pattern, n_groups: int) -> None:
-    if layouts is not None and pattern is not None:
-        raise ValueError("give either layouts= or pattern=, not both")
-    if layouts is not None:
-        if isinstance(layouts, BlockLayout) or not isinstance(layouts, (list, tuple)):
-            raise TypeError(f"layouts must be a list with one BlockLayout per group, got {type(layouts).__name__}")
-        if len(layouts) != n_groups:
-            raise ValueError(f"got {len(layouts)} layouts for {n_groups} groups: give one per group (None for an "
-                             "empty group)")
+    from .varlen import check_layout_args
+    check_layout_args(layouts, pattern, n_groups, "group")
 
 
 # ----------------------------------------------------------------------------- the one-launch plan
@@ -223,6 +210,7 @@ def grouped_plan(groups: Sequence[Group], tq: int, tk: int, *, layouts=None, pat
 
 def _build_plan(groups, tq, tk, layouts, pattern, causal, heads, device) -> GroupedPlan:
     from . import varlen
+    layouts = None if layouts is None else tuple(layouts)  # pinned as a tuple: see api._varlen_plan
     run = tuple(i for i, g in enumerate(groups) if g.q_len > 0 and g.k_len > 0)
     covered = torch.zeros(tq, dtype=torch.bool)
     for i in run:
@@ -233,7 +221,7 @@ def _build_plan(groups, tq, tk, layouts, pattern, causal, heads, device) -> Grou
         return GroupedPlan((pattern, layouts), run, [], None, None, None, 0, 0, (), None, None, free_rows)
     per_group = varlen.build_layouts([groups[i].q_len for i in run], [groups[i].k_len for i in run],
                                      None if layouts is None else [layouts[i] for i in run], pattern, causal,
-                                     heads=heads)
+                                     heads=heads, unit="group", names=run)
     # heaviest group first: the GPU hands out programs in grid order (query tiles, then batch rows), so
     # the long-running programs of a big group start early instead of forming the launch's tail
     order = sorted(range(len(run)), key=lambda r: -_work(per_group[r], heads))
@@ -294,7 +282,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
         layouts: one :class:`BlockLayout` per group, built for that group's ``(q_len, k_len)`` (None
             for an empty group; all with one ``block_q x block_k``); or
         pattern: ``pattern(q_len, kv_len) -> BlockLayout`` called per group shape (as in
-            :func:`sparse_attn.varlen_attention`); neither = dense. Intersected with causal when ``causal``.
+            :func:`sparse_attn.varlen_attention`: on CUDA the layouts are cached per groups signature
+            and pattern object, so the pattern must be a pure function of its arguments); neither =
+            dense. Intersected with causal when ``causal``.
 
     Returns:
         ``out [Tq, Hq, Dv]`` in q's dtype, or ``(out, lse)``. Query tokens in no group (and rows that
@@ -308,7 +298,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     if not (FORCE_KERNELS or (isinstance(q, torch.Tensor) and q.is_cuda)):
         return grouped_attention_loop(q, k, v, groups, causal=causal, scale=scale, return_lse=return_lse,
                                       layouts=layouts, pattern=pattern)
-    _check_packed(q, k, v)
+    check_packed_qkv(q, k, v, "grouped_attention")
     check_scale(scale)
     groups = check_groups(groups, q.shape[0], k.shape[0])
     _check_layout_args(layouts, pattern, len(groups))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .layout import BlockLayout
-from .ops.sage.granularity import check_quant
+from .ops.sage.granularity import check_quant, check_quant_shapes
 
 
 def _needs_grad(*ts: torch.Tensor) -> bool:
@@ -23,7 +23,7 @@ def attention(q, k, v, layout: BlockLayout | None, *, causal: bool, scale, retur
               granularity: str, smooth_k: bool):
     """Validated ``[B, H, L, D]`` inputs (see :func:`sparse_attn.attention`)."""
     from . import api
-    check_quant(quant, granularity)
+    check_quant_shapes(check_quant(quant, granularity), q.shape[-1], None if layout is None else layout.block_k)
     with torch.no_grad():
         if q.is_cuda:
             from .ops.sage import sage_attention_op
@@ -44,7 +44,7 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, plan, *, scale
                      granularity: str, smooth_k: bool, hp_call):
     """Validated packed ``[T, H, D]`` inputs and a varlen plan (see api._varlen_plan); ``hp_call()``
     runs the fp16/bf16 varlen attention (for gradients)."""
-    check_quant(quant, granularity)
+    check_quant_shapes(check_quant(quant, granularity), q.shape[-1], plan.per_seq[0].block_k if plan.per_seq else None)
     with torch.no_grad():
         if q.is_cuda:
             from .ops.sage import sage_varlen_attention_op

@@ -1,7 +1,8 @@
 """Pure-PyTorch reference attention: the semantics every kernel must match.
 
 Runs on any device, accumulates in fp32 (fp64 for fp64 inputs, which makes it the test oracle),
-processes one query block at a time so memory stays O(B * H * block_q * Lk), and handles GQA by
+processes one query block at a time over only the keys its layout row visits, so memory stays
+O(B * H * block_q * visited keys) (also under autograd), and handles GQA by
 viewing query heads as ``[Hkv, group]`` instead of repeating K/V. A query row with no allowed key
 gets output 0 and LSE -inf, never NaN.
 """
@@ -15,20 +16,29 @@ from .layout import BlockLayout
 from .masks import allowed
 
 
-def visited_key_range(layout: BlockLayout, qb: int) -> tuple[int, int]:
-    """[j0, j1): the keys any (batch, head) row of query block qb visits (j0 == j1 when none). Host sync."""
+def visited_keys(layout: BlockLayout, qb: int) -> tuple[int, int, torch.Tensor | None]:
+    """The keys any (batch, head) row of query block ``qb`` visits: ``(j0, j1, cols)``. ``cols`` is
+    None when the visited key blocks are one contiguous run, then the keys are ``[j0, j1)``
+    (``j0 == j1``: none); otherwise ``cols`` (int64, sorted) lists the visited keys and ``[j0, j1)``
+    spans them. Listing them keeps memory O(rows x visited keys) for layouts whose visited blocks
+    spread over the whole prefix (attention sinks + window, random, BigBird). Host sync."""
     counts = layout.kv_counts[:, :, qb].long()
-    if int(counts.max()) == 0:
-        return 0, 0
-    idx = layout.kv_indices[:, :, qb].long()
-    first = torch.where(counts > 0, idx[..., 0], layout.num_kv_blocks).min()
-    last = idx.gather(-1, (counts - 1).clamp(min=0)[..., None])[..., 0].masked_fill(counts == 0, -1).max()
-    return int(first) * layout.block_k, min((int(last) + 1) * layout.block_k, layout.kv_len)
+    valid = torch.arange(layout.max_k, device=layout.device) < counts[..., None]
+    blocks = torch.unique(layout.kv_indices[:, :, qb].long()[valid])  # sorted
+    if blocks.numel() == 0:
+        return 0, 0, None
+    first, last = int(blocks[0]), int(blocks[-1])
+    j0, j1 = first * layout.block_k, min((last + 1) * layout.block_k, layout.kv_len)
+    if blocks.numel() == last - first + 1:
+        return j0, j1, None
+    cols = (blocks[:, None] * layout.block_k + torch.arange(layout.block_k, device=blocks.device)).flatten()
+    return j0, j1, cols[cols < layout.kv_len]
 
 
-def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int | None = None) -> torch.Tensor:
-    """bool [Bl, Hl, r1 - r0, j1 - j0]: the layout's pattern for query rows [r0, r1) (inside one query
-    block) and keys [j0, j1)."""
+def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int | None = None,
+                    cols: torch.Tensor | None = None) -> torch.Tensor:
+    """bool [Bl, Hl, r1 - r0, K]: the layout's pattern for query rows [r0, r1) (inside one query
+    block) and keys [j0, j1) (K = j1 - j0), or the keys ``cols`` (int64, K = len(cols)) when given."""
     j1 = layout.kv_len if j1 is None else j1
     qb = r0 // layout.block_q
     nk = layout.num_kv_blocks
@@ -38,10 +48,10 @@ def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int 
     valid = torch.arange(layout.max_k, device=layout.device) < counts[..., None]
     bmap = torch.full((layout.batch, layout.heads, nk + 1), -2, dtype=torch.long, device=layout.device)
     bmap.scatter_(2, torch.where(valid, idx, nk), torch.where(valid, mids, -2))  # slot nk swallows padding
-    tok = bmap[..., :nk].repeat_interleave(layout.block_k, -1)[..., j0:j1]  # [Bl, Hl, j1 - j0]
+    j = torch.arange(j0, j1, device=layout.device) if cols is None else cols.to(layout.device)
+    tok = bmap[..., j // layout.block_k]  # [Bl, Hl, K]: each key's mask id in its block's entry
     out = (tok == -1)[:, :, None, :].expand(-1, -1, r1 - r0, -1).clone()
     p = torch.arange(r0, r1, device=layout.device) + (layout.kv_len - layout.q_len)
-    j = torch.arange(j0, j1, device=layout.device)
     for m, em in enumerate(layout.masks):
         sel = tok == m
         if sel.any():
@@ -81,22 +91,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     outs, lses = [], []
     for r0 in range(0, Lq, chunk):
         r1 = min(r0 + chunk, Lq)
-        # only the keys this chunk can see: O(rows x visited span) memory, also under autograd
-        j0, j1 = (0, Lk) if layout is None else visited_key_range(layout, r0 // layout.block_q)
+        # only the keys this chunk can see: O(rows x visited keys) memory, also under autograd
+        j0, j1, cols = (0, Lk, None) if layout is None else visited_keys(layout, r0 // layout.block_q)
         if causal:
             j1 = max(j0, min(j1, r1 + Lk - Lq))
-        if j1 <= j0:  # no key visible to any row of this chunk
+            cols = None if cols is None else cols[cols < j1]
+        if j1 <= j0 or (cols is not None and cols.numel() == 0):  # no key visible to any row of this chunk
             outs.append(q.new_zeros(B, Hq, r1 - r0, Dv, dtype=acc) + graph_anchor(q, k, v, acc))
             lses.append(torch.full((B, Hq, r1 - r0), float("-inf"), device=q.device, dtype=acc))
             continue
+        if cols is None:
+            kc, vc, j = kf[:, :, j0:j1], vf[:, :, j0:j1], torch.arange(j0, j1, device=q.device)
+        else:
+            j = cols.to(q.device)
+            kc, vc = kf.index_select(2, j), vf.index_select(2, j)
         qc = q[:, :, r0:r1].to(mm).view(B, Hkv, group, r1 - r0, D)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf[:, :, j0:j1]).to(acc) * scale
-        ok = torch.ones(1, 1, r1 - r0, j1 - j0, dtype=torch.bool, device=q.device)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kc).to(acc) * scale
+        ok = torch.ones(1, 1, r1 - r0, j.numel(), dtype=torch.bool, device=q.device)
         if layout is not None:
-            ok = token_mask_rows(layout, r0, r1, j0, j1)
+            ok = token_mask_rows(layout, r0, r1, j0, j1, cols=cols)
         if causal:
             p = torch.arange(r0, r1, device=q.device) + (Lk - Lq)
-            ok = ok & (torch.arange(j0, j1, device=q.device)[None, :] <= p[:, None])
+            ok = ok & (j[None, :] <= p[:, None])
         ok = _heads_as_groups(ok, Hkv, group)
         s = s.masked_fill(~ok, float("-inf"))
         m = s.amax(-1, keepdim=True)
@@ -104,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         e = torch.exp(s - m)
         denom = e.sum(-1, keepdim=True)
         e_pv = e if _round_p is None else _round_p(e)
-        o = torch.einsum("bhgqk,bhkd->bhgqd", e_pv.to(mm), vf[:, :, j0:j1]).to(acc)
+        o = torch.einsum("bhgqk,bhkd->bhgqd", e_pv.to(mm), vc).to(acc)
         o = o / torch.where(denom > 0, denom, torch.ones_like(denom))
         outs.append(o.reshape(B, Hq, r1 - r0, Dv))
         lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))

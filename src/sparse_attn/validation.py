@@ -38,6 +38,21 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} has head_dim 0")
 
 
+def check_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    """Packed q ``[Tq, Hq, D]``, k ``[Tk, Hkv, D]``, v ``[Tk, Hkv, Dv]`` (varlen and grouped attention);
+    errors speak of the packed shapes the caller passed. ``what``: the entry, for the messages."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"{what} q/k/v must be packed [total_tokens, heads, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"{what}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same tokens and heads "
+                         "([total_tokens, heads, head_dim])")
+    check_qkv(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2))
+
+
 def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> BlockLayout:
     """Check the layout fits q/k and is internally consistent; return it on q's device.
 
@@ -56,9 +71,11 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
         raise LayoutError(f"layout was built for q_len={layout.q_len}, kv_len={layout.kv_len} but q has "
                           f"seq_len {Lq} and k has {Lk}: build the layout with these lengths")
     if layout.batch not in (1, B):
-        raise LayoutError(f"layout has batch {layout.batch}; q has batch {B}: use 1 (broadcast) or {B}")
+        raise LayoutError(f"layout has batch {layout.batch}; q has batch {B}: use 1 (broadcast)"
+                          + ("" if B == 1 else f" or {B}"))
     if layout.heads not in (1, Hq):
-        raise LayoutError(f"layout has {layout.heads} heads; q has {Hq}: use 1 (broadcast) or {Hq} (one per query head)")
+        raise LayoutError(f"layout has {layout.heads} heads; q has {Hq}: use 1 (broadcast)"
+                          + ("" if Hq == 1 else f" or {Hq} (one per query head)"))
     if not getattr(layout, "_validated", False):
         layout.validate()
         layout._validated = True

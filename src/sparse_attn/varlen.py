@@ -24,7 +24,9 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
     vals = cu.tolist()
-    if len(vals) < 2 or vals[0] != 0 or vals[-1] != total:
+    if len(vals) < 2:
+        raise ValueError(f"{name} must hold num_seqs + 1 >= 2 offsets (start 0, end {total}), got {vals}")
+    if vals[0] != 0 or vals[-1] != total:
         raise ValueError(f"{name} must start at 0 and end at the number of packed tokens ({total}), got "
                          f"{vals[:3]}...{vals[-2:]}")
     lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
@@ -36,46 +38,62 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
     return lens
 
 
-def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequence[BlockLayout] | None,
-                  pattern: PatternFn | None, causal: bool, block: int = 128, *,
-                  heads: int | None = None) -> list[BlockLayout]:
-    """One layout per sequence: given, produced by ``pattern(q_len, kv_len)``, or dense/causal.
-    ``heads`` (the query heads) is checked against each layout's heads (1 or heads)."""
+def check_layout_args(layouts, pattern, n: int, unit: str = "sequence") -> None:
+    """layouts= (a list of ``n``, one per ``unit``) or pattern= (a function), not both; errors say
+    what to pass instead of the usual slips (one BlockLayout, a pattern name)."""
     if layouts is not None and pattern is not None:
         raise ValueError("give either layouts= or pattern=, not both")
     if pattern is not None and not callable(pattern):
         # a name ("local") or one BlockLayout is the usual slip: a layout is built per sequence length
-        hint = ("pass layouts=[one BlockLayout per sequence]" if isinstance(pattern, BlockLayout) else
+        hint = (f"pass layouts=[one BlockLayout per {unit}]" if isinstance(pattern, BlockLayout) else
                 "e.g. pattern=lambda lq, lk: patterns.local(lq, 256, kv_len=lk)")
-        raise TypeError(f"pattern must be a function (q_len, kv_len) -> BlockLayout, called once per sequence, "
+        raise TypeError(f"pattern must be a function (q_len, kv_len) -> BlockLayout, called once per {unit}, "
                         f"got {type(pattern).__name__} {pattern!r:.60}: {hint}")
+    if layouts is not None:
+        if isinstance(layouts, BlockLayout) or not isinstance(layouts, (list, tuple)):
+            raise TypeError(f"layouts must be a list with one BlockLayout per {unit}, got {type(layouts).__name__}"
+                            f" (for one pattern over every {unit}, pass pattern=lambda lq, lk: ...)")
+        if len(layouts) != n:
+            raise LayoutError(f"got {len(layouts)} layouts for {n} {unit}s: give one per {unit}"
+                              + (" (None for an empty group)" if unit == "group" else ""))
+
+
+def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequence[BlockLayout] | None,
+                  pattern: PatternFn | None, causal: bool, block: int = 128, *,
+                  heads: int | None = None, unit: str = "sequence", names: Sequence[int] | None = None
+                  ) -> list[BlockLayout]:
+    """One layout per sequence: given, produced by ``pattern(q_len, kv_len)``, or dense/causal.
+    ``heads`` (the query heads) is checked against each layout's heads (1 or heads). ``unit`` and
+    ``names`` (each entry's index as the caller numbers them) are for the error messages."""
+    check_layout_args(layouts, pattern, len(q_lens), unit)
     if layouts is None:
         if pattern is None:
             builder = patterns.causal if causal else patterns.dense
             pattern = lambda lq, lk: builder(lq, lk, block_q=block, block_k=block)  # noqa: E731
             causal = False
         layouts = [pattern(lq, lk) for lq, lk in zip(q_lens, k_lens)]
-    if len(layouts) != len(q_lens):
-        raise LayoutError(f"got {len(layouts)} layouts for {len(q_lens)} sequences")
-    out = []
-    for i, (lay, lq, lk) in enumerate(zip(layouts, q_lens, k_lens)):
-        if not isinstance(lay, BlockLayout):
-            raise TypeError(f"layout {i} must be a BlockLayout, got {type(lay).__name__}")
-        if (lay.q_len, lay.kv_len) != (lq, lk):
-            raise LayoutError(f"layout {i} was built for q_len={lay.q_len}, kv_len={lay.kv_len} but sequence {i} "
-                              f"has {lq} query and {lk} key tokens")
-        if heads is not None and lay.heads not in (1, heads):
-            raise LayoutError(f"layout {i} has {lay.heads} heads; q has {heads}: use 1 (broadcast) or {heads} "
-                              "(one per query head)")
-        if lay.batch != 1:
-            raise LayoutError(f"layout {i} has batch {lay.batch}; per-sequence layouts must have batch 1")
-        if not lay._validated:
-            lay.validate()
-            lay._validated = True
-        if causal:
-            lay = patterns.causal_cut(lay)
-        out.append(lay)
-    return out
+    names = range(len(q_lens)) if names is None else names
+    checked = [check_unit_layout(lay, lq, lk, heads, unit, i) for lay, lq, lk, i in zip(layouts, q_lens, k_lens, names)]
+    return [patterns.causal_cut(lay) if causal else lay for lay in checked]
+
+
+def check_unit_layout(lay, lq: int, lk: int, heads: int | None, unit: str, i: int) -> BlockLayout:
+    """One sequence's (group's) layout: a validated batch-1 BlockLayout built for ``(lq, lk)`` with 1 or
+    ``heads`` heads."""
+    if not isinstance(lay, BlockLayout):
+        raise TypeError(f"layout {i} must be a BlockLayout, got {type(lay).__name__}")
+    if (lay.q_len, lay.kv_len) != (lq, lk):
+        raise LayoutError(f"layout {i} was built for q_len={lay.q_len}, kv_len={lay.kv_len} but {unit} {i} "
+                          f"has {lq} query and {lk} key tokens")
+    if heads is not None and lay.heads not in (1, heads):
+        raise LayoutError(f"layout {i} has {lay.heads} heads; q has {heads}: use 1 (broadcast) or {heads} "
+                          "(one per query head)")
+    if lay.batch != 1:
+        raise LayoutError(f"layout {i} has batch {lay.batch}; per-{unit} layouts must have batch 1")
+    if not lay._validated:
+        lay.validate()
+        lay._validated = True
+    return lay
 
 
 def stack(layouts: Sequence[BlockLayout], max_q: int, max_k: int, heads: int) -> BlockLayout:

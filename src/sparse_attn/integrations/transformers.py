@@ -26,6 +26,7 @@ and attention sinks (``s_aux``) are not supported (``NotImplementedError``).
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -69,7 +70,10 @@ class SparseAttnConfig:
             adaptive the predictor's ``simthreshd1``, ``cdfthreshd``, ``topk``, ...).
         layers: layer indices that run ``pattern``; None = all. Other layers run dense (causal) attention.
         per_layer: ``{layer_idx: pattern}`` or ``{layer_idx: (pattern, kwargs)}``, overriding both.
-        causal: intersect every layout with causal (bottom-right aligned). True for causal LMs.
+        causal: intersect layouts with causal (bottom-right aligned). None (default): what each
+            attention module says (``is_causal`` passed by the model, else ``module.is_causal``, else
+            True), as transformers' sdpa does: causal self-attention in decoders, bidirectional
+            encoders and cross-attention. True / False forces it on every layer.
         cache_size: layouts kept (LRU), shared by layers with the same pattern.
 
     After a forward, :attr:`stats` holds each layer's :class:`LayerStats`, :attr:`sparsity` the
@@ -80,7 +84,7 @@ class SparseAttnConfig:
     pattern_kwargs: dict = field(default_factory=dict)
     layers: Iterable[int] | None = None
     per_layer: dict = field(default_factory=dict)
-    causal: bool = True
+    causal: bool | None = None
     cache_size: int = 64
     stats: dict = field(default_factory=dict, repr=False)
 
@@ -110,18 +114,25 @@ class SparseAttnConfig:
         if bad:
             raise ValueError(f"layer indices {bad} are out of range: the model has {num_layers} attention layers")
 
+    def causal_for(self, module, is_causal: bool | None = None) -> bool:
+        """Whether a call of ``module`` is causal: :attr:`causal` when set, else the model's
+        ``is_causal`` argument, else ``module.is_causal``, else True."""
+        if self.causal is not None:
+            return bool(self.causal)
+        return bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+
     def layout_for(self, layer_idx: int | None, q: torch.Tensor, k: torch.Tensor, sliding_window: int | None = None,
-                   scale: float | None = None):
-        """(layout, LayerStats) for one call; built once per (pattern, Lq, Lk, device, window) and
-        cached (adaptive: predicted from q/k on every call)."""
+                   scale: float | None = None, causal: bool = True):
+        """(layout, LayerStats) for one call; built once per (pattern, Lq, Lk, device, window, causal)
+        and cached (adaptive: predicted from q/k on every call)."""
         spec = self.spec_for(layer_idx)
         lq, lk = q.shape[2], k.shape[2]
         if spec.is_adaptive:
-            layout = adaptive_layout(spec, q, k, self.causal, scale)
+            layout = adaptive_layout(spec, q, k, causal, scale)
             return self._with_stats(spec, _window_cut(layout, sliding_window))
-        key = (spec.key(), lq, lk, str(q.device), sliding_window, self.causal)
+        key = (spec.key(), lq, lk, str(q.device), sliding_window, causal)
         return self._cache.get(key, lambda: self._with_stats(
-            spec, _window_cut(spec.layout(lq, lk, q.device, self.causal), sliding_window)))
+            spec, _window_cut(spec.layout(lq, lk, q.device, causal), sliding_window)))
 
     @staticmethod
     def _with_stats(spec: PatternSpec, layout):
@@ -190,15 +201,28 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"sparse_attn: {name} is not supported (this model passes {name}=...)")
+    if kwargs.get("output_attentions"):
+        _warn_once("sparse_attn does not return attention weights (output_attentions=True): the model's "
+                   "attentions come back empty; use attn_implementation='eager' for them")
     cfg = config_for(module)
+    causal = cfg.causal_for(module, kwargs.get("is_causal"))
     window = kwargs.get("sliding_window")
     if attention_mask is not None:
-        check_mask(attention_mask, query.shape[2], key.shape[2], cfg.causal, window)
+        check_mask(attention_mask, query.shape[2], key.shape[2], causal, window)
     layer_idx = getattr(module, "layer_idx", None)
-    layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling)
-    out = _api.attention(query, key, value, layout, causal=cfg.causal, scale=scaling)
+    layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling, causal)
+    out = _api.attention(query, key, value, layout, causal=causal, scale=scaling)
     cfg.stats[layer_idx] = stats
     return out.transpose(1, 2).contiguous(), None
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 _CHECKED: list = []  # (weakref to the last mask found plain, its signature): not re-checked in every layer
@@ -255,7 +279,9 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
         sdpa_mask,
     )
     q_offset = int(q_offset)
-    if q_offset + q_length != kv_offset + kv_length:
+    # a causal mask lines queries up with the end of the keys; a bidirectional one (encoders,
+    # cross-attention over encoder states) has no such alignment to keep
+    if mask_function is not bidirectional_mask_function and q_offset + q_length != kv_offset + kv_length:
         raise NotImplementedError(
             f"sparse_attn: the keys (positions {kv_offset}..{kv_offset + kv_length - 1}) do not end at the last query "
             f"(position {q_offset + q_length - 1}); static / pre-allocated caches are not supported yet: use the "

@@ -18,7 +18,13 @@ def zigzag_chunk_ids(world_size: int, rank: int) -> tuple[int, int]:
     return rank, 2 * world_size - 1 - rank
 
 
+def _check_world(world_size) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+
+
 def _chunk_len(length: int, world_size: int, what: str) -> int:
+    _check_world(world_size)
     if length % (2 * world_size):
         raise ValueError(f"{what} has length {length}, which is not divisible by 2 * world_size = "
                          f"{2 * world_size}: pad each sequence to a multiple of {2 * world_size}")
@@ -37,6 +43,8 @@ def zigzag_merge(parts, dim: int = 2) -> torch.Tensor:
     """Inverse of :func:`zigzag_split`: ``parts[r]`` is rank r's local tensor (all W of them, in rank
     order); returns the full tensor in sequence order."""
     world_size = len(parts)
+    if not world_size:
+        raise ValueError("zigzag_merge needs every rank's local tensor (parts in rank order), got none")
     c = _chunk_len(parts[0].shape[dim], 1, f"dim {dim} of the local tensor {tuple(parts[0].shape)}")
     chunks = [None] * (2 * world_size)
     for r, p in enumerate(parts):
@@ -47,8 +55,8 @@ def zigzag_merge(parts, dim: int = 2) -> torch.Tensor:
 
 def _seq_bounds(cu_seqlens, world_size: int) -> list[tuple[int, int]]:
     cu = [int(t) for t in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
-    if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu}")
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"cu_seqlens must have at least 2 entries, start at 0 and be non-decreasing, got {cu}")
     for i, (a, b) in enumerate(itertools.pairwise(cu)):
         _chunk_len(b - a, world_size, f"sequence {i} (cu_seqlens[{i}:{i + 2}] = [{a}, {b}])")
     return list(itertools.pairwise(cu))

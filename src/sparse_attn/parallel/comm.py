@@ -17,12 +17,16 @@ Failure behaviour:
 """
 from __future__ import annotations
 
+import struct
+import zlib
+
 import torch
 import torch.distributed as dist
 
 from .chunks import zigzag_merge, zigzag_split
 
 _MAX_DIMS = 6
+_ROW_INTS = 48  # the cross-rank check's row: a call digest, the body's length, the body, zero padding
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 _REDUCE_SCATTER_UNSUPPORTED: set = set()
 # single-tensor collectives (ranks along dim 0): torch >= 2.12 names them *_single, older ones *_tensor
@@ -37,7 +41,7 @@ def _encode(t: torch.Tensor) -> list[int]:
     return [t.dim()] + list(t.shape) + [-1] * (_MAX_DIMS - t.dim()) + [dtype]
 
 
-def _decode(row: list[int], names, extras) -> str:
+def _decode(row: list[int], names, extras: dict) -> str:
     parts, i = [], 0
     for name in names:
         nd = row[i]
@@ -45,7 +49,7 @@ def _decode(row: list[int], names, extras) -> str:
         dt = row[i + 1 + _MAX_DIMS]
         parts.append(f"{name} {shape} {str(_DTYPES[dt]).removeprefix('torch.') if dt >= 0 else '?'}")
         i += _MAX_DIMS + 2
-    parts += [f"{k}={v}" for k, v in zip(extras, row[i:])]
+    parts += [f"{k}={_show_value(v, extras[k])}" for k, v in zip(extras, row[i:])]
     return ", ".join(parts)
 
 
@@ -72,15 +76,46 @@ def _host_group(group):
     return host
 
 
+def _row_value(v) -> int:
+    """One extra as an int64: ints as they are, floats by their float64 bits, None as -1 (the bits of no
+    float a caller passes: a negative NaN)."""
+    if v is None:
+        return -1
+    if isinstance(v, float):
+        return struct.unpack("<q", struct.pack("<d", v))[0]
+    return int(v)
+
+
+def _show_value(v: int, like) -> str:
+    """``v`` (a row entry) shown as what it encodes; ``like``: this rank's value of the same extra,
+    which says whether it is an int or a float-or-None option."""
+    if like is not None and not isinstance(like, float):
+        return str(v)
+    return "None" if v == -1 else repr(struct.unpack("<d", struct.pack("<q", v))[0])
+
+
+def _call_signature(what: str, names, extras) -> int:
+    """A digest of the call (its entry point and the names of what it checks) that is the same in every
+    process (Python's own ``hash`` of a string is salted per process)."""
+    return zlib.crc32(f"{what}|{','.join(names)}|{','.join(extras)}".encode())
+
+
 def check_consistent_shapes(tensors: dict, group=None, extras: dict | None = None, what: str = "") -> None:
     """All-gather a small int tensor describing ``tensors`` (name -> tensor: shape and dtype) and
-    ``extras`` (name -> int) and raise ``ValueError`` on every rank if any rank disagrees with rank 0,
-    naming the ranks and what each passed. Call it before any collective whose sizes depend on them,
-    so a wrong shape on one rank is an error everywhere rather than a hang. Runs on the host (see
+    ``extras`` (name -> int, float or None) and raise ``ValueError`` on every rank if any rank
+    disagrees with rank 0, naming the ranks and what each passed. Call it before any collective whose
+    sizes depend on them, so a wrong shape on one rank is an error everywhere rather than a hang.
+
+    Every rank's row has the same length (:data:`_ROW_INTS`), led by a digest of the call, so ranks
+    that entered different functions (another entry point, other checked names) also get the
+    ``ValueError`` rather than a failed all-gather of unequal sizes. Runs on the host (see
     :func:`_host_group`); falls back to ``group`` with a tensor on the inputs' device when this
     torch has no gloo."""
     extras = extras or {}
-    row = [v for t in tensors.values() for v in _encode(t)] + [int(v) for v in extras.values()]
+    body = [v for t in tensors.values() for v in _encode(t)] + [_row_value(v) for v in extras.values()]
+    if len(body) + 2 > _ROW_INTS:  # a caller's fixed layout, the same on every rank: raised everywhere alike
+        raise ValueError(f"{what}the cross-rank check holds {_ROW_INTS - 2} integers, this call needs {len(body)}")
+    row = [_call_signature(what, tensors, extras), len(body)] + body + [0] * (_ROW_INTS - 2 - len(body))
     world = dist.get_world_size(group)
     try:
         host = _host_group(group)
@@ -94,9 +129,14 @@ def check_consistent_shapes(tensors: dict, group=None, extras: dict | None = Non
                            f"that crashed, hangs or took another code path shows up here after the process group's "
                            f"timeout (init_process_group(timeout=...)).") from e
     rows = [r.tolist() for r in rows]
+    other_call = [r for r in range(world) if rows[r][:2] != rows[0][:2]]
+    if other_call:
+        raise ValueError(f"{what}ranks {other_call} made a different call than rank 0 (another function or other "
+                         f"options checked; this is rank {dist.get_rank(group)}, checking "
+                         f"{', '.join([*tensors, *extras])}). Every rank must make the same call.")
     bad = [r for r in range(world) if rows[r] != rows[0]]
     if bad:
-        desc = "; ".join(f"rank {r}: {_decode(rows[r], list(tensors), list(extras))}" for r in [0] + bad)
+        desc = "; ".join(f"rank {r}: {_decode(rows[r][2:], list(tensors), extras)}" for r in [0] + bad)
         raise ValueError(f"{what}ranks {bad} disagree with rank 0 on their inputs ({desc}). Every rank must pass "
                          f"the same shapes, dtypes and options (its zigzag share of the same sequence length).")
 

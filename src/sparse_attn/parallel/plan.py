@@ -137,8 +137,8 @@ def check_cu_seqlens(cu: list[int], world_size: int) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _plan(cu: tuple[int, ...], world_size: int, rank: int) -> ZigzagPlan:
+    zigzag_chunk_ids(world_size, rank)  # validates rank and world size first (no division by zero below)
     check_cu_seqlens(list(cu), world_size)
-    zigzag_chunk_ids(world_size, rank)  # validates rank
     return ZigzagPlan(world_size, rank, cu)
 
 

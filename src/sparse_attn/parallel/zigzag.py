@@ -102,10 +102,11 @@ def _validate_common(q, k, v):
                          f"{q.device}/{k.device}/{v.device}")
 
 
-def _check_across_ranks(q, k, v, group, causal: bool, kv_head_chunk, fn: str, **extras) -> None:
+def _check_across_ranks(q, k, v, group, causal: bool, scale, kv_head_chunk, fn: str, **extras) -> None:
     """Both entries' cross-rank input check: shapes and dtypes of q/k/v, the options, and ``extras``
     (name -> int), compared on every rank before any collective (:func:`check_consistent_shapes`)."""
-    options = {"causal": int(causal), "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk}
+    options = {"causal": int(causal), "scale": None if scale is None else float(scale),
+               "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk}
     check_consistent_shapes({"q": q, "k": k, "v": v}, group, {**options, **extras}, what=f"{fn}: ")
 
 
@@ -139,7 +140,8 @@ def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_loca
     :mod:`sparse_attn.parallel.comm`).
     """
     if check_inputs:
-        _check_across_ranks(q_local, k_local, v_local, group, causal, kv_head_chunk, "zigzag_llama3_attention")
+        _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk,
+                            "zigzag_llama3_attention")
     _validate_dense(q_local, k_local, v_local)
     step = _check_options(kv_head_chunk, k_local.shape[1])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -178,7 +180,8 @@ def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor,
     """
     cu = _as_list(cu_seqlens)
     if check_inputs:
-        _check_across_ranks(q_local, k_local, v_local, group, causal, kv_head_chunk, "zigzag_llama3_varlen_attention",
+        _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk,
+                            "zigzag_llama3_varlen_attention",
                             num_seqs=len(cu) - 1, total_tokens=cu[-1] if cu else -1,
                             cu_seqlens_digest=_cu_fingerprint(cu))
     world, rank = dist.get_world_size(group), dist.get_rank(group)

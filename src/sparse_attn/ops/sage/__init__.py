@@ -7,7 +7,7 @@ import torch
 
 from ...layout import BlockLayout
 from ..block_sparse import check_kernel_inputs, forward_layout_inputs, softmax_scale
-from .granularity import GRANULARITY, QUANT_MODES, check_quant
+from .granularity import GRANULARITY, QUANT_MODES, check_quant, check_quant_shapes
 
 __all__ = ["GRANULARITY", "QUANT_MODES", "check_quant", "check_fp8_device", "sage_attention_op",
            "sage_varlen_attention_op"]
@@ -26,14 +26,7 @@ def _prepare(q, k, v, quant: str, granularity: str, block_k: int):
     mode = check_quant(quant, granularity)
     if mode == 2 and q.is_cuda:
         check_fp8_device(q.device)
-    d = q.shape[-1]
-    if d % 16 or d < 32:
-        raise ValueError(f"the 8-bit kernels need head_dim a multiple of 16 and at least 32 (int8 rows in 16-byte "
-                         f"units; an int8 MMA takes 32 channels at a time), got {d}: pad q/k/v, or use quant=None")
-    if mode == 2 and block_k < 32:
-        raise ValueError(f"quant='int8-fp8' needs the layout's block_k >= 32 (an FP8 MMA takes 32 keys at a time, "
-                         f"and kernel tiles divide the layout's blocks), got block_k={block_k}: build the layout "
-                         f"with block_k >= 32, or use quant='int8'")
+    check_quant_shapes(mode, q.shape[-1], block_k)
     return mode, tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
 
 

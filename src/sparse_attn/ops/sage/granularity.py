@@ -35,3 +35,17 @@ def check_quant(quant: str, granularity: str) -> int:
         raise ValueError(f"quant_granularity={granularity!r} is not supported; choose one of "
                          f"{', '.join(map(repr, GRANULARITY))}")
     return QUANT_MODES[quant]
+
+
+def check_quant_shapes(mode: int, head_dim: int, block_k: int | None) -> None:
+    """What the 8-bit kernels can run, checked on every device (the CPU twin too, so code tried on a
+    CPU does not fail on the GPU): head_dim a multiple of 16 and >= 32; for int8-fp8 ``block_k`` >= 32
+    (None: no layout, the kernels' own dense tiles)."""
+    if head_dim % 16 or head_dim < 32:
+        raise ValueError(f"the 8-bit kernels need head_dim a multiple of 16 and at least 32 (int8 rows in 16-byte "
+                         f"units; an int8 MMA takes 32 channels at a time), got {head_dim}: pad q/k/v, or use "
+                         "quant=None")
+    if mode == 2 and block_k is not None and block_k < 32:
+        raise ValueError(f"quant='int8-fp8' needs the layout's block_k >= 32 (an FP8 MMA takes 32 keys at a time, "
+                         f"and kernel tiles divide the layout's blocks), got block_k={block_k}: build the layout "
+                         f"with block_k >= 32, or use quant='int8'")
