@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+import sparse_attn
+from sparse_attn import patterns
 from sparse_attn.layout import BlockLayout, LayoutError
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
 from sparse_attn.testing import block_map_from_token_mask, element_mask_dense
@@ -384,6 +386,26 @@ def test_transpose(make):
     assert t.transpose() is layout
 
 
+def test_transpose_refuses_token_level_use():
+    """transpose() is the backward's block-level view: its masks keep the original frame, so read as a
+    pattern of its own it would be wrong inside partial blocks (536 tokens of a 100 x 37 window with
+    sinks). Every token-level use says so instead; block-level facts stay available."""
+    layout = _pattern_layout("sinks_plus_window", 100, 37, 16, 32)
+    t = layout.transpose()
+    q = torch.randn(1, 1, t.q_len, 16)
+    k = torch.randn(1, 1, t.kv_len, 16)
+    for use in (t.to_token_mask, lambda: t | t, lambda: layout.transpose() & t, lambda: patterns.causal_cut(t),
+                lambda: sparse_attn.attention(q, k, k, t)):
+        with pytest.raises(LayoutError, match="this layout is a transpose()"):
+            use()
+    assert torch.equal(t.to_block_mask(), layout.to_block_mask().transpose(-1, -2))
+    with pytest.raises(LayoutError, match="transpose"):
+        t.expand(1, 2).to_token_mask()
+    layout.to_token_mask()  # the transpose's transpose is the layout itself, a pattern again
+    with pytest.raises(TypeError, match="combines .* only with another BlockLayout, got NoneType"):
+        layout | None
+
+
 def test_transpose_of_empty_rows():
     bm = torch.zeros(3, 4, dtype=torch.bool)
     bm[2, 1] = True
@@ -508,3 +530,84 @@ def test_validate_ignores_padding_slots():
     """Slots past a row's count are padding: garbage there is not an error."""
     layout = _corrupt(kv_indices=_set((0, 0, 0, 3), 99), kv_mask_ids=_set((0, 0, 0, 3), 42))
     assert layout.validate() is layout
+
+
+# ----------------------------------------------------------------------------- edge cases found by an adversarial pass
+def test_mask_terms_clamp_to_unbounded_and_check_types():
+    """Fields beyond +-INF mean "unbounded" and are clamped, so the kernels' int32 ``p + right`` cannot
+    wrap (a window_right of 2**31 - 1 once reached the mask table as is)."""
+    from sparse_attn.masks import INF
+    lay = patterns.local(100, 0, causal=False, window_right=2**31 - 1, block_q=16, block_k=16)
+    terms, _ = lay.mask_table()
+    assert int(terms.max()) <= INF and int(terms.min()) >= -INF
+    p = torch.arange(100)[:, None]
+    assert torch.equal(lay.to_token_mask()[0, 0], torch.arange(100)[None, :] >= p)
+    with pytest.raises(TypeError, match="MaskTerm.left must be an int, got float"):
+        MaskTerm(left=1.5)
+    with pytest.raises(TypeError, match="ElementMask terms must be MaskTerm, got int"):
+        ElementMask((1,))
+    assert ElementMask([causal_term()]).terms == (causal_term(),)  # a list is taken as a tuple
+    with pytest.raises(TypeError, match="from_mask takes an ElementMask, got MaskTerm: wrap it"):
+        BlockLayout.from_mask(causal_term(), q_len=32)
+
+
+def test_block_diagonal_intersection_when_one_size_divides_the_other():
+    a = patterns.block_diagonal(200, 100, block_q=16, block_k=16)
+    b = patterns.block_diagonal(200, 50, block_q=16, block_k=16)
+    _check_combined(a, b, union=False)
+    assert torch.equal((a & b).to_token_mask(), b.to_token_mask())
+    with pytest.raises(NotImplementedError, match="one size must divide the other"):
+        a & patterns.block_diagonal(200, 30, block_q=16, block_k=16)
+
+
+def test_union_marks_blocks_the_or_fills_as_full():
+    """causal | (keys at or after the query) allows everything: no block may stay partial (masking work
+    for nothing); only blocks partial on both sides are re-checked."""
+    L = 64
+    u = patterns.causal(L, block_q=16, block_k=16) | patterns.local(L, 0, causal=False, window_right=L, block_q=16,
+                                                                     block_k=16)
+    assert bool(u.to_token_mask().all())
+    assert int((u.kv_mask_ids[u.kv_indices >= 0] >= 0).sum()) == 0 and not u.masks
+
+
+def test_from_block_mask_mask_needs_partial_and_partial_is_checked():
+    bm = torch.ones(3, 3, dtype=torch.bool)
+    mask = ElementMask((causal_term(),))
+    with pytest.raises(LayoutError, match="an element mask was given but no partial= blocks"):
+        BlockLayout.from_block_mask(bm, block_q=16, block_k=16, mask=mask)
+    with pytest.raises(LayoutError, match="partial must be a bool tensor"):
+        BlockLayout.from_block_mask(bm, block_q=16, block_k=16, mask=mask, partial=bm.long())
+    with pytest.raises(LayoutError, match=r"partial has shape \(1, 1, 2, 2\), block_mask \(1, 1, 3, 3\)"):
+        BlockLayout.from_block_mask(bm, block_q=16, block_k=16, mask=mask, partial=torch.ones(2, 2, dtype=torch.bool))
+
+
+def test_validate_and_expand_errors_are_clear():
+    lay = patterns.causal(40, block_q=16, block_k=16)
+    hand = BlockLayout(lay.block_q, lay.block_k, lay.q_len, lay.kv_len, lay.kv_counts, lay.kv_indices, lay.kv_mask_ids,
+                       ("causal",))
+    with pytest.raises(LayoutError, match="masks must be a tuple of ElementMask"):
+        hand.validate()
+    two_heads = patterns.random(40, density=0.5, heads=2, block_q=16, block_k=16)
+    with pytest.raises(LayoutError, match=r"batch 1, heads 2 expands only where it has 1: got expand\(2, 3\)"):
+        two_heads.expand(2, 3)
+    assert two_heads.expand(2, 2).batch == 2
+
+
+def test_builders_take_numpy_integers():
+    np = pytest.importorskip("numpy")
+    a = patterns.local(np.int64(100), np.int64(5), block_q=16, block_k=16)
+    assert torch.equal(a.to_token_mask(), patterns.local(100, 5, block_q=16, block_k=16).to_token_mask())
+    with pytest.raises(TypeError, match="window must be an int, got bool"):
+        patterns.local(100, True)
+
+
+def test_csr_of_a_layout_without_query_blocks():
+    crow, col = patterns.to_csr(patterns.dense(0, 10, block_q=16, block_k=16))
+    assert crow.tolist() == [[[0]]] and crow.dtype == torch.int32 and col.shape == (1, 1, 0)
+
+
+def test_pattern_expression_rejects_unknown_options():
+    from sparse_attn.patterns.expr import build_pattern
+    with pytest.raises(ValueError, match=r"unknown pattern option\(s\) \['windw'\]"):
+        build_pattern("local", 1000, windw=100)
+    assert build_pattern("local", 1000, window=100, density=None).num_blocks > 0

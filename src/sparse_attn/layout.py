@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import ElementMask, count_allowed, mask_table, allowed, term_intervals
+from .masks import ElementMask, MaskTerm, allowed, count_allowed, mask_table, term_intervals
 
 MIN_BLOCK, MAX_BLOCK = 16, 256
 _CLASSIFY_CHUNK = 1 << 21  # candidate-rows per chunk when classifying blocks (bounds host memory)
@@ -62,6 +62,9 @@ class BlockLayout:
     _validated: bool = field(default=False, repr=False)  # set by the API after validate() passed
     _device_copy: "BlockLayout | None" = field(default=None, repr=False)  # cached .to(q.device)
     _derived: dict = field(default_factory=dict, repr=False)  # cached layouts derived from this one
+    # True for the result of transpose(): the backward's view, whose masks stay in the (query, key)
+    # frame of the layout it came from, so it has no token-level meaning of its own
+    _is_transpose: bool = field(default=False, repr=False)
 
     # ------------------------------------------------------------------ shape facts
     @property
@@ -197,10 +200,24 @@ class BlockLayout:
         b, h, qb, kb = block_mask.nonzero(as_tuple=True)
         mid = torch.full_like(b, -1)
         masks: tuple[ElementMask, ...] = ()
+        if (partial is None) != (mask is None):
+            raise LayoutError("partial blocks were marked but no element mask was given" if mask is None else
+                              "an element mask was given but no partial= blocks to apply it to: pass partial= (bool, "
+                              "like block_mask) marking the blocks the mask cuts, or drop mask=")
         if partial is not None:
-            if mask is None:
-                raise LayoutError("partial blocks were marked but no element mask was given")
-            mid = torch.where(partial.expand_as(block_mask)[b, h, qb, kb], 0, -1)
+            if not isinstance(partial, torch.Tensor) or partial.dtype != torch.bool:
+                raise LayoutError(f"partial must be a bool tensor like block_mask, got "
+                                  f"{getattr(partial, 'dtype', type(partial).__name__)}")
+            if partial.dim() == 2:
+                partial = partial[None, None]
+            try:
+                partial = partial.expand_as(block_mask)
+            except RuntimeError:
+                raise LayoutError(f"partial has shape {tuple(partial.shape)}, block_mask "
+                                  f"{tuple(block_mask.shape)}: give one like block_mask") from None
+            if not isinstance(mask, ElementMask):
+                raise LayoutError(f"mask must be an ElementMask, got {type(mask).__name__}")
+            mid = torch.where(partial[b, h, qb, kb], 0, -1)
             masks = (mask,)
         coo = _Coo(b, h, qb, kb, mid)
         return cls._from_coo(coo, batch=block_mask.shape[0], heads=block_mask.shape[1], block_q=block_q,
@@ -214,6 +231,9 @@ class BlockLayout:
         Visits exactly the blocks the mask touches; blocks entirely allowed are full.
         Cost O(Qb * candidates * block_q) time in chunks, O(Qb * max_k) memory.
         """
+        if not isinstance(mask, ElementMask):
+            hint = ": wrap it, ElementMask((term,))" if isinstance(mask, MaskTerm) else ""
+            raise TypeError(f"from_mask takes an ElementMask, got {type(mask).__name__}{hint}")
         kv_len = q_len if kv_len is None else kv_len
         check_block_size("block_q", block_q)
         check_block_size("block_k", block_k)
@@ -246,12 +266,16 @@ class BlockLayout:
         return cls._from_coo(coo, batch=1, heads=1, block_q=block_q, block_k=block_k,
                              q_len=q_len, kv_len=kv_len, masks=(mask,))._classified()
 
-    def _classified(self) -> "BlockLayout":
-        """Drop partial blocks the mask leaves empty; mark partial blocks it fully allows as full."""
+    def _classified(self, only: set | None = None) -> "BlockLayout":
+        """Drop partial blocks the mask leaves empty; mark partial blocks it fully allows as full.
+        ``only``: classify just the blocks whose mask is in this set (the others are known tight)."""
         if not self.masks:
             return self
         coo = self._to_coo()
-        part = (coo.mask_id >= 0).nonzero(as_tuple=True)[0]
+        part = coo.mask_id >= 0
+        if only is not None:
+            part &= torch.tensor([m in only for m in self.masks] + [False], device=self.device)[coo.mask_id]
+        part = part.nonzero(as_tuple=True)[0]
         if part.numel() == 0:
             return self
         keep = torch.ones_like(coo.b, dtype=torch.bool)
@@ -300,7 +324,19 @@ class BlockLayout:
             dims.append(max(a, b))
         return dims[0], dims[1]
 
+    def check_token_frame(self, what: str) -> None:
+        """Raise for a :meth:`transpose` result, which ``what`` (a token-level use) would misread."""
+        if self._is_transpose:
+            raise LayoutError(f"{what}: this layout is a transpose() (the backward's per key-block view, whose "
+                              "element masks keep the original (query, key) frame), not a pattern with a token-level "
+                              "meaning of its own; build the transposed pattern directly instead")
+
     def _combine(self, other: "BlockLayout", union: bool) -> "BlockLayout":
+        if not isinstance(other, BlockLayout):
+            raise TypeError(f"a BlockLayout combines ({'|' if union else '&'}) only with another BlockLayout, got "
+                            f"{type(other).__name__}")
+        for lay in (self, other):
+            lay.check_token_frame("| and &")
         batch, heads = self._check_compatible(other, "union" if union else "intersect")
         a, b = self._to_coo(batch, heads), other._to_coo(batch, heads)
         nq, nk = self.num_q_blocks, max(self.num_kv_blocks, 1)
@@ -340,7 +376,10 @@ class BlockLayout:
         row = uniq // nk
         coo = _Coo(row // (heads * nq), (row // nq) % heads, row % nq, kb, result)
         out = self._rebuild(coo, batch, heads, tuple(masks))
-        return out if union else out._classified()
+        if not union:
+            return out._classified()
+        # a union can only fill blocks partial on both sides (their OR may cover the block): check those
+        return out._classified(only=set(masks[n_a + len(other.masks):])) if mixed.any() else out
 
     def __or__(self, other: "BlockLayout") -> "BlockLayout":
         return self._combine(other, union=True)
@@ -354,7 +393,9 @@ class BlockLayout:
 
         The result's ``kv_*`` tensors are indexed ``[Bl, Hl, Kb, max_q]`` and hold query-block
         indices; ``block_q``/``block_k`` and ``q_len``/``kv_len`` are swapped accordingly, and
-        masks keep meaning in the original (query, key) frame.
+        masks keep meaning in the original (query, key) frame. So the result is a block-level
+        view: token-level uses (attention, ``|``/``&``, :meth:`to_token_mask`, ``to_flex``,
+        ``causal_cut``) refuse it, and its :meth:`transpose` is this layout again.
         """
         if self._transpose is None:
             coo = self._to_coo()
@@ -362,6 +403,7 @@ class BlockLayout:
                                       heads=self.heads, block_q=self.block_k, block_k=self.block_q,
                                       q_len=self.kv_len, kv_len=self.q_len, masks=self.masks)
             t._transpose = self
+            t._is_transpose = not self._is_transpose
             self._transpose = t
         return self._transpose
 
@@ -371,15 +413,20 @@ class BlockLayout:
         moved = BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len, self.kv_counts.to(device),
                             self.kv_indices.to(device), self.kv_mask_ids.to(device), self.masks)
         moved._validated = self._validated
+        moved._is_transpose = self._is_transpose
         return moved
 
     def expand(self, batch: int, heads: int) -> "BlockLayout":
         """The same layout with broadcast dims materialised to (batch, heads)."""
+        if self.batch not in (1, batch) or self.heads not in (1, heads):
+            raise LayoutError(f"a layout with batch {self.batch}, heads {self.heads} expands only where it has 1: "
+                              f"got expand({batch}, {heads})")
         expanded = BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len,
                                self.kv_counts.expand(batch, heads, -1).contiguous(),
                                self.kv_indices.expand(batch, heads, -1, -1).contiguous(),
                                self.kv_mask_ids.expand(batch, heads, -1, -1).contiguous(), self.masks)
         expanded._validated = self._validated
+        expanded._is_transpose = self._is_transpose
         return expanded
 
     def to_block_mask(self) -> torch.Tensor:
@@ -396,6 +443,7 @@ class BlockLayout:
 
     def to_token_mask(self) -> torch.Tensor:
         """Dense bool [Bl, Hl, q_len, kv_len]: the exact attention pattern. For small L and tests."""
+        self.check_token_frame("to_token_mask")
         bmap = self._block_map()
         tok = bmap.repeat_interleave(self.block_q, 2).repeat_interleave(self.block_k, 3)
         tok = tok[..., :self.q_len, :self.kv_len]
@@ -413,6 +461,9 @@ class BlockLayout:
         check_block_size("block_k", self.block_k)
         if self.q_len < 0 or self.kv_len < 0:
             raise LayoutError(f"q_len and kv_len must be >= 0, got {self.q_len}, {self.kv_len}")
+        bad_masks = [m for m in self.masks if not isinstance(m, ElementMask)]
+        if not isinstance(self.masks, (tuple, list)) or bad_masks:
+            raise LayoutError(f"masks must be a tuple of ElementMask, got {self.masks!r:.80}")
         nq, nk = self.num_q_blocks, self.num_kv_blocks
         for name, t, dim in (("kv_counts", self.kv_counts, 3), ("kv_indices", self.kv_indices, 4),
                              ("kv_mask_ids", self.kv_mask_ids, 4)):

@@ -17,6 +17,7 @@ Unbounded fields hold ``INF`` (2**30), which keeps ``p +- INF`` inside int32.
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,15 @@ class MaskTerm:
     doc: int = 0
 
     def __post_init__(self):
+        for name in ("q_lo", "q_hi", "k_lo", "k_hi", "left", "right", "doc"):
+            value = getattr(self, name)
+            try:
+                value = operator.index(value)
+            except TypeError:
+                raise TypeError(f"MaskTerm.{name} must be an int, got {type(value).__name__} {value!r}") from None
+            # beyond +-INF every field already means "unbounded" (positions stay far below 2**30);
+            # clamping keeps the kernels' int32 sums p +- field from wrapping around
+            object.__setattr__(self, name, max(-INF, min(INF, value)))
         if self.doc < 0:
             raise ValueError(f"MaskTerm.doc must be >= 0 (0 = no document blocks), got {self.doc}")
 
@@ -46,15 +56,19 @@ class MaskTerm:
         return [self.q_lo, self.q_hi, self.k_lo, self.k_hi, self.left, self.right, self.doc]
 
     def intersect(self, other: "MaskTerm") -> "MaskTerm":
+        doc = self.doc or other.doc
         if self.doc and other.doc and self.doc != other.doc:
-            raise NotImplementedError(
-                f"intersecting block-diagonal masks of different sizes ({self.doc} and {other.doc}) "
-                "is not supported; build the pattern with one document size")
+            small, big = sorted((self.doc, other.doc))
+            if big % small:
+                raise NotImplementedError(
+                    f"intersecting block-diagonal masks of sizes {self.doc} and {other.doc} is not supported (one "
+                    "size must divide the other); build the pattern with one document size")
+            doc = small  # the same small document implies the same big one
         return MaskTerm(
             q_lo=max(self.q_lo, other.q_lo), q_hi=min(self.q_hi, other.q_hi),
             k_lo=max(self.k_lo, other.k_lo), k_hi=min(self.k_hi, other.k_hi),
             left=min(self.left, other.left), right=min(self.right, other.right),
-            doc=self.doc or other.doc)
+            doc=doc)
 
     def contains(self, other: "MaskTerm") -> bool:
         """Every (p, j) that ``other`` allows, this term allows too (field by field)."""
@@ -73,8 +87,16 @@ class ElementMask:
     terms: tuple[MaskTerm, ...]
 
     def __post_init__(self):
+        if isinstance(self.terms, MaskTerm) or not isinstance(self.terms, (tuple, list)):
+            raise TypeError(f"ElementMask takes a tuple of MaskTerm, got {type(self.terms).__name__}")
+        object.__setattr__(self, "terms", tuple(self.terms))
+        bad = [t for t in self.terms if not isinstance(t, MaskTerm)]
+        if bad:
+            raise TypeError(f"ElementMask terms must be MaskTerm, got {type(bad[0]).__name__} {bad[0]!r}")
         if len(self.terms) > MAX_TERMS:
-            raise ValueError(f"an element mask may hold at most {MAX_TERMS} terms, got {len(self.terms)}")
+            raise ValueError(f"an element mask may hold at most {MAX_TERMS} terms, got {len(self.terms)} (a | of "
+                             "layouts whose partial blocks overlap joins their masks' terms): compose fewer patterns, "
+                             "or use block-aligned ones (their blocks are full, no mask)")
 
     def __or__(self, other: "ElementMask") -> "ElementMask":
         return ElementMask(_dedup(self.terms + other.terms))

@@ -65,6 +65,7 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
                     "block_k=..., q_len=..., kv_len=...); top-k indices [B, H, q_blocks, top_k] with "
                     "patterns.from_block_index")
         raise TypeError(f"layout must be a sparse_attn.BlockLayout (or None), got {type(layout).__name__}{hint}")
+    layout.check_token_frame("attention")
     B, Hq, Lq = q.shape[:3]
     Lk = k.shape[2]
     if layout.q_len != Lq or layout.kv_len != Lk:

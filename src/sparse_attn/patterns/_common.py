@@ -7,6 +7,7 @@ Positions are in the key frame, as everywhere in the package: query row ``i`` si
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -18,8 +19,9 @@ CAUSAL = ElementMask((causal_term(),))
 
 def check_int(name: str, value, minimum: int) -> int:
     """``value`` as an int >= ``minimum``, or a ValueError/TypeError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = operator.index(value)  # numpy / torch integer scalars too
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value

@@ -55,6 +55,7 @@ def causal_cut(layout: BlockLayout) -> BlockLayout:
     """``layout`` restricted to causal (bottom-right aligned), token-exact: ``layout & causal(...)``
     with the layout's own lengths, blocks and device. What ``attention(..., causal=True)`` runs.
     A layout marked by :func:`mark_causal` is returned as it is."""
+    layout.check_token_frame("causal_cut")
     if layout._derived.get(_CUT):
         return layout
     return mark_causal(layout & causal(layout.q_len, layout.kv_len, block_q=layout.block_q,

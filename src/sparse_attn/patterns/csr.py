@@ -19,7 +19,8 @@ def to_csr(layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
     Partial-block marks are not represented (like :func:`to_block_index`).
     """
     counts = layout.kv_counts.long()
-    crow = torch.cat([torch.zeros_like(counts[..., :1]), torch.cumsum(counts, -1)], -1)
+    # (zeros of the row-less shape, not counts[..., :1]: with no query block that slice is empty)
+    crow = torch.cat([counts.new_zeros(*counts.shape[:-1], 1), torch.cumsum(counts, -1)], -1)
     nnz = crow[..., -1]
     nnz_max = int(nnz.max()) if nnz.numel() else 0
     col = torch.full((layout.batch, layout.heads, nnz_max), -1, dtype=torch.int32, device=layout.device)

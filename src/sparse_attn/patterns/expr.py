@@ -19,6 +19,9 @@ def build_pattern(expr: str, seq_len: int, **options):
     ``random`` with neither ``density`` nor ``top_k`` uses ``density=0.2``.
     """
     tokens = re.split(r"\s*([|&])\s*", expr.strip())
+    unknown = sorted(k for k, v in options.items() if v is not None and k not in option_names())
+    if unknown:  # a typo would otherwise fall back to a default silently
+        raise ValueError(f"unknown pattern option(s) {unknown}; the builders take {', '.join(option_names())}")
     layout = _build_one(tokens[0], seq_len, options)
     for op, name in zip(tokens[1::2], tokens[2::2]):
         other = _build_one(name, seq_len, options)
@@ -47,6 +50,15 @@ def _build_one(name: str, seq_len: int, options: dict):
 
 NOT_BUILDERS = {"causal_cut", "to_flex", "from_block_index", "from_block_mask", "from_csr", "to_csr", "to_block_index",
                 "from_flex", "topk"}
+
+
+def option_names() -> list[str]:
+    """Every option some builder of :func:`pattern_names` accepts."""
+    from .. import patterns
+    names = set()
+    for name in pattern_names():
+        names |= set(inspect.signature(getattr(patterns, name)).parameters)
+    return sorted(names - {"seq_len"})
 
 
 def pattern_names() -> list[str]:

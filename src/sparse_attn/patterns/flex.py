@@ -102,6 +102,7 @@ def to_flex(layout: BlockLayout):
     so for 64-wide blocks pass e.g. ``kernel_options={"BLOCK_M": 64, "BLOCK_N": 64}`` to
     ``flex_attention`` (otherwise: "Q and KV block size must be divisible by BLOCK_M and BLOCK_N").
     """
+    layout.check_token_frame("to_flex")
     fa = _flex()
     bmap = layout._block_map()
     partial_n, partial_i = _ordered(bmap >= 0)
