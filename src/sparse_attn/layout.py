@@ -275,12 +275,18 @@ class BlockLayout:
         part = coo.mask_id >= 0
         if only is not None:
             part &= torch.tensor([m in only for m in self.masks] + [False], device=self.device)[coo.mask_id]
-        part = part.nonzero(as_tuple=True)[0]
-        if part.numel() == 0:
-            return self
         keep = torch.ones_like(coo.b, dtype=torch.bool)
         new_mid = coo.mask_id.clone()
         offset = self.kv_len - self.q_len
+        # most blocks of a band are settled by the first and last row alone (bounds_classify); only the
+        # rest are counted row by row below
+        full, empty = self._bounds_classify(coo, part, offset)
+        new_mid[full] = -1
+        keep &= ~empty
+        part = (part & ~full & ~empty).nonzero(as_tuple=True)[0]
+        if part.numel() == 0:
+            coo = _Coo(coo.b[keep], coo.h[keep], coo.qb[keep], coo.kb[keep], new_mid[keep])
+            return self._rebuild(coo, self.batch, self.heads, self.masks)
         rows = torch.arange(self.block_q, device=self.device)
         step = max(1, _CLASSIFY_CHUNK // self.block_q)
         for start in range(0, part.numel(), step):
@@ -300,6 +306,36 @@ class BlockLayout:
             new_mid[sel] = torch.where(got == n_rows * n_cols, -1, coo.mask_id[sel])
         coo = _Coo(coo.b[keep], coo.h[keep], coo.qb[keep], coo.kb[keep], new_mid[keep])
         return self._rebuild(coo, self.batch, self.heads, self.masks)
+
+    def _bounds_classify(self, coo: _Coo, part: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full, empty) bool per entry of ``coo``, for the ``part`` entries a mask term settles from
+        the block's first and last row. Within a term's row range its key interval ``[lo(p), hi(p)]``
+        has both ends non-decreasing in ``p`` (each is a max / min of ``p +- const``, a constant and
+        ``p``'s document start), so every row allows the whole key span iff ``lo(last) <= j0`` and
+        ``hi(first) >= j1``, and no row reaches it if ``hi(last) < j0`` or ``lo(first) > j1``. A block
+        is full if one term fills it, empty if every term misses it; the rest stay undecided."""
+        full = torch.zeros_like(part)
+        empty = torch.zeros_like(part)
+        p_first = coo.qb * self.block_q + offset
+        p_last = torch.clamp((coo.qb + 1) * self.block_q, max=self.q_len) - 1 + offset
+        j0 = coo.kb * self.block_k
+        j1 = torch.clamp(j0 + self.block_k, max=self.kv_len) - 1
+        for m, mask in enumerate(self.masks):
+            sel = part & (coo.mask_id == m)
+            if not sel.any():
+                continue
+            missed = sel.clone()
+            for term in mask.terms:
+                in_rows = (p_first >= term.q_lo) & (p_last <= term.q_hi)
+                lo_last, _ = term_intervals(term, torch.clamp(p_last, min=term.q_lo, max=term.q_hi))
+                _, hi_first = term_intervals(term, torch.clamp(p_first, min=term.q_lo, max=term.q_hi))
+                full |= sel & in_rows & (lo_last <= j0) & (hi_first >= j1)
+                lo_first, _ = term_intervals(term, torch.clamp(p_first, min=term.q_lo, max=term.q_hi))
+                _, hi_last = term_intervals(term, torch.clamp(p_last, min=term.q_lo, max=term.q_hi))
+                misses = (p_last < term.q_lo) | (p_first > term.q_hi) | (hi_last < j0) | (lo_first > j1)
+                missed &= misses
+            empty |= missed
+        return full, empty & ~full
 
     def _rebuild(self, coo: _Coo, batch: int, heads: int, masks: tuple) -> "BlockLayout":
         used = torch.unique(coo.mask_id[coo.mask_id >= 0]).tolist()
