@@ -210,3 +210,186 @@ def test_bench_plan_prints_slices(capsys):
     for k in range(1, 5):
         assert f"{k}/4" in out
     assert "streaming-128+4096 L=1048576 Hkv=32 fwd sparse_attn" in out  # the last row of the last slice
+
+
+# ----------------------------------------------------------------------------- option checks (adversarial pass)
+def _tiny_bench(out_dir, *extra):
+    return ["bench", "--device", "cpu", "--patterns", "local", "--seq-lens", "128", "256", "--modes", "fwd",
+            "--providers", "reference", "sdpa-math", "--head-dim", "16", "--reps", "1", "--warmup", "0",
+            "--out-dir", str(out_dir), "--no-progress", *extra]
+
+
+def test_bench_skip_done_over_its_own_folder_keeps_the_rows_it_skips(tmp_path, capsys):
+    """A slice cut off and run again with --skip-done over its own --out-dir: the file is rewritten with
+    the earlier rows kept (it held only the rows run the second time)."""
+    assert main(_tiny_bench(tmp_path, "--slice", "1/1")) == 0
+    path = tmp_path / "small-cpu-1-of-1.json"
+    data = json.loads(path.read_text())
+    assert len(data["rows"]) == 4
+    first = data["rows"][:2]
+    data["rows"] = first  # as if the slice had been cut off after two rows
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(_tiny_bench(tmp_path, "--slice", "1/1", "--skip-done", str(tmp_path))) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long paths
+    assert "skipping 2 rows" in out and "keeping its 2 earlier rows" in out
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 4 and rows[:2] == first
+    assert {(r["seq_len"], r["provider"]) for r in rows} == {(L, p) for L in (128, 256) for p in ("reference",
+                                                                                                 "sdpa-math")}
+    assert len((tmp_path / "small-cpu-1-of-1.csv").read_text().strip().splitlines()) == 5
+    with pytest.raises(SystemExit) as e:  # a typo in the folder re-ran everything
+        main(_tiny_bench(tmp_path, "--skip-done", str(tmp_path / "nosuch")))
+    assert e.value.code == 2 and "no such folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag, value", [
+    (["bench", "--seq-lens", "0"], "--seq-lens", "0"),
+    (["bench", "--seq-lens", "256", "-256"], "--seq-lens", "-256"),
+    (["bench", "--batch", "0"], "--batch", "0"),
+    (["bench", "--heads", "-1"], "--heads", "-1"),
+    (["bench", "--kv-heads", "0"], "--kv-heads", "0"),
+    (["bench", "--head-dim", "0"], "--head-dim", "0"),
+    (["bench", "--reps", "0"], "--reps", "0"),
+    (["bench", "--threads", "-1"], "--threads", "-1"),
+    (["demo", "--threads", "-2"], "--threads", "-2"),
+    (["quick", "--seq-len", "-5"], "--seq-len", "-5"),
+    (["quick", "--kv-len", "0"], "--kv-len", "0"),
+    (["quick", "--kv-heads", "0"], "--kv-heads", "0"),
+    (["quick", "--threads", "-1"], "--threads", "-1"),
+    (["accuracy", "--head-dim", "0"], "--head-dim", "0"),
+    (["viz", "local", "--seq-len", "0"], "--seq-len", "0"),
+    (["viz", "local", "--show-heads", "0"], "--show-heads", "0"),
+    (["viz", "local", "--close-up", "0", "-5", "64"], "--close-up", "-5"),
+    (["report", "--from", "x", "--accuracy-len", "-5"], "--accuracy-len", "-5"),
+    (["eval-model", "--lengths", "-256"], "--lengths", "-256"),
+    (["eval-model", "--lengths", "0"], "--lengths", "0"),
+    (["eval-model", "--texts", "0"], "--texts", "0"),
+    (["eval-model", "--new-tokens", "-1"], "--new-tokens", "-1"),
+    (["eval-model", "--heads", "0"], "--heads", "0"),
+    (["sage-test", "--seq-lens", "0"], "--seq-lens", "0"),
+    (["sage-test", "--reps", "0"], "--reps", "0"),
+    (["bench", "--batch", "two"], "--batch", "two"),
+])
+def test_sizes_below_range_are_argument_errors(argv, flag, value, capsys):
+    from sparse_attn.cli.main import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}" in err and repr(value) in err
+
+
+def test_zero_where_zero_means_something():
+    from sparse_attn.cli._common import nonneg_int, positive_tokens
+    from sparse_attn.cli.main import build_parser
+    args = build_parser().parse_args(["eval-model", "--new-tokens", "0", "--lengths", "1k"])
+    assert args.new_tokens == 0 and args.lengths == [1024]
+    assert build_parser().parse_args(["bench", "--warmup", "0", "--threads", "0"]).threads == 0
+    assert build_parser().parse_args(["viz", "local", "--close-up", "0", "0", "64"]).close_up == [0, 0, 64]
+    assert nonneg_int("0") == 0 and positive_tokens("8k") == 8192
+
+
+@pytest.mark.parametrize("cmd", [["bench"], ["demo"], ["quick"], ["accuracy"], ["eval-model"], ["sage-test"]])
+def test_device_is_checked_when_parsed(cmd, capsys, monkeypatch):
+    from sparse_attn.cli.main import build_parser
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device, why in (("cuda", "torch.cuda.is_available() is False"), ("cuda:1", "is_available() is False"),
+                        ("tpu", "expected cpu or cuda[:N], got 'tpu'"), ("meta", "expected cpu or cuda")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(cmd + ["--device", device])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --device" in err and why in err, (device, err)
+    assert build_parser().parse_args(cmd + ["--device", "cpu"]).device == "cpu"
+
+
+def test_unwritable_output_fails_before_the_work(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    for argv, flag in ((_tiny_bench(afile), "--out-dir"),
+                       (_tiny_bench(afile / "sub"), "--out-dir"),
+                       (["demo", "--quick", "--device", "cpu", "--out-dir", str(afile), "--no-progress"], "--out-dir"),
+                       (["accuracy", "--quick", "--device", "cpu", "--out-dir", str(afile)], "--out-dir"),
+                       (["sage-test", "--device", "cpu", "--out", str(afile), "--no-progress"], "--out"),
+                       (["viz", "local", "--seq-len", "512", "--out", str(afile / "x.png")], "--out"),
+                       (["viz", "--gallery", str(afile)], "--gallery")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        captured = capsys.readouterr()
+        assert e.value.code == 2 and f"{flag} {afile}" in captured.err, argv
+        assert "suite" not in captured.out and "wrote" not in captured.out  # nothing ran
+    assert afile.read_text() == "not a folder"
+
+
+def test_viz_output_format_and_close_up_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["viz", "local", "--seq-len", "512", "--out", str(tmp_path / "x.txt")])
+    assert e.value.code == 2 and "cannot write '.txt' files" in capsys.readouterr().err
+    assert main(["viz", "local", "--seq-len", "512", "--out", str(tmp_path / "noext")]) == 0
+    assert f"wrote {tmp_path / 'noext.png'}" in capsys.readouterr().out
+    assert_png(tmp_path / "noext.png")
+    for close_up, why in ((["2000", "0", "64"], "outside the 1024 x 1024"), (["0", "0", "0"], "must be positive")):
+        assert main(["viz", "streaming", "--seq-len", "1k", "--close-up", *close_up,
+                     "--out", str(tmp_path / "c.png")]) == 2
+        assert why in capsys.readouterr().out
+
+
+def test_bench_gpu_suites_refuse_the_cpu(tmp_path, capsys):
+    for suite in ("kernels", "report-gpu", "demo-gpu"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--suite", suite, "--device", "cpu", "--out-dir", str(tmp_path), "--no-progress"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--suite {suite} is a GPU suite" in err and "--suite small" in err
+    assert not list(tmp_path.iterdir())
+    assert main(["bench", "--suite", "kernels", "--device", "cpu", "--plan", "2"]) == 0  # a plan runs nothing
+
+
+def test_bench_baseline_must_be_a_provider_of_the_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(_tiny_bench(tmp_path, "--baseline", "nosuch"))
+    assert e.value.code == 2 and "--baseline nosuch" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def broken_provider():
+    from sparse_attn.bench import register_provider
+    from sparse_attn.bench.registry import unregister_provider
+
+    @register_provider("test-always-fails")
+    def broken(q, k, v, layout, causal):
+        raise RuntimeError("this provider always fails")
+    yield "test-always-fails"
+    unregister_provider("test-always-fails")
+
+
+def test_bench_exits_1_when_every_row_failed(tmp_path, capsys, broken_provider):
+    argv = ["bench", "--device", "cpu", "--patterns", "local", "--seq-lens", "128", "--modes", "fwd",
+            "--head-dim", "16", "--reps", "1", "--out-dir", str(tmp_path), "--no-progress", "--providers"]
+    assert main(argv + [broken_provider]) == 1
+    assert "all 1 rows failed, e.g. RuntimeError: this provider always fails" in capsys.readouterr().out
+    assert main(argv + [broken_provider, "reference"]) == 0  # one row measured: not a failed run
+    assert "1 of 2 rows failed" in capsys.readouterr().out
+
+
+def test_demo_exits_1_when_every_row_failed(tmp_path, capsys, monkeypatch, broken_provider):
+    from sparse_attn.bench import get_suite, restrict
+    from sparse_attn.cli import demo
+    monkeypatch.setattr(demo, "demo_suite", lambda device, quick: restrict(
+        get_suite("small"), patterns=["local"], seq_lens=[128], modes=["fwd"], providers=[broken_provider]))
+    monkeypatch.setattr(viz, "write_gallery", lambda *a, **k: [])
+    assert main(["demo", "--quick", "--device", "cpu", "--out-dir", str(tmp_path), "--no-progress"]) == 1
+    assert "every benchmark row failed" in capsys.readouterr().out
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_cpu_timing_runs_on_one_thread_by_default_and_says_so(tmp_path, capsys):
+    before = torch.get_num_threads()
+    argv = ["bench", "--device", "cpu", "--patterns", "local", "--seq-lens", "128", "--modes", "fwd",
+            "--providers", "reference", "--head-dim", "16", "--reps", "1", "--no-progress"]
+    assert main(argv + ["--out-dir", str(tmp_path / "a")]) == 0
+    assert "CPU timings are indicative only" in capsys.readouterr().out
+    header = json.loads((tmp_path / "a" / "small-cpu.json").read_text())["header"]
+    assert header["threads"] == 1 and "indicative only" in header["note"]
+    assert main(argv + ["--out-dir", str(tmp_path / "b"), "--threads", "2"]) == 0
+    assert json.loads((tmp_path / "b" / "small-cpu.json").read_text())["header"]["threads"] == 2
+    assert torch.get_num_threads() == before  # restored

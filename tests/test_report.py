@@ -232,9 +232,49 @@ def test_report_merges_slices_into_one_report(tmp_path, capsys):
                 "report-memory-fwdbwd.png", "report-accuracy.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC and f"]({png})" in text
     mtime = (out / "accuracy.json").stat().st_mtime
-    assert main(["report", "--from", str(runs), "--out-dir", str(out)]) == 0
+    assert main(["report", "--from", str(runs), "--out-dir", str(out), "--accuracy-len", "512"]) == 0
     assert (out / "accuracy.json").stat().st_mtime == mtime
     assert "computing accuracy" not in capsys.readouterr().out.split("wrote")[-1]
+
+
+def test_report_recomputes_accuracy_made_at_another_length_or_failed(tmp_path, capsys, one_thread):
+    """OUT/accuracy.json is reused only when made at the asked --accuracy-len with a row that did not fail
+    (a report at 512 said T=256, and a cache of error rows, e.g. from --accuracy-len -5, stuck)."""
+    from sparse_attn.bench import expand, make_header, write_json
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    suite = restrict(get_suite("small"), patterns=["local"], seq_lens=[256], modes=["fwd"])
+    write_json(runs / "small-cpu.json", make_header("cpu", "small"), [fake_row(p) for p in expand(suite)])
+    argv = ["report", "--from", str(runs), "--out-dir", str(out), "--accuracy-len"]
+
+    def saved():
+        data = json.loads((out / "accuracy.json").read_text())
+        acc = data["accuracy"]
+        return data["header"]["seq_len"], {a["seq_len"] for a in acc}, [a["error"] for a in acc]
+
+    assert main(argv + ["256"]) == 0 and saved()[:2] == (256, {256})
+    capsys.readouterr()
+    assert main(argv + ["512"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "made at T=256, not --accuracy-len 512" in text and "computing accuracy" in text
+    assert saved()[:2] == (512, {512}) and "Accuracy vs dense (T=512, fp32)" in (out / "report.md").read_text()
+    assert main(argv + ["512"]) == 0 and "computing accuracy" not in capsys.readouterr().out  # same length: reused
+    head = {"device": "cpu", "suite": "small", "seq_len": 512}
+    write_accuracy_json(out / "accuracy.json", head, [{"pattern": "local", "seq_len": 512, "error": "ValueError"}])
+    assert main(argv + ["512"]) == 0
+    assert "every row in it failed" in " ".join(capsys.readouterr().out.split())
+    length, _, errors = saved()
+    assert length == 512 and len(errors) > 1 and not any(errors)
+
+
+def test_report_inputs_and_out_dir_are_checked_first(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--from", str(tmp_path / "nonexist"), "--out-dir", str(tmp_path / "out")])
+    assert e.value.code == 2 and "no such file or folder" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--from", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "afile")])
+    assert e.value.code == 2 and f"--out-dir {tmp_path / 'afile'}" in capsys.readouterr().err
 
 
 def test_report_lists_missing_slices(tmp_path, capsys):

@@ -75,6 +75,18 @@ def test_cli_bad_options_exit_2(tmp_path):
     assert _run_cli(tmp_path, "--top-k-ratios", "1.5") == 2
 
 
+def test_cli_exits_1_when_a_benchmark_row_failed(tmp_path, capsys, monkeypatch, one_thread):
+    """Its help promises exit 1 when something fails; a failed benchmark row exited 0."""
+    def broken(*a, **k):
+        raise RuntimeError("no block index today")
+    monkeypatch.setattr(sage_suite, "random_block_index", broken)
+    rc = _run_cli(tmp_path, "--benchmark-perf", "--quant", "int8", "--seq-lens", "256", "--top-k-ratios", "0.5",
+                  "--reps", "1", "--threads", "1")
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 1 and "1 of 1 benchmark rows failed, e.g. RuntimeError: no block index today" in out
+    assert json.loads((tmp_path / "sage_test.json").read_text())["header"]["threads"] == 1
+
+
 def test_cli_help_lists_the_flags(capsys):
     with pytest.raises(SystemExit):
         main(["sage-test", "--help"])

@@ -260,6 +260,10 @@ def evaluate(model, tokenizer, runs: list[PatternRun], lengths: list[int], n_tex
     through the sparse_attn integration. Returns ``{"texts", "rows", "summary"}`` (rows per text,
     summary averaged over texts per (pattern, length)). ``skip_texts``: see :func:`stdlib_texts`."""
     from .integrations.transformers import disable, enable
+    if not lengths or min(lengths) < 1 or n_texts < 1 or new_tokens < 0:
+        # ids[:length] with a length <= 0 silently ran on the text minus its last tokens
+        raise ValueError(f"evaluate needs lengths >= 1, n_texts >= 1 and new_tokens >= 0; got lengths {lengths}, "
+                         f"n_texts {n_texts}, new_tokens {new_tokens}")
     device = next(model.parameters()).device
     texts = stdlib_texts(tokenizer, n_texts, max(lengths), skip=skip_texts)
     rows = []

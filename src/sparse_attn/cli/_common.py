@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def tokens(text: str) -> int:
@@ -18,6 +19,90 @@ def tokens(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer like 4096, 8k or 128K, got {text!r}") from None
     return value
+
+
+def _at_least(parse, low: int, what: str):
+    """An argparse type: ``parse`` then refuse values below ``low`` (a length, count or size of 0 or
+    less ran on empty or wrongly sliced inputs, or failed deep inside with a traceback)."""
+    def check(text: str) -> int:
+        value = parse(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    check.__name__ = f"{what} {parse.__name__}"
+    return check
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+positive_int = _at_least(_integer, 1, "a positive integer")
+nonneg_int = _at_least(_integer, 0, "an integer >= 0")
+positive_tokens = _at_least(tokens, 1, "a positive length like 4096, 8k or 128K")
+nonneg_tokens = _at_least(tokens, 0, "a length >= 0 like 0, 4096 or 8k")
+
+
+def device_arg(text: str) -> str:
+    """An argparse type for --device: cpu or cuda[:N], refused at once when this machine cannot run it
+    (a CUDA device on a torch without CUDA ended in 'Torch not compiled with CUDA enabled' tracebacks
+    deep in the work, some only after the first results)."""
+    import torch
+    try:
+        device = torch.device(text.strip())
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"got {text!r} but torch.cuda.is_available() is False "
+                                             f"(torch {torch.__version__}): use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"got {text!r} but there are {torch.cuda.device_count()} CUDA "
+                                             f"devices (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return text.strip()
+
+
+def usage_error(message: str):
+    """A bad option found after parsing: one line on stderr and exit code 2, as argparse's own errors."""
+    print(f"sparse-attn: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def writable_dir(path, flag: str) -> Path:
+    """Create the output folder ``path`` now and check that a file can be written in it, so that a bad
+    ``flag`` fails before the work starts (it failed with a traceback after it, e.g. after a whole
+    model evaluation); exits with code 2 when it cannot."""
+    import tempfile
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        usage_error(f"{flag} {path}: cannot write there ({e.strerror or e}); give a folder you can write to")
+    return path
+
+
+def set_cpu_threads(device: str, threads: int | None, default: int = 1) -> int | None:
+    """On a CPU set torch's intra-op threads to ``threads`` (None: ``default``; 0: torch's own) and
+    return the previous count to restore, else None. One thread by default: on a busy shared machine
+    torch's spinning OpenMP threads made CPU timings noise (dense SDPA 48 ms instead of 0.7 ms)."""
+    import torch
+    n = default if threads is None else threads
+    if not str(device).startswith("cpu") or n <= 0:
+        return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
+
+
+CPU_TIMING_NOTE = ("CPU timings are indicative only (the PyTorch reference path on a possibly shared machine), "
+                   "not kernel performance")
 
 
 def split_list(values: list[str] | None) -> list[str] | None:
@@ -40,9 +125,10 @@ def default_device() -> str:
 def add_accuracy_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``quick`` and ``accuracy``: input device/dtype/shape/seed and the pass/fail
     thresholds (cosine > 0.95, relative L1 < 0.1, sparsity > 5% by default)."""
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="input dtype (default: fp32 on cpu, bf16 on cuda)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dim (default 64)")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     t = p.add_argument_group("thresholds")
     t.add_argument("--min-cosine", type=float, default=0.95, help="pass if cosine > this (default 0.95)")

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import add_accuracy_options, console, default_device
+from ._common import add_accuracy_options, console, default_device, nonneg_int, set_cpu_threads, writable_dir
 
 DESCRIPTION = """Accuracy suite of adaptive sparse attention (sparse_attn.predict: meansim prediction, then
 the block-sparse call) against dense attention on structured inputs (see `sparse-attn quick --help`):
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out-dir", type=Path, default=Path("out/accuracy"), help="output folder (default out/accuracy)")
     p.add_argument("--quick", action="store_true", help="fewer and shorter cases (and a 3x3 sweep)")
     p.add_argument("--sweep", action="store_true", help="also run the simthreshd1 x cdfthreshd sweep")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=nonneg_int, default=1,
                    help="CPU intra-op threads while the suite runs (default 1: the suite is many small ops, and "
                         "on a busy shared machine torch's spinning OpenMP threads made it ~10x slower; "
                         "0 = torch's default)")
@@ -73,13 +73,13 @@ def write_sweep_csv(path: Path, rows: list[dict]) -> Path:
 def run(args) -> int:
     import torch
     device = args.device or default_device()
-    threads = torch.get_num_threads()
-    if device == "cpu" and args.threads > 0:
-        torch.set_num_threads(args.threads)
+    writable_dir(args.out_dir, "--out-dir")
+    threads = set_cpu_threads(device, args.threads)
     try:
         return run_suite(args, device)
     finally:
-        torch.set_num_threads(threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
 
 def run_suite(args, device: str) -> int:

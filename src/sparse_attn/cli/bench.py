@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import console, default_device, split_list, tokens
+from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, nonneg_int, positive_int,
+                      positive_tokens, set_cpu_threads, split_list, usage_error, writable_dir)
 
 DESCRIPTION = """Time attention providers on a suite of sparse patterns.
 
@@ -48,20 +49,25 @@ def add_parser(sub) -> None:
     p.add_argument("--stress", action="store_true",
                    help="with --suite all: also run each case at 2x and 4x its longest length "
                         "(to see where providers run out of memory; OOM rows are recorded, not fatal)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--providers", nargs="+", metavar="NAME",
                    help="providers to run instead of the suite's (space or comma separated; see --list)")
     p.add_argument("--patterns", nargs="+", metavar="GLOB",
                    help="keep only these patterns, by case name or builder name, shell globs ('random*')")
-    p.add_argument("--seq-lens", nargs="+", type=tokens, metavar="L", help="sequence lengths, e.g. 4096 8k 128K")
+    p.add_argument("--seq-lens", nargs="+", type=positive_tokens, metavar="L",
+                   help="sequence lengths, e.g. 4096 8k 128K")
     p.add_argument("--modes", nargs="+", choices=list(MODES), help="fwd, bwd (backward only), fwd+bwd")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (fp32, fp16, bf16, ...)")
-    p.add_argument("--batch", type=int, help="batch size B")
-    p.add_argument("--heads", type=int, help="query heads Hq")
-    p.add_argument("--kv-heads", nargs="+", type=int, metavar="HKV", help="key/value heads (GQA when < Hq)")
-    p.add_argument("--head-dim", type=int, help="head dim D")
-    p.add_argument("--reps", type=int, help="timed repetitions per row (default: enough for ~200 ms, 3..100)")
-    p.add_argument("--warmup", type=int, help="untimed calls before timing (default: ~25 ms worth, 1..10)")
+    p.add_argument("--batch", type=positive_int, help="batch size B")
+    p.add_argument("--heads", type=positive_int, help="query heads Hq")
+    p.add_argument("--kv-heads", nargs="+", type=positive_int, metavar="HKV", help="key/value heads (GQA when < Hq)")
+    p.add_argument("--head-dim", type=positive_int, help="head dim D")
+    p.add_argument("--reps", type=positive_int, help="timed repetitions per row (default: enough for ~200 ms, 3..100)")
+    p.add_argument("--warmup", type=nonneg_int, help="untimed calls before timing (default: ~25 ms worth, 1..10)")
+    p.add_argument("--threads", type=nonneg_int,
+                   help="CPU intra-op threads while timing (default 1: on a busy shared machine torch's spinning "
+                        "OpenMP threads made CPU timing ratios noise; 0 = torch's default)")
     p.add_argument("--interleave", action="store_true",
                    help="time the providers of one row together, repetitions interleaved in rotating order "
                         "(default: each provider's repetitions back to back, its sustained speed alone; "
@@ -157,12 +163,31 @@ def drop_unavailable(suite, device, con):
     return replace(suite, cases=tuple(c for c in cases if c.providers)), skipped
 
 
+def earlier_rows(json_path: Path, suite) -> list:
+    """The rows of an earlier ``json_path`` that ``suite`` does not run again (kept by ``--skip-done``)."""
+    import json
+    from ..bench import Row
+    from ..bench.runner import expand
+    if not json_path.exists():
+        return []
+    try:
+        old = [Row(**r) for r in json.loads(json_path.read_text()).get("rows", [])]
+    except (ValueError, TypeError, AttributeError) as e:
+        usage_error(f"--skip-done: cannot read the rows of {json_path} to keep them ({e}); move it away")
+    again = {p.key() + (p.provider,) for p in expand(suite)}
+    return [r for r in old if r.key() + (r.provider,) not in again]
+
+
 def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=None, warmup=None,
                        baseline=None, progress=True, con=None, header_extra: dict | None = None,
-                       interleave: bool = False):
+                       interleave: bool = False, keep_earlier: bool = False):
     """Run ``suite`` on ``device``, writing JSON + CSV after every row; print the table.
 
-    ``header_extra`` is added to the JSON header (e.g. ``slice``). Returns (rows, json_path, csv_path)."""
+    ``header_extra`` is added to the JSON header (e.g. ``slice``). ``keep_earlier``: the rows an existing
+    JSON of the same name holds and ``suite`` does not run again are kept in front of the new ones (a
+    slice finished with ``--skip-done`` over its own folder lost its earlier rows otherwise).
+    Returns (the rows run now, json_path, csv_path)."""
+    from rich.markup import escape
     from ..bench import make_header, run_suite, summary_table, write_csv, write_json
     from ..bench.runner import expand
     from ..ops.block_sparse.launch import autotune_picks
@@ -176,6 +201,9 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
     if n == 0:
         con.print("[red]nothing to run: no rows left after filtering and dropping unavailable providers[/red]")
         return [], None, None
+    if header["gpu"] == "cpu":
+        import torch
+        header.update(note=CPU_TIMING_NOTE, threads=torch.get_num_threads())
     where = device if header["gpu"] == "cpu" else f"{header['gpu']} ({device})"
     est = ""
     if header["gpu"] != "cpu":
@@ -184,12 +212,17 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
             est = f", ~{estimate_seconds(suite) / 60:.0f} min on an H100"
         except Exception:  # noqa: BLE001 - an estimate must never stop a run (e.g. a pattern that fails to build)
             est = ""
+    kept = earlier_rows(json_path, suite) if keep_earlier else []
     con.print(f"suite [bold]{suite.name}[/bold] on [bold]{where}[/bold], torch {header['torch']}, "
-              f"triton {header['triton']}: {n} rows{est} -> {json_path}")
-    rows = []
+              f"triton {header['triton']}: {n} rows{est} -> {json_path}"
+              + (f" (keeping its {len(kept)} earlier rows)" if kept else ""))
+    if header["gpu"] == "cpu":
+        con.print(f"[yellow]{CPU_TIMING_NOTE}; {header['threads']} thread(s)[/yellow]")
+    rows, new = list(kept), []
 
     def save(row):
         rows.append(row)
+        new.append(row)
         picks = autotune_picks()  # our kernels' choices so far (none on CPU, where nothing is tuned)
         if picks:
             header["autotune_picks"] = picks
@@ -199,11 +232,20 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
     write_csv(csv_path, rows)
     con.print(summary_table(rows, baseline=baseline, title=f"{suite.name} on {header['gpu']} "
                                                          f"(effective TFLOP/s; SDPA rows are dense baselines)"))
-    failed = [r for r in rows if r.error]
-    if failed:
-        con.print(f"[yellow]{len(failed)} of {len(rows)} rows failed (see the error column)[/yellow]")
+    failed = [r for r in new if r.error]
+    if failed and len(failed) == len(new):
+        con.print(f"[red]all {len(new)} rows failed, e.g. {escape(failed[0].error or '')}[/red]")
+    elif failed:
+        con.print(f"[yellow]{len(failed)} of {len(new)} rows failed (see the error column)[/yellow]")
     con.print(f"wrote {json_path} and {csv_path}")
-    return rows, json_path, csv_path
+    return new, json_path, csv_path
+
+
+def gpu_only_suites() -> list[str]:
+    """Suites sized for a GPU that have no CPU stand-in (see bench.suites.CPU_STAND_INS)."""
+    from ..bench import SUITES
+    from ..bench.suites import CPU_STAND_INS
+    return [n for n in SUITES if n != "small" and n not in CPU_STAND_INS]
 
 
 def run(args) -> int:
@@ -219,9 +261,23 @@ def run(args) -> int:
         return 2
     if args.plan is not None:
         return print_plan(suite, args.plan, args.slice_limit, con)
+    if not device.startswith("cuda") and args.suite in gpu_only_suites():
+        # its rows reach 128K tokens: on the CPU reference path that is hours, not a benchmark
+        usage_error(f"--suite {args.suite} is a GPU suite (up to 128K tokens) and --device is {device}; on a CPU "
+                    f"run --suite small, sage (its tiny stand-in) or all (= small); --plan works anywhere")
+    if args.baseline:
+        running = sorted({p for c in suite.cases for p in c.providers})
+        if args.baseline not in running:
+            usage_error(f"--baseline {args.baseline} is not one of the providers this run times: "
+                        f"{', '.join(running)}")
     if args.skip_done:
         from ..bench.slices import drop_done
-        suite, n_done = drop_done(suite, args.skip_done)
+        if not args.skip_done.is_dir():
+            usage_error(f"--skip-done {args.skip_done}: no such folder (give the --out-dir of the earlier run)")
+        try:
+            suite, n_done = drop_done(suite, args.skip_done)
+        except (ValueError, TypeError, AttributeError) as e:
+            usage_error(f"--skip-done {args.skip_done}: a JSON file there is not a bench result ({e})")
         con.print(f"skipping {n_done} rows already in {args.skip_done}")
     if args.suite not in (suite.name, "all"):
         con.print(f"[yellow]suite {args.suite} is sized for a GPU: on {device} running its tiny stand-in "
@@ -235,8 +291,17 @@ def run(args) -> int:
     if args.slice:
         extra = {"slice": args.slice}
         name = name or f"{suite.name}-{device.split(':')[0]}-{args.slice.replace('/', '-of-')}"
-    _, json_path, _ = run_suite_to_files(suite, device, out_dir=args.out_dir, name=name, reps=args.reps,
-                                         warmup=args.warmup, baseline=args.baseline,
-                                         progress=not args.no_progress, con=con, header_extra=extra,
-                                         interleave=args.interleave)
-    return 0 if json_path is not None else 1
+    writable_dir(args.out_dir, "--out-dir")
+    threads = set_cpu_threads(device, args.threads)
+    try:
+        rows, json_path, _ = run_suite_to_files(suite, device, out_dir=args.out_dir, name=name, reps=args.reps,
+                                                warmup=args.warmup, baseline=args.baseline,
+                                                progress=not args.no_progress, con=con, header_extra=extra,
+                                                interleave=args.interleave, keep_earlier=bool(args.skip_done))
+    finally:
+        if threads is not None:
+            import torch
+            torch.set_num_threads(threads)
+    if json_path is None:
+        return 1
+    return 1 if all(r.error for r in rows) else 0  # every row failed: nothing was measured

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import console, default_device
+from ._common import console, default_device, device_arg, nonneg_int, set_cpu_threads, writable_dir
 
 DESCRIPTION = """Run the benchmark suite sized for this machine and draw the pattern gallery.
 
@@ -23,10 +23,14 @@ OUT/report-*.png. Where one command may only run a few minutes, run the suite in
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="benchmark suite + pattern gallery, sized for this machine",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--out-dir", type=Path, default=Path("out"), help="output root (default: out)")
     p.add_argument("--quick", action="store_true",
                    help="a few rows and a small gallery (seconds; used by the tests)")
+    p.add_argument("--threads", type=nonneg_int,
+                   help="CPU intra-op threads (default 1: on a busy shared machine torch's spinning OpenMP "
+                        "threads made CPU timing ratios noise; 0 = torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -57,10 +61,21 @@ def demo_suite(device: str, quick: bool):
 
 
 def run(args) -> int:
+    import torch
+    device = args.device or default_device()
+    writable_dir(args.out_dir, "--out-dir")
+    threads = set_cpu_threads(device, args.threads)
+    try:
+        return run_demo(args, device)
+    finally:
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+
+def run_demo(args, device: str) -> int:
     from .. import viz
     from .bench import run_suite_to_files
     con = console()
-    device = args.device or default_device()
     t0 = time.perf_counter()
     suite = demo_suite(device, args.quick)
     why = "CUDA found" if device.startswith("cuda") else "no CUDA: CPU reference path, correctness-sized"
@@ -75,7 +90,8 @@ def run(args) -> int:
                               markdown=gallery_dir / "gallery.md")
     con.print(f"drew {len(paths)} patterns: {', '.join(p.stem for p in paths)}")
     report_path = None
-    if json_path is not None:
+    all_failed = bool(rows) and all(r.error for r in rows)
+    if json_path is not None and not all_failed:
         from .. import report
         from ..bench.accuracy_rows import write_accuracy_json
         from .report import report_accuracy
@@ -95,4 +111,7 @@ def run(args) -> int:
     if report_path is not None:
         con.print(f"report:            {report_path} (+ {len(pngs)} plots: {', '.join(p.name for p in pngs)})")
     con.print(f"done in {time.perf_counter() - t0:.1f} s")
-    return 0 if json_path is not None else 1
+    if all_failed:
+        from rich.markup import escape
+        con.print(f"[red]every benchmark row failed (no report written), e.g. {escape(rows[0].error)}[/red]")
+    return 0 if json_path is not None and not all_failed else 1

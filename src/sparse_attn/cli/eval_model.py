@@ -7,7 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from ._common import console, default_device, split_list, tokens
+from ._common import (console, default_device, device_arg, nonneg_int, positive_int, positive_tokens, split_list,
+                      tokens, writable_dir)
 
 DESCRIPTION = """Run a causal LM twice on the same text, once with its own (dense) attention and once
 per PATTERN through the sparse_attn transformers integration, and compare: logits cosine
@@ -46,12 +47,14 @@ def add_parser(sub) -> None:
                         "package); converted once into the cache, tokenizer included; needs gguf + accelerate")
     p.add_argument("--patterns", "--pattern", nargs="+", default=["local", "streaming"], metavar="PATTERN",
                    help="patterns to compare with dense (space or comma separated; default: local streaming)")
-    p.add_argument("--lengths", nargs="+", type=tokens, metavar="L",
+    p.add_argument("--lengths", nargs="+", type=positive_tokens, metavar="L",
                    help="sequence lengths (8k style accepted; default 1k 2k 4k 8k on CUDA, 512 1k on CPU)")
-    p.add_argument("--texts", type=int, default=3, help="texts per length (default 3)")
-    p.add_argument("--new-tokens", type=int, default=32, help="greedy continuation length (default 32; 0 = none)")
+    p.add_argument("--texts", type=positive_int, default=3, help="texts per length (default 3)")
+    p.add_argument("--new-tokens", type=nonneg_int, default=32,
+                   help="greedy continuation length (default 32; 0 = none)")
     p.add_argument("--layers", help="layers that run the pattern, e.g. '2-29' or '0,5,7' (default: all; others dense)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--out-dir", type=Path, default=Path("out/eval"), help="output folder (default out/eval)")
@@ -65,7 +68,7 @@ def add_parser(sub) -> None:
     g.add_argument("--block-k", type=int, help="key block size (default 128)")
     g.add_argument("--density", type=float, help="random: fraction of key blocks per row (default 0.2)")
     g.add_argument("--top-k", type=int, help="random: key blocks per row")
-    g.add_argument("--heads", type=int, help="random/bigbird: per-head layouts (1 or the model's query heads)")
+    g.add_argument("--heads", type=positive_int, help="random/bigbird: per-head layouts (1 or the model's query heads)")
     g.add_argument("--seed", type=int, help="random/bigbird seed")
     g.add_argument("--block-size", type=tokens, help="block_diagonal: document length (default L/4)")
     g.add_argument("--stride", type=int, help="strided: summary-block stride")
@@ -90,7 +93,10 @@ def parse_layers(text: str | None) -> set[int] | None:
         part = part.strip()
         m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
         if m:
-            out.update(range(int(m.group(1)), int(m.group(2)) + 1))
+            first, last = int(m.group(1)), int(m.group(2))
+            if first > last:  # an empty range ran every layer dense and reported it as the pattern
+                raise argparse.ArgumentTypeError(f"--layers: a range is FIRST-LAST with FIRST <= LAST, got {part!r}")
+            out.update(range(first, last + 1))
         elif part.isdigit():
             out.add(int(part))
         elif part:
@@ -165,6 +171,7 @@ def run(args) -> int:
     except (ValueError, TypeError, ImportError, argparse.ArgumentTypeError) as e:
         con.print(f"[red]{escape(str(e))}[/red]")
         return 2
+    writable_dir(args.out_dir, "--out-dir")  # now, not after the whole evaluation
     try:
         model, tokenizer, path = me.load_model(args.model, device, dtype, args.cache_dir,
                                                log=lambda m: con.print(escape(m)), gguf=args.gguf)

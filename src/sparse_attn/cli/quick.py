@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_accuracy_options, console, default_device, tokens
+from ._common import (add_accuracy_options, console, default_device, nonneg_int, positive_int, positive_tokens,
+                      set_cpu_threads)
 
 DESCRIPTION = """Quick accuracy check of adaptive sparse attention (sparse_attn.predict.adaptive_attention:
 meansim block prediction from pooled Q/K, then the block-sparse call) against dense attention on
@@ -33,8 +34,9 @@ def levels_text() -> str:
 def add_parser(sub) -> None:
     p = sub.add_parser("quick", help="dense vs adaptive-sparse attention on one input (pass/fail)",
                        description=DESCRIPTION.format(levels=levels_text()), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=tokens, default=1024, help="query length L (default 1024; 8k style accepted)")
-    p.add_argument("--kv-len", type=tokens, help="key length (default: L)")
+    p.add_argument("--seq-len", type=positive_tokens, default=1024,
+                   help="query length L (default 1024; 8k style accepted)")
+    p.add_argument("--kv-len", type=positive_tokens, help="key length (default: L)")
     p.add_argument("--sparse-level", choices=["low", "medium", "high"], default="medium",
                    help="threshold preset (default medium)")
     p.add_argument("--simthreshd1", type=float, help="override the level's self-similarity threshold")
@@ -43,12 +45,14 @@ def add_parser(sub) -> None:
     p.add_argument("--causal", action="store_true", help="causal attention (bottom-right aligned)")
     p.add_argument("--attention-sink", action="store_true", help="always keep the first key block")
     p.add_argument("--benchmark", action="store_true", help="also time dense vs sparse")
-    p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
-    p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA when < heads; default: heads)")
+    p.add_argument("--batch", type=positive_int, default=2, help="batch size (default 2)")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default 8)")
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (GQA when < heads; default: heads)")
     p.add_argument("--block", type=int, default=128, help="block size for queries and keys (default 128)")
     p.add_argument("--random", action="store_true", help="pure N(0,1) inputs instead of structured ones")
-    p.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's default)")
+    p.add_argument("--threads", type=nonneg_int,
+                   help="CPU intra-op threads (default 1: on a busy shared machine torch's spinning OpenMP "
+                        "threads made --benchmark timings noise; 0 = torch's default)")
     add_accuracy_options(p)
     p.set_defaults(func=run)
 
@@ -77,6 +81,7 @@ def make_inputs(args, device, dtype):
 def benchmark(q, k, v, kw: dict, causal: bool, device: str, con) -> dict:
     """Median ms of dense, predict, sparse attention on the predicted layout, and predict + sparse."""
     import sparse_attn
+    import torch
     from rich.table import Table
     from ..bench.timing import time_fn
     from ..predict import adaptive_attention, meansim
@@ -87,7 +92,8 @@ def benchmark(q, k, v, kw: dict, causal: bool, device: str, con) -> dict:
                                                         device),
              "adaptive (predict + sparse)": time_fn(lambda: adaptive_attention(q, k, v, causal=causal, **kw),
                                                     device)}
-    table = Table(title="timing (median ms)" + (" - CPU reference timings, not GPU kernel performance"
+    table = Table(title="timing (median ms)" + (f" - CPU reference timings, indicative only "
+                                                 f"({torch.get_num_threads()} threads), not GPU kernel performance"
                                                  if device == "cpu" else ""))
     for col in ("what", "ms", "speedup vs dense"):
         table.add_column(col, justify="right" if col != "what" else "left")
@@ -100,14 +106,22 @@ def benchmark(q, k, v, kw: dict, causal: bool, device: str, con) -> dict:
 
 def run(args) -> int:
     import torch
+    con = console()
+    device = args.device or default_device()
+    threads = set_cpu_threads(device, args.threads)
+    try:
+        return check(args, device, con)
+    finally:
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+
+def check(args, device: str, con) -> int:
+    import torch
     from rich.markup import escape
     import sparse_attn
     from .. import accuracy
     from ..predict import adaptive_attention
-    con = console()
-    device = args.device or default_device()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
         args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
     try:

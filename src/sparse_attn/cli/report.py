@@ -6,14 +6,15 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ._common import console, tokens
+from ._common import console, positive_tokens, usage_error, writable_dir
 
 DESCRIPTION = """Merge the JSON files of a suite run in slices (`sparse-attn bench --slice K/N`) and write
 OUT/report.md with its plots, plus OUT/NAME (the merged rows, header and accuracy).
 
 A row found in several files (a re-run slice) is taken from the last slice/date. Rows of the suite
 that no file holds are listed at the top of the report. Accuracy against dense is read from the
-inputs or OUT/accuracy.json; when there is none it is computed here on the CPU (fp32 reference, the
+inputs or OUT/accuracy.json (when that was made for the same suite at the same --accuracy-len and
+holds a row that did not fail); when there is none it is computed here on the CPU (fp32 reference, the
 suite's patterns at --accuracy-len with 2 heads: the patterns' approximation error, which does not
 depend on the GPU) and saved to OUT/accuracy.json.
 
@@ -29,7 +30,7 @@ def add_parser(sub) -> None:
                    help="result JSON files, or folders whose *.json are read")
     p.add_argument("--out-dir", type=Path, default=Path("out/report"), help="where report.md goes (default out/report)")
     p.add_argument("--name", default="results.json", help="file name of the merged JSON (default results.json)")
-    p.add_argument("--accuracy-len", type=tokens, default=8192, metavar="L",
+    p.add_argument("--accuracy-len", type=positive_tokens, default=8192, metavar="L",
                    help="sequence length of the accuracy rows computed here (default 8k)")
     p.add_argument("--no-accuracy", action="store_true", help="do not compute missing accuracy rows")
     p.add_argument("--gallery", help="link to the pattern gallery, relative to OUT (e.g. ../../../docs/gallery.md)")
@@ -57,6 +58,30 @@ def input_files(inputs, exclude=()) -> list[Path]:
     return files
 
 
+def reusable_accuracy(acc_path: Path, suite_name, accuracy_len: int | None, con) -> bool:
+    """Whether the saved ``acc_path`` may stand in for computing accuracy rows: made for ``suite_name`` at
+    ``accuracy_len`` (any length when None: nothing would be computed) with at least one row that did not
+    fail. A cache made at another --accuracy-len, or of error rows only, was reused silently before."""
+    if not acc_path.exists():
+        return False
+    try:
+        data = json.loads(acc_path.read_text())
+        head, acc = data.get("header") or {}, data.get("accuracy") or []
+    except (ValueError, AttributeError) as e:
+        why = f"not an accuracy file ({e})"
+    else:
+        why = None
+        if head.get("suite") != suite_name:
+            why = f"made for suite {head.get('suite')}, not {suite_name}"
+        elif accuracy_len and head.get("seq_len") != accuracy_len:
+            why = f"made at T={head.get('seq_len')}, not --accuracy-len {accuracy_len}"
+        elif not any(isinstance(a, dict) and a.get("error") is None for a in acc):
+            why = "every row in it failed"
+    if why:
+        con.print(f"[yellow]not reusing {acc_path}: {why}[/yellow]")
+    return why is None
+
+
 def build_report(inputs, out_dir: Path, *, name: str = "results.json", accuracy_len: int | None = 8192,
                  gallery: str | None = None, con=None):
     """Merge ``inputs``, add accuracy rows, write OUT/NAME and OUT/report.md + plots.
@@ -69,8 +94,9 @@ def build_report(inputs, out_dir: Path, *, name: str = "results.json", accuracy_
     out_dir = Path(out_dir)
     merged_path, acc_path = out_dir / name, out_dir / "accuracy.json"
     files = input_files(inputs, exclude=[merged_path, acc_path])
-    files += [acc_path] if acc_path.exists() else []
     header, rows, acc = report.merge_results(files)
+    if reusable_accuracy(acc_path, header.get("suite"), accuracy_len, con):
+        header, rows, acc = report.merge_results(files + [acc_path])
     if not rows:
         raise ValueError(f"no benchmark rows in {', '.join(map(str, inputs))} "
                          f"({len(files)} JSON files; run `sparse-attn bench ... --out-dir DIR` first)")
@@ -93,6 +119,10 @@ def run(args) -> int:
 
     from .. import report
     con = console()
+    for p in args.inputs:
+        if not p.exists():
+            usage_error(f"--from {p}: no such file or folder")
+    writable_dir(args.out_dir, "--out-dir")
     try:
         md, pngs, merged, missing = build_report(args.inputs, args.out_dir, name=args.name,
                                                  accuracy_len=None if args.no_accuracy else args.accuracy_len,

@@ -6,7 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-from ._common import console, default_device, tokens
+from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, nonneg_int, positive_int,
+                      positive_tokens, set_cpu_threads, writable_dir)
 
 DESCRIPTION = """Sparse SageAttention test suite: sparse_attn.attention(..., quant="int8" | "int8-fp8") on
 block-sparse layouts given as SageAttention block indices [B, H, q_blocks, top_k] (q block 64, k block
@@ -28,7 +29,8 @@ int8-fp8 usually misses the L1 bar (e4m3 rounding of P and V, ~3%) and is report
 On a CPU the 8-bit path is the PyTorch emulation (ops/sage/reference.py) and every size is tiny
 (B=1, H=2, D=64, L <= 512; --stress: up to 2K): a functional check, not a performance statement.
 On CUDA checks use B=2, H=8, D=128, L=4096 (--stress: H=32, L=32K; benchmark up to 64K).
-Writes OUT/sage_test.json and OUT/sage_test.md; exit code 1 when a check fails, 2 on bad options."""
+Writes OUT/sage_test.json and OUT/sage_test.md; exit code 1 when a check or a benchmark row fails,
+2 on bad options."""
 
 
 def add_parser(sub) -> None:
@@ -45,13 +47,17 @@ def add_parser(sub) -> None:
                    help="8-bit mode (default: int8-fp8 on CUDA with compute capability 8.9+, else int8)")
     p.add_argument("--quant-gran", choices=list(GRANULARITY), default="per_warp",
                    help="Q/K scale groups (default per_warp)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="input dtype (default bf16)")
-    p.add_argument("--seq-lens", nargs="+", type=tokens, metavar="L",
+    p.add_argument("--seq-lens", nargs="+", type=positive_tokens, metavar="L",
                    help="benchmark lengths instead of the defaults (e.g. 4k 16k)")
     p.add_argument("--top-k-ratios", nargs="+", type=float, default=list(TOP_K_RATIOS), metavar="R",
                    help="fractions of key blocks per row, for patterns and benchmark (default 0.25 0.5 0.75)")
-    p.add_argument("--reps", type=int, help="timed repetitions per measurement (default: ~200 ms worth, >= 3)")
+    p.add_argument("--reps", type=positive_int, help="timed repetitions per measurement (default: ~200 ms worth, >= 3)")
+    p.add_argument("--threads", type=nonneg_int,
+                   help="CPU intra-op threads (default 1: on a busy shared machine torch's spinning OpenMP "
+                        "threads made CPU timings noise; 0 = torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of inputs and random block indices (default 0)")
     p.add_argument("--out", type=Path, default=Path("out/sage-test"), help="output folder (default out/sage-test)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -67,21 +73,19 @@ def _sections(args) -> tuple[bool, bool, bool]:
 def _check_options(args, device: str, quant: str) -> str | None:
     """The error text of an unusable option combination, else None."""
     import torch
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            return "--device cuda but torch.cuda.is_available() is False"
+    if device.startswith("cuda"):  # --device itself was checked when parsed (_common.device_arg)
         if quant == "int8-fp8" and torch.cuda.get_device_capability(device) < (8, 9):
             return (f"--quant int8-fp8 needs FP8 tensor cores (compute capability 8.9+); "
                     f"{torch.cuda.get_device_name(device)} has none: use --quant int8")
     if any(not 0.0 < r <= 1.0 for r in args.top_k_ratios):
         return f"--top-k-ratios must lie in (0, 1], got {args.top_k_ratios}"
-    if args.seq_lens and min(args.seq_lens) < 1:
-        return f"--seq-lens must be positive, got {args.seq_lens}"
     return None
 
 
 def make_header(args, device: str, quant: str, sizes, dtype_name: str) -> dict:
     import dataclasses
+
+    import torch
     from ..bench import make_header as bench_header
     from ..sage_suite import BLOCK_K, BLOCK_Q, MAX_L1, MIN_COSINE
     header = bench_header(device, "sage-test", quant=quant, granularity=args.quant_gran, dtype=dtype_name,
@@ -89,8 +93,8 @@ def make_header(args, device: str, quant: str, sizes, dtype_name: str) -> dict:
                           top_k_ratios=list(args.top_k_ratios), thresholds={"min_cosine": MIN_COSINE, "max_l1": MAX_L1},
                           stress=args.stress)
     if not device.startswith("cuda"):
-        header["note"] = ("CPU: tiny sizes and the PyTorch emulation of the 8-bit path; timings are CPU "
-                          "reference timings, not kernel performance")
+        header["note"] = f"CPU: tiny sizes and the PyTorch emulation of the 8-bit path; {CPU_TIMING_NOTE}"
+        header["threads"] = torch.get_num_threads()
     return header
 
 
@@ -143,13 +147,25 @@ def run(args) -> int:
     import torch
     from .. import sage_suite as ss
     con = console()
-    t0 = time.perf_counter()
     device = args.device or default_device()
     quant = args.quant or ss.default_quant(device)
     err = _check_options(args, device, quant)
     if err:
         con.print(f"[red]{err}[/red]")
         return 2
+    writable_dir(args.out, "--out")
+    threads = set_cpu_threads(device, args.threads)
+    try:
+        return run_suite(args, device, quant, con)
+    finally:
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+
+def run_suite(args, device: str, quant: str, con) -> int:
+    import torch
+    from .. import sage_suite as ss
+    t0 = time.perf_counter()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     sizes = ss.sizes_for(device, args.stress)
     qz = ss.Quant(quant, args.quant_gran)
@@ -180,11 +196,13 @@ def run(args) -> int:
     failed = [c for c in checks if c.passed is False]
     bench_errors = [r for r in bench if r.get("error")]
     if bench_errors:
-        con.print(f"[yellow]{len(bench_errors)} benchmark rows failed (see the error column)[/yellow]")
+        from rich.markup import escape
+        con.print(f"[red]{len(bench_errors)} of {len(bench)} benchmark rows failed, e.g. "
+                  f"{escape(str(bench_errors[0]['error']))}[/red]")
     con.print(f"wrote {md_path} and {json_path}")
     colour = "red" if failed else "green"
     con.rule(f"[{colour}]{ss.tally(checks)}[/{colour}] in {header['seconds']:.1f} s")
     for c in failed:
         con.print(f"[red]FAILED[/red] {c.section}: {c.name}: {c.detail}")
-    return 1 if failed else 0
+    return 1 if failed or bench_errors else 0
 
