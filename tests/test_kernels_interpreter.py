@@ -187,3 +187,65 @@ def test_varlen_matches_per_sequence_reference():
                                  causal=True).backward(do.double())
     for a, b in ((q, qd), (k, kd), (v, vd)):
         assert (a.grad.double() - b.grad).abs().max() < 1e-2
+
+
+def _lse_loss(out, lse, do, dl):
+    """A loss that uses the LSE as well as the output (rows with no key: LSE -inf, left out)."""
+    return (out.float() * do).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dl).sum()
+
+
+@pytest.mark.parametrize("kind,lq,lk,hq,hkv", [("causal", 50, 30, 4, 2), ("streaming", 45, 45, 2, 2)])
+def test_lse_gradient_matches_the_reference(kind, lq, lk, hq, hkv):
+    """d LSE / d s = P: the kernels fold the LSE's gradient into delta (bwd_delta_kernel), so a loss that
+    uses the LSE (merging partial attentions) gets the reference's gradients. Causal with Lq > Lk has
+    rows with no key (LSE -inf)."""
+    attention_op, _ = _ops()
+    layout = BlockLayout.from_mask(MASKS[kind], q_len=lq, kv_len=lk, block_q=16, block_k=16)
+    q, k, v = _qkv(1, hq, hkv, lq, lk, 16, torch.float32, True)
+    out, lse = attention_op(q, k, v, layout, return_lse=True)
+    g = torch.Generator().manual_seed(5)
+    do, dl = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    _lse_loss(out, lse, do, dl).backward()
+    oracle = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o_or, lse_or = reference.attention(*oracle, layout, return_lse=True)
+    _lse_loss(o_or, lse_or, do.double(), dl.double()).backward()
+    for name, a, b in zip("qkv", (q, k, v), oracle):
+        err = (a.grad.double() - b.grad).abs().max().item()
+        assert err < 2e-3, f"d{name}: max error {err:.2e}"
+    # the LSE's term matters: without it the gradients differ
+    qn, kn, vn = (t.detach().double().requires_grad_() for t in (q, k, v))
+    (reference.attention(qn, kn, vn, layout).float() * do).sum().backward()
+    assert (qn.grad - oracle[0].grad).abs().max() > 0.05
+
+
+def test_lse_gradient_of_varlen_and_grouped_kernels(monkeypatch):
+    from sparse_attn import Group, grouped, varlen
+    _, varlen_attention_op = _ops()
+    loop = grouped.grouped_attention_loop
+    monkeypatch.setattr(grouped, "FORCE_KERNELS", True)
+    monkeypatch.setattr(grouped, "grouped_attention_loop", None)  # the kernel path must not fall back
+    q_lens, k_lens = [17, 1, 40], [30, 5, 40]
+    q, k, v = random_packed_qkv(58, 75, 4, 2, 16, seed=3, dtype=torch.float32, requires_grad=True)
+    cq = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
+    ck = torch.tensor([0, 30, 35, 75], dtype=torch.int32)
+    stacked = varlen.stack(varlen.build_layouts(q_lens, k_lens, None, None, causal=True, block=16), 40, 40, 4)
+    groups = [Group(0, 17, 0, 30), Group(17, 18, 20, 35), Group(18, 58, 0, 75)]  # overlapping K/V
+    g = torch.Generator().manual_seed(9)
+    do, dl = torch.randn(58, 4, 16, generator=g), torch.randn(4, 58, generator=g)
+    cases = {
+        "varlen": (lambda q, k, v: varlen_attention_op(q, k, v, stacked, cq, ck, 40, 40, torch.tensor(k_lens),
+                                                       return_lse=True),
+                   lambda q, k, v: sparse_attn.varlen_attention(q, k, v, cq, ck, 40, 40, causal=True,
+                                                                return_lse=True)),
+        "grouped": (lambda q, k, v: grouped.grouped_attention(q, k, v, groups, causal=True, return_lse=True),
+                    lambda q, k, v: loop(q, k, v, groups, causal=True, return_lse=True)),
+    }
+    for what, (kernel, ref) in cases.items():
+        for t in (q, k, v):
+            t.grad = None
+        _lse_loss(*kernel(q, k, v), do, dl).backward()
+        oracle = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        _lse_loss(*ref(*oracle), do.double(), dl.double()).backward()
+        for name, a, b in zip("qkv", (q, k, v), oracle):
+            err = (a.grad.double() - b.grad).abs().max().item()
+            assert err < 2e-3, f"{what} d{name}: max error {err:.2e}"

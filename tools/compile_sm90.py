@@ -172,8 +172,9 @@ def variants():
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
         yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                     IDX_CHUNK=0, KV_TMA=True, CONTIGUOUS=False, WAVE=not varlen, IDX_DEEP=True)
-    for varlen in (False, True):
-        yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen)
+    for varlen, dlse in itertools.product((False, True), (False, True)):
+        yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen,
+                                       HAS_DLSE=dlse)
 
 
 def num_warps(fn, consts) -> int:

@@ -58,7 +58,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             ``j <= i + Lk - Lq`` (FlashAttention's convention for ``Lq != Lk``).
         scale: softmax scale; default ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp (natural log) of the scaled, masked scores,
-            fp32 ``[B, Hq, Lq]``.
+            fp32 ``[B, Hq, Lq]``, differentiable (a loss may use it, e.g. to merge partial
+            attentions); with ``quant`` it is the 8-bit forward's and carries no gradient.
         quant: ``None`` (fp16/bf16 products), ``"int8"`` (Q.K in INT8, P.V in q's dtype) or
             ``"int8-fp8"`` (also P.V in FP8 e4m3; GPUs with compute capability 8.9+). Head dim a
             multiple of 16 and >= 32; ``"int8-fp8"`` also needs the layout's ``block_k >= 32``.

@@ -282,6 +282,52 @@ def test_compiles_fullgraph():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+def _lse_loss(out, lse, do, dl):
+    return (out.double() * do).sum() + (torch.where(torch.isfinite(lse), lse, 0.0).double() * dl).sum()
+
+
+@pytest.mark.parametrize("case", [("causal", 1, 8, 2, 513, 300, 128, 64, 128), ("streaming", 1, 4, 4, 1025, 1025, 64,
+                                                                                  128, 128)], ids=["causal", "streaming"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lse_gradient_against_the_oracle(case, compiled):
+    """A loss that uses the LSE (merging partial attentions): the kernels fold its gradient into delta.
+    Also through torch.compile (the backward custom op gets the LSE's gradient)."""
+    kind, B, hq, hkv, lq, lk, d, bq, bk = case
+    layout = sparse_attn.prepare(BlockLayout.from_mask(_mask(kind), q_len=lq, kv_len=lk, block_q=bq, block_k=bk,
+                                                       device="cuda"))
+    q, k, v = (_rand((B, h, n, d), torch.bfloat16).requires_grad_() for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    do, dl = _rand((B, hq, lq, d), torch.float64), _rand((B, hq, lq), torch.float64)
+    fn = lambda q, k, v: sparse_attn.attention(q, k, v, layout, return_lse=True)  # noqa: E731
+    _lse_loss(*(torch.compile(fn, fullgraph=True) if compiled else fn)(q, k, v), do, dl).backward()
+    qo, ko, vo = (t.detach().double().requires_grad_() for t in (q, k, v))
+    _lse_loss(*sparse_attn.reference.attention(qo, ko, vo, layout, return_lse=True), do, dl).backward()
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    _lse_loss(*sparse_attn.reference.attention(ql, kl, vl, layout, return_lse=True, _lowp=True), do, dl).backward()
+    for name, a, b, c in (("dq", q, qo, ql), ("dk", k, ko, kl), ("dv", v, vo, vl)):
+        _check(name, a.grad, c.grad, b.grad, torch.bfloat16)
+
+
+def test_lse_gradient_of_varlen_and_grouped_on_the_kernels():
+    cq = torch.tensor([0, 300, 301, 1001], dtype=torch.int32, device="cuda")
+    ck = torch.tensor([0, 500, 564, 1264], dtype=torch.int32, device="cuda")
+    groups = [sparse_attn.Group(0, 300, 0, 500), sparse_attn.Group(300, 301, 400, 564),
+              sparse_attn.Group(301, 1001, 0, 1264)]
+    q, k, v = (_rand((n, h, 64), torch.bfloat16).requires_grad_() for n, h in ((1001, 8), (1264, 2), (1264, 2)))
+    do, dl = _rand((1001, 8, 64), torch.float64), _rand((8, 1001), torch.float64)
+    calls = {"varlen": lambda q, k, v: sparse_attn.varlen_attention(q, k, v, cq, ck, 700, 700, causal=True,
+                                                                    return_lse=True),
+             "grouped": lambda q, k, v: sparse_attn.grouped_attention(q, k, v, groups, causal=True, return_lse=True)}
+    for what, call in calls.items():
+        for t in (q, k, v):
+            t.grad = None
+        _lse_loss(*call(q, k, v), do, dl).backward()
+        qo, ko, vo = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+        _lse_loss(*call(qo, ko, vo), do.cpu(), dl.cpu()).backward()  # the CPU reference, fp64
+        for name, a, b in (("dq", q, qo), ("dk", k, ko), ("dv", v, vo)):
+            err = ((a.grad.double().cpu() - b.grad).abs().max() / b.grad.abs().max()).item()
+            assert err < 2e-2, f"{what} {name}: max error {err:.3e} of the largest gradient"
+
+
 @pytest.mark.parametrize("case", ZERO_LENGTH_CASES)
 def test_zero_length_inputs_on_the_kernels(case):
     """No query or no key token through the CUDA paths (kernels, varlen, grouped, 8-bit, adaptive):

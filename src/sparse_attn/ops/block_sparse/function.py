@@ -57,11 +57,11 @@ def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_coun
 
 def _bwd_impl(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
               terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None,
-              dk_rows=None, contiguous=False, t_contiguous=False):
+              dk_rows=None, contiguous=False, t_contiguous=False, dlse=None):
     return launch.backward(do.contiguous(), q, k, v, out, lse, counts, n_full, indices, mask_ids,
                            t_counts, t_n_full, t_indices, t_mask_ids, terms, n_terms, cu_q, cu_k,
                            block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows,
-                           contiguous=contiguous, t_contiguous=t_contiguous)
+                           contiguous=contiguous, t_contiguous=t_contiguous, dlse=dlse)
 
 
 @torch.library.custom_op("sparse_attn::block_sparse_bwd", mutates_args=())
@@ -71,10 +71,10 @@ def block_sparse_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                      terms: Tensor, n_terms: int, cu_q: Optional[Tensor], cu_k: Optional[Tensor],
                      block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
                      cu_dk: Optional[Tensor] = None, dk_rows: Optional[Tensor] = None, contiguous: bool = False,
-                     t_contiguous: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                     t_contiguous: bool = False, dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return _bwd_impl(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                      t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
-                     cu_dk, dk_rows, contiguous, t_contiguous)
+                     cu_dk, dk_rows, contiguous, t_contiguous, dlse)
 
 
 @block_sparse_bwd.register_fake
@@ -93,9 +93,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
-    """Gradients of q, k, v. The LSE output is not differentiable (its gradient is ignored). The custom
-    op's autograd calls the backward custom op: AOTAutograd traces this function with fake tensors
-    while ``torch.compiler.is_compiling()`` is False, so only an opaque op may run here then."""
+    """Gradients of q, k, v, from the output's gradient ``do`` and the LSE's ``dlse`` (None when the
+    loss did not use the LSE). The custom op's autograd calls the backward custom op: AOTAutograd
+    traces this function with fake tensors while ``torch.compiler.is_compiling()`` is False, so only
+    an opaque op may run here then."""
     (q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids, terms,
      cu_q, cu_k, cu_dk, dk_rows) = ctx.saved_tensors
     n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold, contiguous, t_contiguous = ctx.meta
@@ -107,7 +108,7 @@ def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
                            "requires grad at forward time; call attention() with grad enabled")
     dq, dk, dv = bwd(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                      t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
-                     cu_dk, dk_rows, contiguous, t_contiguous)
+                     cu_dk, dk_rows, contiguous, t_contiguous, dlse)
     return (dq, dk, dv) + (None,) * 24
 
 

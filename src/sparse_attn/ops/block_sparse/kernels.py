@@ -408,10 +408,10 @@ def _rows_start(CU_L, i_b, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
-                     stride_dom, stride_sb, stride_sh, stride_sm, stride_lb, stride_lh, H, L, SEQ_STEP,
-                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     IS_VARLEN: tl.constexpr):
+def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, DLSE, stride_ob, stride_oh, stride_om, stride_dob,
+                     stride_doh, stride_dom, stride_sb, stride_sh, stride_sm, stride_lb, stride_lh, stride_gb,
+                     stride_gh, stride_gm, H, L, SEQ_STEP, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
     """Grid (row tiles of the longest sequence, B * H): the per-row terms both backward kernels read,
     fp32: DELTA = rowsum(O * dO) (one read of O and dO; the PyTorch expression made three fp32
     copies), and LSE2 = LSE (strides stride_s*) in log2 units with -inf (a row with no key) as +inf,
@@ -419,7 +419,10 @@ def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, stride_ob, stride_oh, 
 
     The terms are written padded: each sequence's rows fill a whole number of layout query blocks
     (BLOCK_Q) starting at CU_L[b] (packed; 0 dense), and rows past its end get DELTA 0 and LSE2 +inf.
-    So the dK/dV loop reads its query tile's terms with no mask (see _dkdv_step)."""
+    So the dK/dV loop reads its query tile's terms with no mask (see _dkdv_step).
+
+    HAS_DLSE: the LSE output's gradient DLSE (strides stride_g*, laid out as LSE) is subtracted from
+    DELTA: d LSE / d s = P, so dS = P * (dP - DELTA + dLSE), which both kernels compute unchanged."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -439,6 +442,9 @@ def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, stride_ob, stride_oh, 
     b_do = tl.load(DO + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + o_t[:, None] * stride_dom
                    + o_d[None, :], mask=m_md, other=0.0)
     b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), axis=1)  # 0 past the end
+    if HAS_DLSE:
+        b_delta -= tl.load(DLSE + i_b.to(tl.int64) * stride_gb + i_h.to(tl.int64) * stride_gh + o_t * stride_gm,
+                           mask=m_m, other=0.0).to(tl.float32)
     b_lse = tl.load(LSE + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_t * stride_sm, mask=m_m,
                     other=float("-inf"))
     b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)

@@ -557,7 +557,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: int, cu_q=None, seq_step: int = 1,
-               max_q: int | None = None):
+               max_q: int | None = None, dlse: torch.Tensor | None = None):
     """(delta, lse2, their (batch, head) strides, starts): fp32 ``rowsum(out * do)`` and the LSE in
     log2 units with -inf as +inf (bwd_delta_kernel), for dense ``[B, H, L, Dv]`` or packed
     ``[T, H, Dv]`` inputs (``cu_q`` / ``seq_step`` / ``max_q`` as in :func:`backward`).
@@ -565,7 +565,8 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
     Each sequence's rows are padded to a multiple of ``block_q`` (the layout's query block), past its
     end delta 0 and LSE2 +inf, so the dK/dV loop reads whole query tiles without a mask. Dense:
     ``[B, H, roundup(L, block_q)]``, ``starts`` None. Packed: ``[H, rows]``, sequence b's rows from
-    ``starts[b]`` (int32 ``[B]`` on the device, multiples of block_q; computed there, no sync)."""
+    ``starts[b]`` (int32 ``[B]`` on the device, multiples of block_q; computed there, no sync).
+    ``dlse``: the LSE output's gradient (shaped as ``lse``, any strides), subtracted from delta."""
     if cu_q is not None:
         T, H, dv = out.shape
         B = _num_seqs(cu_q, seq_step)
@@ -576,20 +577,23 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
         rows = _round_up(T + B * block_q, 16)
         delta = torch.empty(H, rows, device=out.device, dtype=torch.float32)
         strides, lse_strides = (0, delta.stride(0)), (0, lse.stride(0), lse.stride(1))
+        g_strides = (0, dlse.stride(0), dlse.stride(1)) if dlse is not None else (0, 0, 0)
         longest = max_q
     else:
         B, H, L, dv = out.shape
         starts = None
         delta = torch.empty(B, H, _round_up(L, block_q), device=out.device, dtype=torch.float32)
         strides, lse_strides = delta.stride()[:2], lse.stride()
+        g_strides = dlse.stride() if dlse is not None else (0, 0, 0)
         longest = L
     lse2 = torch.empty_like(delta)
     if B * H and longest:
         block_m = 16 if INTERPRET else 64
         kernels.bwd_delta_kernel[(triton.cdiv(_round_up(longest, block_q), block_m), B * H)](
-            out, do, lse, delta, lse2, cu_q, starts, *_qkv_strides(out, cu_q is not None),
-            *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, H, longest, seq_step, HEAD_DIM=dv,
-            D_PAD=_d_pad(dv), BLOCK_M=block_m, BLOCK_Q=block_q, IS_VARLEN=cu_q is not None, num_warps=4)
+            out, do, lse, delta, lse2, cu_q, starts, dlse, *_qkv_strides(out, cu_q is not None),
+            *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, *g_strides, H, longest, seq_step,
+            HEAD_DIM=dv, D_PAD=_d_pad(dv), BLOCK_M=block_m, BLOCK_Q=block_q, IS_VARLEN=cu_q is not None,
+            HAS_DLSE=dlse is not None, num_warps=4)
     return delta, lse2, strides, starts
 
 
@@ -615,7 +619,7 @@ def deep_index_loads(fused: bool, d_pad: int, n_terms: int, varlen: bool) -> boo
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
              terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int,
              seq_step: int = 1, cu_dk=None, dk_rows=None, dkv_dtype: torch.dtype | None = None,
-             contiguous: bool = False, t_contiguous: bool = False):
+             contiguous: bool = False, t_contiguous: bool = False, dlse: torch.Tensor | None = None):
     """Returns (dq, dk, dv). dK/dV walk the transposed schedule; each program owns one key tile of
     one kv head and loops over that head's query-head group, so dK/dV need no atomics. dQ: with
     BWD_VARIANT "split" (the default) a dQ kernel walks the forward schedule, on a side stream beside
@@ -633,7 +637,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
 
     ``contiguous`` / ``t_contiguous``: the forward / transposed schedule's claim that every row's
     unmasked blocks form one run (Schedule.contiguous); the dQ / dK/dV kernel then walks it by
-    arithmetic (BWD_CONTIGUOUS). False is always safe."""
+    arithmetic (BWD_CONTIGUOUS). False is always safe.
+
+    ``dlse``: the gradient of the LSE output (shaped as ``lse``), when the caller's loss used it."""
     _check_bwd_settings()
     varlen = cu_q is not None
     if varlen:
@@ -644,7 +650,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
-    delta, lse2, l_strides, l_starts = _row_terms(out, do, lse, block_q, cu_q, seq_step, max_q)
+    delta, lse2, l_strides, l_starts = _row_terms(out, do, lse, block_q, cu_q, seq_step, max_q, dlse)
     d_pad = _d_pad(D)
     # the fused kernel's extra dQ tile does not fit in shared memory beside d256 tiles: split there
     fused = BWD_VARIANT in ("fused", "fused-ptr") and d_pad <= 128
