@@ -314,8 +314,8 @@ def test_lse_gradient_of_varlen_and_grouped_on_the_kernels():
               sparse_attn.Group(301, 1001, 0, 1264)]
     q, k, v = (_rand((n, h, 64), torch.bfloat16).requires_grad_() for n, h in ((1001, 8), (1264, 2), (1264, 2)))
     do, dl = _rand((1001, 8, 64), torch.float64), _rand((8, 1001), torch.float64)
-    calls = {"varlen": lambda q, k, v: sparse_attn.varlen_attention(q, k, v, cq, ck, 700, 700, causal=True,
-                                                                    return_lse=True),
+    calls = {"varlen": lambda q, k, v: sparse_attn.varlen_attention(q, k, v, cq.to(q.device), ck.to(q.device), 700,
+                                                                    700, causal=True, return_lse=True),
              "grouped": lambda q, k, v: sparse_attn.grouped_attention(q, k, v, groups, causal=True, return_lse=True)}
     for what, call in calls.items():
         for t in (q, k, v):
