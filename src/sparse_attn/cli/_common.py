@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -88,17 +89,22 @@ def writable_dir(path, flag: str) -> Path:
     return path
 
 
-def set_cpu_threads(device: str, threads: int | None, default: int = 1) -> int | None:
-    """On a CPU set torch's intra-op threads to ``threads`` (None: ``default``; 0: torch's own) and
-    return the previous count to restore, else None. One thread by default: on a busy shared machine
-    torch's spinning OpenMP threads made CPU timings noise (dense SDPA 48 ms instead of 0.7 ms)."""
+@contextlib.contextmanager
+def cpu_threads(device: str, threads: int | None, default: int = 1):
+    """On a CPU run the block with torch's intra-op threads at ``threads`` (None: ``default``; 0:
+    torch's own), restoring the count after. One thread by default: on a busy shared machine torch's
+    spinning OpenMP threads made CPU timings noise (dense SDPA 48 ms instead of 0.7 ms)."""
     import torch
     n = default if threads is None else threads
     if not str(device).startswith("cpu") or n <= 0:
-        return None
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(n)
-    return before
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 CPU_TIMING_NOTE = ("CPU timings are indicative only (the PyTorch reference path on a possibly shared machine), "

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import add_accuracy_options, console, default_device, nonneg_int, set_cpu_threads, writable_dir
+from ._common import add_accuracy_options, console, default_device, nonneg_int, cpu_threads, writable_dir
 
 DESCRIPTION = """Accuracy suite of adaptive sparse attention (sparse_attn.predict: meansim prediction, then
 the block-sparse call) against dense attention on structured inputs (see `sparse-attn quick --help`):
@@ -71,15 +71,10 @@ def write_sweep_csv(path: Path, rows: list[dict]) -> Path:
 
 
 def run(args) -> int:
-    import torch
     device = args.device or default_device()
     writable_dir(args.out_dir, "--out-dir")
-    threads = set_cpu_threads(device, args.threads)
-    try:
+    with cpu_threads(device, args.threads):
         return run_suite(args, device)
-    finally:
-        if threads is not None:
-            torch.set_num_threads(threads)
 
 
 def run_suite(args, device: str) -> int:

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, nonneg_int, positive_int,
-                      positive_tokens, set_cpu_threads, split_list, usage_error, writable_dir)
+                      positive_tokens, cpu_threads, split_list, usage_error, writable_dir)
 
 DESCRIPTION = """Time attention providers on a suite of sparse patterns.
 
@@ -292,16 +292,11 @@ def run(args) -> int:
         extra = {"slice": args.slice}
         name = name or f"{suite.name}-{device.split(':')[0]}-{args.slice.replace('/', '-of-')}"
     writable_dir(args.out_dir, "--out-dir")
-    threads = set_cpu_threads(device, args.threads)
-    try:
+    with cpu_threads(device, args.threads):
         rows, json_path, _ = run_suite_to_files(suite, device, out_dir=args.out_dir, name=name, reps=args.reps,
                                                 warmup=args.warmup, baseline=args.baseline,
                                                 progress=not args.no_progress, con=con, header_extra=extra,
                                                 interleave=args.interleave, keep_earlier=bool(args.skip_done))
-    finally:
-        if threads is not None:
-            import torch
-            torch.set_num_threads(threads)
     if json_path is None:
         return 1
     return 1 if all(r.error for r in rows) else 0  # every row failed: nothing was measured

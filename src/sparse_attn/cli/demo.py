@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import console, default_device, device_arg, nonneg_int, set_cpu_threads, writable_dir
+from ._common import console, default_device, device_arg, nonneg_int, cpu_threads, writable_dir
 
 DESCRIPTION = """Run the benchmark suite sized for this machine and draw the pattern gallery.
 
@@ -61,15 +61,10 @@ def demo_suite(device: str, quick: bool):
 
 
 def run(args) -> int:
-    import torch
     device = args.device or default_device()
     writable_dir(args.out_dir, "--out-dir")
-    threads = set_cpu_threads(device, args.threads)
-    try:
+    with cpu_threads(device, args.threads):
         return run_demo(args, device)
-    finally:
-        if threads is not None:
-            torch.set_num_threads(threads)
 
 
 def run_demo(args, device: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ._common import (add_accuracy_options, console, default_device, nonneg_int, positive_int, positive_tokens,
-                      set_cpu_threads)
+                      cpu_threads)
 
 DESCRIPTION = """Quick accuracy check of adaptive sparse attention (sparse_attn.predict.adaptive_attention:
 meansim block prediction from pooled Q/K, then the block-sparse call) against dense attention on
@@ -105,15 +105,10 @@ def benchmark(q, k, v, kw: dict, causal: bool, device: str, con) -> dict:
 
 
 def run(args) -> int:
-    import torch
     con = console()
     device = args.device or default_device()
-    threads = set_cpu_threads(device, args.threads)
-    try:
+    with cpu_threads(device, args.threads):
         return check(args, device, con)
-    finally:
-        if threads is not None:
-            torch.set_num_threads(threads)
 
 
 def check(args, device: str, con) -> int:

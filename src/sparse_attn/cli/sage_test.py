@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, nonneg_int, positive_int,
-                      positive_tokens, set_cpu_threads, writable_dir)
+                      positive_tokens, cpu_threads, writable_dir)
 
 DESCRIPTION = """Sparse SageAttention test suite: sparse_attn.attention(..., quant="int8" | "int8-fp8") on
 block-sparse layouts given as SageAttention block indices [B, H, q_blocks, top_k] (q block 64, k block
@@ -144,7 +144,6 @@ def run_steps(steps, *, desc: str, progress: bool) -> list:
 
 
 def run(args) -> int:
-    import torch
     from .. import sage_suite as ss
     con = console()
     device = args.device or default_device()
@@ -154,12 +153,8 @@ def run(args) -> int:
         con.print(f"[red]{err}[/red]")
         return 2
     writable_dir(args.out, "--out")
-    threads = set_cpu_threads(device, args.threads)
-    try:
+    with cpu_threads(device, args.threads):
         return run_suite(args, device, quant, con)
-    finally:
-        if threads is not None:
-            torch.set_num_threads(threads)
 
 
 def run_suite(args, device: str, quant: str, con) -> int:
