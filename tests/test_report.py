@@ -347,3 +347,29 @@ def test_merge_results_script_writes_readme_section(tmp_path):
     assert text.startswith("intro\n") and text.endswith(f"{mr.REPORT_END}\noutro\n") and "old" not in text
     assert section in text
     assert not mr.write_readme_section("<!-- nope -->", mr.REPORT_END, "x", readme)
+
+
+def test_malformed_inputs_are_errors_naming_the_file(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"header": {"suite": "small"}, "rows": [asdict_row(r) for r in synthetic_rows()[:2]]}))
+    cases = {"list.json": "[1, 2]", "other.json": json.dumps({"header": {}, "texts": []}), "bad.json": "{not json",
+             "badrow.json": json.dumps({"rows": [{"provider": "x"}]})}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"{name}: "):
+            report.merge_results([good, tmp_path / name])
+        with pytest.raises(ValueError, match=rf"{name}: "):
+            report.load_results([tmp_path / name])
+
+
+def test_merging_two_suites_says_so_in_the_header(tmp_path):
+    rows = synthetic_rows()
+    for suite in ("small", "sage-tiny"):
+        (tmp_path / f"{suite}.json").write_text(json.dumps({"header": {"suite": suite}, "rows": [asdict_row(rows[0])]}))
+    header, _, _ = report.merge_results(sorted(tmp_path.glob("*.json")))
+    assert header["suite"] == "sage-tiny + small"
+
+
+def asdict_row(r):
+    from dataclasses import asdict
+    return asdict(r)

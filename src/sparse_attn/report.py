@@ -40,6 +40,28 @@ PATTERN_NOTES = {
 
 
 # ----------------------------------------------------------------------------- loading and merging
+def read_result(path) -> tuple[dict, list[Row], list[dict]]:
+    """(header, bench rows, accuracy dicts) of one result JSON; ValueError naming the file when it is
+    not one (a list, another tool's JSON, a malformed row)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict) or not ("rows" in data or "accuracy" in data):
+        raise ValueError(f"{path}: not a bench or accuracy result (a JSON object with 'rows' and/or 'accuracy'), "
+                         f"got {type(data).__name__}" + (f" with keys {sorted(data)[:6]}" if isinstance(data, dict)
+                                                         else ""))
+    try:
+        rows = [Row(**r) for r in data.get("rows") or []]
+    except TypeError as e:
+        raise ValueError(f"{path}: a row is not a bench row ({e})") from None
+    acc = list(data.get("accuracy") or [])
+    if any(not isinstance(a, dict) or "pattern" not in a for a in acc):
+        raise ValueError(f"{path}: an accuracy entry has no 'pattern'")
+    return dict(data.get("header") or {}), rows, acc
+
+
 def load_results(paths) -> tuple[dict, list[Row], list[dict]]:
     """(first header, all bench rows, all accuracy dicts) of JSON files holding ``rows`` and/or
     ``accuracy`` (bench results and :func:`~sparse_attn.bench.accuracy_rows.write_accuracy_json`)."""
@@ -47,11 +69,10 @@ def load_results(paths) -> tuple[dict, list[Row], list[dict]]:
     rows: list[Row] = []
     acc: list[dict] = []
     for p in paths:
-        data = json.loads(Path(p).read_text())
-        if not header and data.get("header"):
-            header = dict(data["header"])
-        rows += [Row(**r) for r in data.get("rows", [])]
-        acc += list(data.get("accuracy", []))
+        h, bench, a = read_result(p)
+        header = header or h
+        rows += bench
+        acc += a
     return header, rows, acc
 
 
@@ -69,17 +90,14 @@ def merge_results(paths) -> tuple[dict, list[Row], list[dict]]:
     is taken from the last one, in the position it first had; accuracy rows likewise by pattern.
     The header is the first bench file's, with ``slices``: one entry per bench file (file, slice,
     date, rows, gpu) and ``merged: True``."""
-    loaded = []
-    for p in paths:
-        data = json.loads(Path(p).read_text())
-        loaded.append((Path(p), data.get("header") or {}, data))
+    loaded = [(Path(p), *read_result(p)) for p in paths]
     loaded.sort(key=lambda x: (_slice_index(x[1]), str(x[1].get("date", ""))))
     rows: dict[tuple, Row] = {}
     acc: dict[str, dict] = {}
     header: dict = {}
     slices = []
-    for path, h, data in loaded:
-        bench = [Row(**r) for r in data.get("rows", [])]
+    suites = sorted({str(h.get("suite")) for _, h, bench, _ in loaded if bench})
+    for path, h, bench, accuracy in loaded:
         if bench:
             if not header:
                 header = {k: v for k, v in h.items() if k != "slice"}
@@ -87,9 +105,11 @@ def merge_results(paths) -> tuple[dict, list[Row], list[dict]]:
                            "rows": len(bench), "gpu": h.get("gpu")})
         for r in bench:
             rows[r.key() + (r.provider,)] = r
-        for a in data.get("accuracy", []):
+        for a in accuracy:
             acc[a["pattern"]] = a
     header.update(slices=slices, merged=True)
+    if len(suites) > 1:  # files of several suites: say so rather than label them all as the first one
+        header["suite"] = " + ".join(suites)
     return header, list(rows.values()), list(acc.values())
 
 
@@ -127,7 +147,8 @@ def accuracy_line(a: dict) -> str:
 def header_lines(header: dict, rows: list[Row]) -> list[str]:
     lines = []
     if is_cpu(header, rows):
-        lines += [f"> {CPU_NOTE}", ""]
+        threads = f" ({header['threads']} CPU thread(s))" if header.get("threads") else ""
+        lines += [f"> {CPU_NOTE}{threads}", ""]
     lines.append(f"- device: {header.get('gpu', '?')} ({header.get('device', '?')})"
                  + (f", cpu {header['cpu']}" if header.get("cpu") and is_cpu(header) else ""))
     lines.append(f"- torch {header.get('torch', '?')}, triton {header.get('triton') or 'not installed'}")
