@@ -373,3 +373,48 @@ def test_varlen_fwd_bwd_against_per_sequence_reference(dtype):
     o_lp.backward(do)
     for name, a, b, c in (("dq", q, qo, ql), ("dk", k, ko, kl), ("dv", v, vo, vl)):
         _check(name, a.grad, c.grad, b.grad.cuda(), dtype)
+
+
+def _strided_inputs(kind, B, H, Hkv, L, D, dtype):
+    """q, k, v as callers hold them: transposes of [B, L, H, D] (Hugging Face), views into one fused
+    qkv projection [B, L, H + 2 Hkv, D], or K/V heads expanded (stride 0) from one head. Each is a
+    leaf view that requires grad."""
+    if kind == "bshd":
+        q, k, v = (_rand((B, L, h, D), dtype).transpose(1, 2) for h in (H, Hkv, Hkv))
+    elif kind == "fused_qkv":
+        qkv = _rand((B, L, H + 2 * Hkv, D), dtype).transpose(1, 2)
+        q, k, v = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
+    else:  # "expanded_kv"
+        q = _rand((B, H, L, D), dtype)
+        k, v = (_rand((B, 1, L, D), dtype).expand(B, Hkv, L, D) for _ in range(2))
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("kind", ["bshd", "fused_qkv", "expanded_kv"])
+def test_strided_inputs_fwd_bwd(kind):
+    """Non-contiguous inputs, as real callers pass them, give the contiguous copies' results."""
+    B, H, Hkv, L, D = 2, 8, 2, 777, 64
+    layout = BlockLayout.from_mask(_mask("streaming"), q_len=L, block_q=64, block_k=64, device="cuda")
+    q, k, v = _strided_inputs(kind, B, H, Hkv, L, D, torch.bfloat16)
+    assert not all(t.is_contiguous() for t in (q, k, v))
+    qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    do = _rand((B, H, L, D), torch.bfloat16)
+    out, lse = sparse_attn.attention(q, k, v, layout, causal=True, return_lse=True)
+    ref, ref_lse = sparse_attn.attention(qc, kc, vc, layout, causal=True, return_lse=True)
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    for name, g, gc in zip("qkv", torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (qc, kc, vc), do)):
+        err = ((g.float() - gc.float()).abs().max() / gc.float().abs().max()).item()
+        assert err < 1e-2, f"d{name}: {err:.3e} of the largest gradient"
+
+
+def test_varlen_from_a_fused_packed_qkv():
+    T, H, Hkv, D = 1500, 8, 2, 128
+    qkv = _rand((T, H + 2 * Hkv, D), torch.bfloat16).requires_grad_()
+    q, k, v = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
+    cu = torch.tensor([0, 700, 701, 1500], dtype=torch.int32, device="cuda")
+    out = sparse_attn.varlen_attention(q, k, v, cu, cu, 799, 799, causal=True)
+    ref = sparse_attn.varlen_attention(*(t.detach().contiguous() for t in (q, k, v)), cu, cu, 799, 799, causal=True)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    out.float().square().sum().backward()
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all() and qkv.grad.abs().sum() > 0
