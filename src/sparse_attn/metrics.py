@@ -37,12 +37,15 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     if pair is None:
         return math.nan
     a, b = pair
-    na, nb = float(a.norm()), float(b.norm())
-    if na == 0.0 and nb == 0.0:
+    # each side scaled by its largest magnitude first, so squares neither underflow (|x| ~ 1e-170 read
+    # as all-zero) nor overflow (1e200 gave nan) in float64
+    sa, sb = float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0
+    if sa == 0.0 and sb == 0.0:
         return 1.0
-    if na == 0.0 or nb == 0.0:
+    if sa == 0.0 or sb == 0.0:
         return 0.0
-    return float((a * b).sum() / (na * nb))
+    a, b = a / sa, b / sb
+    return max(-1.0, min(1.0, float((a * b).sum() / (a.norm() * b.norm()))))
 
 
 def relative_l1(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,7 +77,13 @@ def _reduce_diff(a: torch.Tensor, b: torch.Tensor, reduce) -> float:
 
 def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
     """Root mean square of ``a - b``; 0.0 for empty inputs; ``nan`` on NaN/inf in either input."""
-    return _reduce_diff(a, b, lambda d: (d ** 2).mean().sqrt())
+    return _reduce_diff(a, b, _scaled_rms)
+
+
+def _scaled_rms(d: torch.Tensor) -> torch.Tensor:
+    """sqrt(mean(d^2)) with d scaled by max|d| first: no underflow or overflow of the squares."""
+    s = d.abs().max()
+    return s * (d / s).square().mean().sqrt() if s > 0 else s
 
 
 def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:

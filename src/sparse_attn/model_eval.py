@@ -169,6 +169,10 @@ def logits_metrics(sparse: torch.Tensor, dense: torch.Tensor, chunk: int = 256) 
     Any NaN/inf makes every value nan (metrics.py's policy)."""
     if sparse.shape != dense.shape:
         raise ValueError(f"logits shapes differ: {tuple(sparse.shape)} vs {tuple(dense.shape)}")
+    if sparse.dim() == 3 and sparse.shape[0] == 1:  # a model's [1, L, V] output
+        sparse, dense = sparse[0], dense[0]
+    if sparse.dim() != 2:
+        raise ValueError(f"logits_metrics compares [L, V] logits (or [1, L, V]), got {tuple(sparse.shape)}")
     nan = {k: math.nan for k in ("cosine", "cosine_min", "relative_l1", "top1", "top5")}
     dot = na = nb = l1 = ref_l1 = 0.0
     top1 = top5 = 0.0
@@ -185,6 +189,8 @@ def logits_metrics(sparse: torch.Tensor, dense: torch.Tensor, chunk: int = 256) 
         l1 += float((a - b).abs().sum())
         ref_l1 += float(b.abs().sum())
         row_cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-300)
+        both_zero = (a == 0).all(-1) & (b == 0).all(-1)  # identical rows, as metrics.cosine_similarity has it
+        row_cos = torch.where(both_zero, 1.0, row_cos)
         cos_min = min(cos_min, float(row_cos.min()))
         top1 += float((a.argmax(-1) == b.argmax(-1)).sum())
         ta, tb = a.topk(k, -1).indices, b.topk(k, -1).indices
@@ -202,7 +208,8 @@ def greedy_metrics(sparse: list[int], dense: list[int]) -> dict[str, float]:
     n = len(dense)
     if n == 0:
         return {"greedy_match": 1.0, "greedy_prefix": 1.0}
-    same = [a == b for a, b in zip(sparse, dense)]
+    # positions the sparse run did not produce count as different (zip would drop them)
+    same = [i < len(sparse) and sparse[i] == dense[i] for i in range(n)]
     prefix = same.index(False) if False in same else n
     return {"greedy_match": sum(same) / n, "greedy_prefix": prefix / n}
 

@@ -110,6 +110,10 @@ def merge_results(paths) -> tuple[dict, list[Row], list[dict]]:
     header.update(slices=slices, merged=True)
     if len(suites) > 1:  # files of several suites: say so rather than label them all as the first one
         header["suite"] = " + ".join(suites)
+    gpus = sorted({str(s["gpu"]) for s in slices})
+    if len(gpus) > 1:  # slices timed on different machines: ratios across them compare machines
+        header["gpu"] = " + ".join(gpus)
+        header["mixed_devices"] = True
     return header, list(rows.values()), list(acc.values())
 
 
@@ -151,6 +155,9 @@ def header_lines(header: dict, rows: list[Row]) -> list[str]:
         lines += [f"> {CPU_NOTE}{threads}", ""]
     lines.append(f"- device: {header.get('gpu', '?')} ({header.get('device', '?')})"
                  + (f", cpu {header['cpu']}" if header.get("cpu") and is_cpu(header) else ""))
+    if header.get("mixed_devices"):
+        lines += [f"> **The slices ran on different devices ({header['gpu']}): a speedup whose two times come from "
+                  "different slices compares machines, not kernels.** Re-run the slices on one device.", ""]
     lines.append(f"- torch {header.get('torch', '?')}, triton {header.get('triton') or 'not installed'}")
     lines.append(f"- date: {header.get('date', '?')}; suite: {header.get('suite', '?')}")
     slices = header.get("slices") or []

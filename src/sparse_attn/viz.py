@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,9 @@ def token_region(layout, q0: int, k0: int, rows: int, cols: int | None = None, *
                  head: int = 0) -> torch.Tensor:
     """bool ``[rows, cols]`` (clipped to the layout): the exact pattern of queries ``q0..`` x keys ``k0..``."""
     from .reference import token_mask_rows
+    if q0 < 0 or k0 < 0 or q0 >= max(layout.q_len, 1) or k0 >= max(layout.kv_len, 1):
+        raise ValueError(f"token_region starts at query {q0}, key {k0}: both must lie in the layout "
+                         f"(0..{layout.q_len - 1} x 0..{layout.kv_len - 1})")
     lay = layout.to("cpu")
     q1, k1 = min(q0 + rows, lay.q_len), min(k0 + (rows if cols is None else cols), lay.kv_len)
     rows = []
@@ -76,6 +80,19 @@ class CloseUp:
     @property
     def width(self) -> int:
         return self.rows if self.cols is None else self.cols
+
+
+def _fit(cu: CloseUp, layout) -> CloseUp | None:
+    """``cu`` moved and cut to lie inside the layout (the gallery's close-ups are placed for 4K tokens;
+    at a few hundred they fell off the matrix, titled with negative or empty ranges); None if nothing
+    of it is left."""
+    q0 = min(max(cu.q0, 0), max(layout.q_len - 1, 0))
+    k0 = min(max(cu.k0, 0), max(layout.kv_len - 1, 0))
+    rows = min(cu.rows, layout.q_len - q0)
+    cols = min(cu.width, layout.kv_len - k0)
+    if rows <= 0 or cols <= 0:
+        return None
+    return dataclasses.replace(cu, q0=q0, k0=k0, rows=rows, cols=cols)
 
 
 def _heads_to_draw(n_heads: int, max_heads: int) -> list[int]:
@@ -241,7 +258,7 @@ def write_gallery(out_dir, *, seq_len: int = 4096, block: int = 128, markdown=No
             layout = item.make(seq_len, block)
         else:
             layout = build_pattern(item.expr, seq_len, block_q=block, block_k=block, **item.options)
-        cu = CloseUp(*item.close_up) if item.close_up else None
+        cu = _fit(CloseUp(*item.close_up), layout) if item.close_up else None
         fig = draw_layout(layout, name=item.expr or item.name, close_up=cu)
         path = save(fig, out_dir / f"{item.name}.png", dpi=dpi)
         written.append(path)

@@ -148,8 +148,10 @@ def time_cpu(fn: Callable[[], object], *, reps: int | None = None, warmup: int |
     t0 = time.perf_counter()
     fn()  # first call: lazy imports, allocator warm-up
     first_ms = (time.perf_counter() - t0) * 1e3
+    asked = warmup
     reps, warmup = _counts(first_ms, reps, warmup, target_ms, 20)
-    for _ in range(min(warmup, 2)):
+    # the CPU reference is slow: at most 2 default warm-up calls, but a warmup the caller gave is kept
+    for _ in range(warmup if asked is not None else min(warmup, 2)):
         reset_grads(grad_to_none)
         fn()
     times = []

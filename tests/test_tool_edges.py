@@ -1,0 +1,70 @@
+"""Edge cases of the tool APIs found by an adversarial pass (metrics, model-eval metrics, CPU timing,
+gallery close-ups, merged reports): each test failed before its fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparse_attn import metrics, patterns, viz
+from sparse_attn.bench.timing import time_fn
+from sparse_attn.model_eval import greedy_metrics, logits_metrics
+
+
+def test_cosine_and_rmse_neither_underflow_nor_overflow():
+    """float64 values near 1e-170 squared to 0 (cosine(t, -t) read 1.0, as two all-zero inputs) and
+    near 1e200 overflowed (nan)."""
+    t = torch.tensor([3e-170, 1e-170], dtype=torch.float64)
+    assert metrics.cosine_similarity(t, -t) == pytest.approx(-1.0)
+    assert metrics.cosine_similarity(t, torch.tensor([3e-170, 0.0], dtype=torch.float64)) == pytest.approx(0.9486833)
+    assert metrics.rmse(t, 2 * t) == pytest.approx(float(((t ** 2).mean() * 1e300).sqrt()) * 1e-150, rel=1e-9)
+    big = torch.tensor([1e200, 2e200], dtype=torch.float64)
+    assert metrics.cosine_similarity(big, big) == pytest.approx(1.0)
+    assert metrics.rmse(big, 0.5 * big) == pytest.approx(float(torch.tensor([0.5, 1.0]).square().mean().sqrt()) * 1e200)
+    assert metrics.cosine_similarity(torch.zeros(3), torch.zeros(3)) == 1.0
+
+
+def test_logits_metrics_take_a_models_batch_of_one_and_refuse_other_shapes():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 50, generator=g), torch.randn(6, 50, generator=g)
+    assert logits_metrics(a[None], b[None]) == logits_metrics(a, b)  # top-1 once came out 3.0 here
+    with pytest.raises(ValueError, match=r"\[L, V\] logits \(or \[1, L, V\]\), got \(2, 3, 50\)"):
+        logits_metrics(torch.zeros(2, 3, 50), torch.zeros(2, 3, 50))
+    a[2] = 0
+    assert logits_metrics(a, a.clone())["cosine_min"] == pytest.approx(1.0)  # an all-zero row equals itself
+
+
+def test_greedy_metrics_count_missing_tokens_as_different():
+    assert greedy_metrics([1, 2], [1, 2, 3]) == {"greedy_match": pytest.approx(2 / 3), "greedy_prefix": pytest.approx(2 / 3)}
+    assert greedy_metrics([], [1, 2, 3]) == {"greedy_match": 0.0, "greedy_prefix": 0.0}
+
+
+def test_cpu_timing_keeps_an_explicit_warmup():
+    calls = []
+    time_fn(lambda: calls.append(1), "cpu", reps=3, warmup=10)
+    assert len(calls) == 1 + 10 + 3
+
+
+def test_gallery_close_ups_fit_small_matrices(tmp_path):
+    with pytest.raises(ValueError, match="must lie in the layout"):
+        viz.token_region(patterns.causal(1024), 512, -64, 128)
+    lay = patterns.causal(200, block_q=16, block_k=16)
+    cu = viz._fit(viz.CloseUp(100, -28, 384), lay)
+    assert (cu.q0, cu.k0, cu.rows, cu.width) == (100, 0, 100, 200)
+    assert viz._fit(viz.CloseUp(512, 512, 384), lay) is not None  # moved inside, not an empty panel
+    assert len(viz.write_gallery(tmp_path, seq_len=256, block=16, names=["causal", "block_diagonal"])) == 2
+
+
+def test_report_of_slices_from_different_devices_says_so(tmp_path):
+    from sparse_attn import report
+    from sparse_attn.bench import Row
+    from dataclasses import asdict
+    for k, gpu in ((1, "NVIDIA H100 80GB HBM3"), (2, "NVIDIA H200")):
+        row = Row("sdpa-cudnn" if k == 1 else "sparse_attn", "local", 32768, 1, 32, 32, 128, "bf16", "fwd", False,
+                  0.5, 14.0 if k == 1 else 4.0, 100.0, None, None)
+        (tmp_path / f"s{k}.json").write_text(json.dumps({"header": {"suite": "report-gpu", "gpu": gpu,
+                                                                    "slice": f"{k}/2"}, "rows": [asdict(row)]}))
+    header, rows, _ = report.merge_results(sorted(tmp_path.glob("*.json")))
+    assert header["gpu"] == "NVIDIA H100 80GB HBM3 + NVIDIA H200"
+    assert any("ran on different devices" in line for line in report.header_lines(header, rows))
