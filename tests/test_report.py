@@ -196,7 +196,8 @@ def test_report_merges_slices_into_one_report(tmp_path, capsys):
     again = [fake_row(p) for p in expand(parts[1])[:1]]
     again[0].ms = 123.0
     write_json(runs / "report-gpu-cuda-2-of-4-b.json",
-               dict(make_header("cpu", "report-gpu", slice="2/4"), date="2026-01-02T00:00:00+00:00"), again)
+               dict(make_header("cpu", "report-gpu", slice="2/4"), gpu="NVIDIA H100 80GB HBM3", device="cuda",
+                    date="2026-01-02T00:00:00+00:00"), again)
     assert main(["report", "--from", str(runs), "--out-dir", str(out), "--accuracy-len", "512"]) == 0
     merged = json.loads((out / "results.json").read_text())
     suite_rows = expand(get_suite("report-gpu"))
