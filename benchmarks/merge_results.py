@@ -162,7 +162,7 @@ def report_section(merged_path: Path) -> str:
              f"{str(header.get('date', '?'))[:10]}."]
     fwd = [t for t in tables if t.config["mode"] == "fwd"]
     if fwd:
-        cols, cells = speedup_matrix(tables, "fwd")
+        cols, cells = speedup_matrix(tables, fwd[0].config)
         lines += ["", f"Speedup over dense attention (SDPA cuDNN; causal-dense for causal patterns), forward, "
                   f"{config_text(fwd[0].config)}; `not run`: dense attention is not attempted past 128K:", "",
                   markdown_grid(cols, cells, align_first_left=True), "",

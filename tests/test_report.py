@@ -1,6 +1,7 @@
 """sparse_attn.report: scaling tables, markdown, plots, and the demo's report."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -311,7 +312,7 @@ def test_speedup_matrix_and_baselines():
     rows = synthetic_rows() + [row("flex", "dense", 1024, 3.0), row("sdpa-math", "dense", 1024, 6.0),
                                row("sparse_attn", "dense", 1024, 2.5)]
     tables = report.scaling_tables(rows)
-    cols, cells = report_tables.speedup_matrix(tables, "fwd")
+    cols, cells = report_tables.speedup_matrix(tables, report_tables.configs_by_mode(tables)[0])
     assert cols == ["pattern", "1K", "2K", "4K", "8K", "16K"]
     assert cells[0] == ["local (causal)", "4.00x", "", "25.00x", "", ""]
     assert cells[1] == ["random", "", "3.00x", "", "dense OOM", "OOM"]
@@ -374,3 +375,14 @@ def test_merging_two_suites_says_so_in_the_header(tmp_path):
 def asdict_row(r):
     from dataclasses import asdict
     return asdict(r)
+
+
+def test_speedup_matrix_shows_only_its_captions_config():
+    """A pattern measured only at another config (Hkv 8 here) stays out of the matrix captioned with
+    the main config (Hkv 32): its numbers once appeared there."""
+    rows = [row("sdpa-cudnn", "local", 4096, 2.0), row("sparse_attn", "local", 4096, 1.0)]
+    rows += [dataclasses.replace(r, kv_heads=8, pattern="random", ms=r.ms / 10) for r in rows]
+    tables = report.scaling_tables(rows)
+    main = report_tables.configs_by_mode(tables)[0]
+    _, cells = report_tables.speedup_matrix(tables, main)
+    assert [c[0] for c in cells] == ["local"], cells

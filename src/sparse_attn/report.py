@@ -178,7 +178,7 @@ LEGEND = ("Pattern = provider `sparse_attn` (`adaptive` for the adaptive pattern
 def summary_section(tables: list[ScalingTable]) -> list[str]:
     out = []
     for cfg in configs_by_mode(tables):
-        cols, cells = speedup_matrix(tables, cfg["mode"])
+        cols, cells = speedup_matrix(tables, cfg)
         if len(cells) < 2:
             continue
         out += [f"## Summary: speedup over dense, {cfg['mode']}", "",
@@ -290,7 +290,7 @@ def rich_summary(rows: list[Row]) -> list:
     tables = scaling_tables(rows)
     out = []
     for cfg in configs_by_mode(tables):
-        cols, cells = speedup_matrix(tables, cfg["mode"])
+        cols, cells = speedup_matrix(tables, cfg)
         rt = Table(title=f"speedup over dense: {config_text(cfg)}")
         for i, c in enumerate(cols):
             rt.add_column(c, justify="left" if i == 0 else "right")

@@ -277,11 +277,13 @@ def baseline_grid(bt: BaselineTable, what: str = "ms") -> tuple[list[str], list[
 
 
 # ----------------------------------------------------------------------------- speedup matrix
-def speedup_matrix(tables: list[ScalingTable], mode: str) -> tuple[list[str], list[list[str]]]:
-    """(columns, cells): one line per pattern of ``mode`` (its first config), speedup over dense per T."""
+def speedup_matrix(tables: list[ScalingTable], config: dict) -> tuple[list[str], list[list[str]]]:
+    """(columns, cells): one line per pattern measured at ``config`` (one of :func:`configs_by_mode`,
+    the caption the matrix is shown under), speedup over dense per T. Patterns measured only at
+    another config are left out: their numbers once appeared under this caption."""
     chosen: dict[tuple, ScalingTable] = {}
     for t in tables:
-        if t.config["mode"] == mode:
+        if t.config == config:
             chosen.setdefault((t.pattern, t.provider), t)
     lengths = sorted({r.seq_len for t in chosen.values() for r in t.rows})
     cols = ["pattern"] + [t_text(L) for L in lengths]
