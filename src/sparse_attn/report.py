@@ -118,14 +118,15 @@ def merge_results(paths) -> tuple[dict, list[Row], list[dict]]:
 
 
 def missing_rows(header: dict, rows: list[Row]) -> list[str]:
-    """Labels of the rows of the header's suite (when it is a registered suite) that ``rows`` lack."""
-    from .bench import SUITES, expand, get_suite
+    """Labels of the rows of the header's suite (when it is a registered suite, restricted as the
+    header's ``restricted`` options say) that ``rows`` lack."""
+    from .bench import SUITES, expand, get_suite, restrict
     if header.get("suite") not in SUITES:
         return []
     have = {r.key() + (r.provider,) for r in rows}
     skipped = set(header.get("skipped_providers") or {})
-    return [p.label() for p in expand(get_suite(header["suite"]))
-            if p.key() not in have and p.provider not in skipped]
+    suite = restrict(get_suite(header["suite"]), **(header.get("restricted") or {}))
+    return [p.label() for p in expand(suite) if p.key() not in have and p.provider not in skipped]
 
 
 def is_cpu(header: dict, rows: list[Row] | None = None) -> bool:

@@ -81,16 +81,23 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def restriction(args) -> dict:
+    """The ``bench.restrict`` options the command line gives (only those set), also recorded in the
+    JSON header so that a report compares against the rows asked for."""
+    opts = dict(providers=split_list(args.providers), patterns=split_list(args.patterns), seq_lens=args.seq_lens,
+                modes=args.modes, dtype=args.dtype, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+                head_dim=args.head_dim)
+    return {k: v for k, v in opts.items() if v is not None}
+
+
 def selected_suite(args, device: str = "cpu"):
-    """The suite the options select: restricted, then cut to ``--slice`` K/N."""
+    """The suite the options select: restricted (:func:`restriction`), then cut to ``--slice`` K/N."""
     from ..bench import restrict
     from ..bench.suites import ALL, suite_all, suite_for_device
     if getattr(args, "stress", False) and args.suite != ALL:
         raise KeyError("--stress only applies to --suite all")
     base = suite_all(device, stress=args.stress) if args.suite == ALL else suite_for_device(args.suite, device)
-    suite = restrict(base, providers=split_list(args.providers), patterns=split_list(args.patterns),
-                     seq_lens=args.seq_lens, modes=args.modes, dtype=args.dtype, batch=args.batch,
-                     heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    suite = restrict(base, **restriction(args))
     if getattr(args, "slice", None):  # before dropping providers the device lacks: same rows everywhere
         from ..bench.slices import parse_slice, slice_suite
         try:
@@ -287,9 +294,12 @@ def run(args) -> int:
     if unknown:
         con.print(f"[red]unknown provider(s) {', '.join(unknown)}; known: {', '.join(provider_names())}[/red]")
         return 2
-    name, extra = args.name, None
+    name, extra = args.name, {}
+    restricted = restriction(args)
+    if restricted:  # the report then compares against the restricted suite, not all of it
+        extra["restricted"] = restricted
     if args.slice:
-        extra = {"slice": args.slice}
+        extra["slice"] = args.slice
         name = name or f"{suite.name}-{device.split(':')[0]}-{args.slice.replace('/', '-of-')}"
     writable_dir(args.out_dir, "--out-dir")
     with cpu_threads(device, args.threads):
