@@ -308,3 +308,15 @@ def test_attention_adaptive_string_errors():
         sparse_attn.attention(q, k, v, "adaptive", adaptive=dict(causal=True))
     with pytest.raises(TypeError, match="adaptive= options apply to layout='adaptive'"):
         sparse_attn.attention(q, k, v, sparse_attn.patterns.dense(256), adaptive=dict(topk=0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_topk_keeps_ceil_of_topk_times_visible_in_any_dtype(dtype):
+    """0.6 * 25 is 15.000001 in fp32: fp32 inputs kept 16 blocks where fp64 kept the documented 15."""
+    from sparse_attn.predict.meansim import select_ranked
+    scores = torch.randn(1, 1, 1, 25, dtype=dtype)
+    cand = torch.ones(1, 1, 1, 25, dtype=torch.bool)
+    for topk, n in ((0.6, 15), (0.61, 16), (0.04, 1), (1.0, 25)):
+        keep = select_ranked(scores, cand, cdfthreshd=None, topk=torch.tensor([[[topk]]], dtype=dtype),
+                             n_visible=torch.tensor([25]))
+        assert int(keep.sum()) == n, (topk, int(keep.sum()))

@@ -388,3 +388,43 @@ def test_one_k_scale_per_tile_equals_per_key_scales(one_thread):
     assert (outs[0] - outs[1]).abs().max() < 2e-3
     ref = twin.attention(q, k, v, patterns.local(lq, 40, kv_len=lk, block_q=32, block_k=64), causal=True, quant="int8")
     assert (outs[1] - ref.float()).abs().max() < 4e-3
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_shows_in_its_scale_group_only(bad):
+    """A NaN or inf went silently into its group's scale (NaN -> scale 1, every row rounded to whole
+    numbers; inf -> every value 0): now that group's rows come out NaN, as a NaN row does without
+    quantization, and every other row is untouched."""
+    q, k, v = _qkv(2, 2, 64, 64, 32)
+    q[0, 0, 5, 3] = bad
+    out = sparse_attn.attention(q, k, v, quant="int8", quant_granularity="per_warp")
+    clean = q.clone()
+    clean[0, 0, 5, 3] = 0.0
+    ref = sparse_attn.attention(clean, k, v, quant="int8", quant_granularity="per_warp")
+    nan_rows = out[0, 0].isnan().any(-1).nonzero()[:, 0].tolist()
+    assert nan_rows == list(range(16))  # the 16-row per_warp group of row 5
+    assert torch.equal(out[0, 0, 16:], ref[0, 0, 16:]) and torch.equal(out[0, 1], ref[0, 1])
+    v[0, 1, 7, 2] = bad  # an FP8 V channel with it: NaN, not rounded at scale 1
+    fp8 = sparse_attn.attention(clean, k, v, quant="int8-fp8")
+    assert fp8[0, 1, :, 2].isnan().all() and not fp8[0, 0].isnan().any()
+
+
+def test_fp8_without_keys_gives_zeros():
+    q, k, v = _qkv(2, 2, 5, 0, 32)
+    out, lse = sparse_attn.attention(q, k, v, quant="int8-fp8", return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(lse.isneginf().all())
+
+
+@interp
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_row_quantization_kernel_flags_non_finite_groups_as_the_twin_does(bad, one_thread):
+    from sparse_attn.ops.sage import launch as sage_launch
+    x = torch.randn(1, 2, 40, 32)
+    x[0, 1, 20, 4] = bad
+    xq, scale = sage_launch.quantize_rows(x, 16, 1, None, False)
+    tq, tscale = twin.quantize_rows(x, 16, 1)
+    assert torch.equal(scale.isnan(), tscale.isnan()) and scale[0, 1, 16:32].isnan().all()
+    fin = ~tscale.isnan()
+    torch.testing.assert_close(scale[fin], tscale[fin])
+    assert torch.equal(xq[fin], tq[fin])

@@ -24,7 +24,8 @@ The rule, per (batch b, query head h), with ``g = Hq // Hkv`` and kv head ``h //
      ``cdfthreshd``: rank ``r`` is kept iff the mass of ranks ``< r`` is ``< cdfthreshd``
      (so the top candidate is always kept; ``cdfthreshd >= 1`` keeps every candidate).
    * Top-k mode (``topk`` given; ``cdfthreshd`` is then ignored): keep the first
-     ``ceil(topk * N)`` ranks, ``N`` = number of visible key blocks of the row.
+     ``ceil(topk * N)`` ranks, ``N`` = number of visible key blocks of the row (a product within a
+     relative 1e-6 above an integer counts as that integer: ``0.6 * 25`` is 15.000001 in fp32).
 6. Layout. Kept blocks are full; with ``causal`` the layout is intersected (``&``) with
    ``sparse_attn.patterns.causal(Lq, Lk)``, so diagonal blocks get the token-exact causal
    element mask (``j <= p``) and blocks wholly below the diagonal stay full (computed on the
@@ -127,6 +128,9 @@ def visible_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: 
     return vis, d
 
 
+TOPK_SLACK = 1.0 - 1e-6  # ceil(topk * N * TOPK_SLACK): see the module docstring (2.)
+
+
 def select_ranked(scores: torch.Tensor, cand: torch.Tensor, *, cdfthreshd: torch.Tensor | None,
                   topk: torch.Tensor | None, n_visible: torch.Tensor) -> torch.Tensor:
     """Step 5: bool ``[B, H, Qb, Kb]``, the candidates kept by the CDF or top-k rule.
@@ -142,7 +146,8 @@ def select_ranked(scores: torch.Tensor, cand: torch.Tensor, *, cdfthreshd: torch
     cand_sorted = cand.gather(-1, order)
     rank = torch.arange(s.shape[-1], device=s.device)
     if topk is not None:
-        n_keep = torch.ceil(topk[..., None] * n_visible[:, None].to(topk.dtype) - 1e-9)  # [1, H, Qb, 1]
+        # relative slack, as the kernel computes it (fp32 rounding lifts 0.6 * 25 above 15); [1, H, Qb, 1]
+        n_keep = torch.ceil(topk[..., None].double() * n_visible[:, None].double() * TOPK_SLACK)
         keep_sorted = cand_sorted & (rank < n_keep)
     else:
         any_cand = cand.any(-1, keepdim=True)

@@ -68,7 +68,8 @@ def select_pack_kernel(S, SQ, SK, SIM_THR, THR, COUNTS, INDICES, MASK_IDS, N_FUL
     pos = tl.arange(0, KB)
     if TOPK:
         n_vis = tl.sum(b_vis.to(tl.int32), 0)
-        n_keep = tl.ceil(tl.load(THR + i_h) * n_vis.to(tl.float32) - 1e-9).to(tl.int32)
+        # (1 - 1e-6): predict.meansim.TOPK_SLACK, so fp32 rounding cannot add a block (0.6 * 25 -> 15.000001)
+        n_keep = tl.ceil(tl.load(THR + i_h) * n_vis.to(tl.float32) * 0.999999).to(tl.int32)
         n_rank = tl.minimum(n_keep, n_cand)
     else:
         # CDF: the shortest prefix whose mass reaches the threshold (rank r kept iff mass before r < thr)

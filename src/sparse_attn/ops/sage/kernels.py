@@ -59,15 +59,24 @@ def quant_rows_kernel(
     if SMOOTH:
         b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < HEAD_DIM, other=0.0)
         b_x = tl.where(m_md, b_x - b_mean[None, :], 0.0)
+    # a group holding a NaN or inf gets a NaN scale (what it touches comes out NaN, as without
+    # quantization); the others scale from finite values only. (The hardware max drops NaN, and an inf
+    # amax rounded the whole group to 0: either way a non-finite input vanished silently.)
+    b_fin = (b_x == b_x) & (tl.abs(b_x) < float("inf"))
+    b_bad = tl.max(tl.where(b_fin | ~m_md, 0.0, 1.0), 1)  # [TILE]
+    b_x = tl.where(b_fin, b_x, 0.0)
     b_amax = tl.max(tl.abs(b_x), 1)  # [TILE]
     b_g = tl.max(tl.reshape(b_amax, [TILE // SPAN, SPAN // PERIOD, PERIOD]), 1)  # [TILE // SPAN, PERIOD]
     b_amax = tl.reshape(tl.broadcast_to(b_g[:, None, :], [TILE // SPAN, SPAN // PERIOD, PERIOD]), [TILE])
+    b_gb = tl.max(tl.reshape(b_bad, [TILE // SPAN, SPAN // PERIOD, PERIOD]), 1)
+    b_bad = tl.reshape(tl.broadcast_to(b_gb[:, None, :], [TILE // SPAN, SPAN // PERIOD, PERIOD]), [TILE])
     b_scale = tl.where(b_amax > 0, b_amax / INT8_MAX, 1.0)
     b_xs = b_x / b_scale[:, None]
     b_q = (b_xs + tl.where(b_xs >= 0, 0.5, -0.5)).to(tl.int8)  # round half away from zero
     p_q = XQ + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_t.to(tl.int64)[:, None] * stride_qm + o_d[None, :]
     tl.store(p_q, b_q, mask=m_md)
-    tl.store(SCALE + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_t, b_scale, mask=m_m)
+    tl.store(SCALE + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_t,
+             tl.where(b_bad > 0, float("nan"), b_scale), mask=m_m)
 
 
 @triton.jit

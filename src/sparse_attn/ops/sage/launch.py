@@ -14,8 +14,8 @@ import triton
 
 from ..block_sparse import launch as bs_launch
 from . import kernels
-from .granularity import FP8_MAX, GRANULARITY
-from .reference import lse_shift, packed_lse_shift
+from .granularity import GRANULARITY
+from .reference import lse_shift, packed_lse_shift, v_channel_scale
 
 TILE = 128  # rows per quantization program: a multiple of every group span
 # H100, 16K x 32 heads x d128 (benchmarks/results/quant-probe-h100.json): 8 warps 0.077 ms, 4 warps 0.095,
@@ -86,7 +86,7 @@ def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None
     else:
         mn, mx = torch.aminmax(v, dim=2)  # one read of V; abs() would write a copy first
         amax = torch.maximum(mx, -mn).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = v_channel_scale(amax)
     lp = vt_columns(L, cu.numel() - 1) if varlen else bs_launch._round_up(max(L, 1), 16)
     vt = torch.empty(((H, D, lp) if varlen else (B, H, D, lp)), device=v.device, dtype=torch.float8_e4m3fn)
     if lp > L and not varlen:

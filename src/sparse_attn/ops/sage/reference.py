@@ -28,9 +28,16 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     xf = x.float()
     if mean is not None:
         xf = xf - mean[..., None, :]
-    amax = group_amax(xf.abs().amax(-1), span, period)
+    # a NaN or inf once went silently into its group's scale (NaN -> scale 1; inf -> every value 0);
+    # now the group's scale is NaN, so what the group touches comes out NaN, as without quantization,
+    # and the scale of the other groups comes from finite values only (as quant_rows_kernel does)
+    finite = torch.isfinite(xf)
+    xf = torch.where(finite, xf, 0.0)
+    amax = group_amax(xf.abs().amax(-1) if xf.shape[-1] else xf.new_zeros(xf.shape[:-1]), span, period)
+    bad = group_amax((~finite).any(-1).float(), span, period) > 0
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     xs = xf / scale[..., None]
+    scale = torch.where(bad, float("nan"), scale)
     q = torch.trunc(xs + torch.where(xs >= 0, 0.5, -0.5)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
@@ -42,9 +49,19 @@ def fp8_round(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_v_fp8(v: torch.Tensor):
     """``v [..., L, D]`` -> (dequantized fp32 V after e4m3 rounding, fp32 scale per channel ``[..., D]``)."""
-    amax = v.float().abs().amax(-2)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return fp8_round(v.float() / scale[..., None, :]) * scale[..., None, :], scale
+    vf = v.float()
+    # no key at all: scale 1 (amax over an empty token axis raised)
+    amax = vf.abs().amax(-2) if v.shape[-2] else vf.new_zeros(v.shape[:-2] + v.shape[-1:])
+    scale = v_channel_scale(amax)
+    return fp8_round(vf / scale[..., None, :]) * scale[..., None, :], scale
+
+
+def v_channel_scale(amax: torch.Tensor) -> torch.Tensor:
+    """FP8 scale per V channel from its amax: NaN for a channel holding a NaN or inf, so the channel
+    comes out NaN (a NaN amax once gave scale 1: the channel's finite values rounded at the wrong
+    scale, silently), 1 for an all-zero one."""
+    return torch.where(torch.isfinite(amax), torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)),
+                       torch.full_like(amax, float("nan")))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
