@@ -193,3 +193,21 @@ def test_head_dim_not_multiple_of_16_is_a_clear_error():
     q = torch.randn(1, 2, 64, 40, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 16"):
         sparse_attn.attention(q, q, q, quant="int8")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("quant", ["int8", "int8-fp8"])
+def test_a_non_finite_input_shows_in_its_scale_group_only(bad, quant):
+    """The row-quantization kernel once dropped a NaN (the hardware max ignores it; the value became
+    int8 0) and turned a group with an inf into zeros: both gave finite, wrong outputs. Now that
+    group's rows come out NaN, like the twin's, and every other row equals the clean input's."""
+    q, k, v = (torch.randn(1, 2, 300, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+    clean = q.clone()
+    q[0, 0, 5, 3] = bad
+    clean[0, 0, 5, 3] = 0.0
+    out = sparse_attn.attention(q, k, v, quant=quant, quant_granularity="per_warp")
+    ref = sparse_attn.attention(clean, k, v, quant=quant, quant_granularity="per_warp")
+    assert out[0, 0].isnan().any(-1).nonzero()[:, 0].tolist() == list(range(16))
+    assert torch.equal(out[0, 0, 16:], ref[0, 0, 16:]) and torch.equal(out[0, 1], ref[0, 1])
+    twin_out = twin.attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), quant=quant, granularity="per_warp")
+    assert torch.equal(twin_out[0, 0].isnan().any(-1), out[0, 0].isnan().any(-1).cpu())
