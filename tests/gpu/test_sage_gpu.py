@@ -4,14 +4,12 @@ quantization, so only rounding noise apart) and against the fp16/bf16 kernel on 
 tests/test_sage.py for why). Fresh random inputs per case; the allocator is poisoned with NaN first."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 import sparse_attn
 from sparse_attn import metrics, patterns
-from sparse_attn.layout import BlockLayout
 from sparse_attn.ops.block_sparse import launch as bs_launch
 from sparse_attn.ops.sage import launch, reference as twin
 from sparse_attn.ops.sage.granularity import GRANULARITY
