@@ -66,6 +66,8 @@ def test_quick_causal_gqa_benchmark(capsys):
 def test_quick_bad_arguments_exit_2(capsys):
     assert run_cli(quick_cli, TINY + ["--device", "cpu", "--cdfthreshd", "1.5"]) == 2
     assert "cdfthreshd" in capsys.readouterr().out
+    assert run_cli(quick_cli, TINY + ["--device", "cpu", "--cdfthreshd", "0.5", "--topk", "0.3"]) == 2
+    assert "not both" in capsys.readouterr().out  # --cdfthreshd was dropped silently
     with pytest.raises(SystemExit):
         run_cli(quick_cli, ["quick", "--sparse-level", "extreme"])
 

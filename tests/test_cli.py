@@ -153,6 +153,9 @@ def test_viz_gallery(tmp_path):
     for p in pngs:
         assert f"](g/{p.name})" in text
         assert_png(p)
+    with pytest.raises(SystemExit) as e:  # a PATTERN beside --gallery was ignored without a word
+        main(["viz", "local", "--gallery", str(tmp_path / "g2")])
+    assert e.value.code == 2
 
 
 def test_demo_quick(tmp_path, capsys):

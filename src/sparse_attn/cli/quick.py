@@ -65,6 +65,9 @@ def predictor_kwargs(args) -> dict:
     if args.cdfthreshd is not None:
         kw["cdfthreshd"] = args.cdfthreshd
     if args.topk is not None:
+        if args.cdfthreshd is not None:  # one rule or the other: --cdfthreshd was dropped without a word
+            raise ValueError(f"give --topk ({args.topk}) or --cdfthreshd ({args.cdfthreshd}), not both: top-k keeps "
+                             "a fraction of key blocks instead of the CDF rule")
         kw["topk"] = args.topk
         kw.pop("cdfthreshd")
     kw.update(block=args.block, attention_sink=args.attention_sink)

@@ -86,6 +86,8 @@ def run(args) -> int:
     from .. import viz
     con = console()
     if args.gallery is not None:
+        if args.pattern:  # the gallery draws its own families: PATTERN was ignored without a word
+            usage_error(f"give a PATTERN ({args.pattern}) or --gallery DIR (every family), not both")
         writable_dir(args.gallery, "--gallery")
         if args.markdown is not None:
             writable_dir(args.markdown.parent, "--markdown")
