@@ -18,11 +18,10 @@ testable without running a benchmark.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
-from .bench.results import Row
+from .bench.results import Row, read_result
 from .report_plots import plot_accuracy, plot_memory, plot_runtime, plot_speedup
 from .report_tables import (DENSE_PREFERENCE, PATTERN_PROVIDERS, ScalingRow, ScalingTable, baseline_grid,
                             baseline_tables, best_dense, config_text, configs_by_mode, main_config,
@@ -40,28 +39,6 @@ PATTERN_NOTES = {
 
 
 # ----------------------------------------------------------------------------- loading and merging
-def read_result(path) -> tuple[dict, list[Row], list[dict]]:
-    """(header, bench rows, accuracy dicts) of one result JSON; ValueError naming the file when it is
-    not one (a list, another tool's JSON, a malformed row)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read it as JSON ({e})") from None
-    if not isinstance(data, dict) or not ("rows" in data or "accuracy" in data):
-        raise ValueError(f"{path}: not a bench or accuracy result (a JSON object with 'rows' and/or 'accuracy'), "
-                         f"got {type(data).__name__}" + (f" with keys {sorted(data)[:6]}" if isinstance(data, dict)
-                                                         else ""))
-    try:
-        rows = [Row(**r) for r in data.get("rows") or []]
-    except TypeError as e:
-        raise ValueError(f"{path}: a row is not a bench row ({e})") from None
-    acc = list(data.get("accuracy") or [])
-    if any(not isinstance(a, dict) or "pattern" not in a for a in acc):
-        raise ValueError(f"{path}: an accuracy entry has no 'pattern'")
-    return dict(data.get("header") or {}), rows, acc
-
-
 def load_results(paths) -> tuple[dict, list[Row], list[dict]]:
     """(first header, all bench rows, all accuracy dicts) of JSON files holding ``rows`` and/or
     ``accuracy`` (bench results and :func:`~sparse_attn.bench.accuracy_rows.write_accuracy_json`)."""

@@ -10,7 +10,6 @@ sparse_attn[bench]``), with the non-interactive Agg backend.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import dataclasses
 from dataclasses import dataclass, field

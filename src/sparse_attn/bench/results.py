@@ -82,9 +82,32 @@ def write_csv(path, rows: list[Row]) -> Path:
     return path
 
 
+def read_result(path) -> tuple[dict, list[Row], list[dict]]:
+    """(header, bench rows, accuracy dicts) of one result JSON; ValueError naming the file when it is
+    not one (a list, another tool's JSON, a malformed row)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict) or not ("rows" in data or "accuracy" in data):
+        raise ValueError(f"{path}: not a bench or accuracy result (a JSON object with 'rows' and/or 'accuracy'), "
+                         f"got {type(data).__name__}" + (f" with keys {sorted(data)[:6]}" if isinstance(data, dict)
+                                                         else ""))
+    try:
+        rows = [Row(**r) for r in data.get("rows") or []]
+    except TypeError as e:
+        raise ValueError(f"{path}: a row is not a bench row ({e})") from None
+    acc = list(data.get("accuracy") or [])
+    if any(not isinstance(a, dict) or "pattern" not in a for a in acc):
+        raise ValueError(f"{path}: an accuracy entry has no 'pattern'")
+    return dict(data.get("header") or {}), rows, acc
+
+
 def load_json(path) -> tuple[dict, list[Row]]:
-    data = json.loads(Path(path).read_text())
-    return data["header"], [Row(**r) for r in data["rows"]]
+    """(header, rows) of a bench result JSON (:func:`read_result`)."""
+    header, rows, _ = read_result(path)
+    return header, rows
 
 
 # ----------------------------------------------------------------------------- summary

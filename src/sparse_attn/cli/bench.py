@@ -172,15 +172,14 @@ def drop_unavailable(suite, device, con):
 
 def earlier_rows(json_path: Path, suite) -> list:
     """The rows of an earlier ``json_path`` that ``suite`` does not run again (kept by ``--skip-done``)."""
-    import json
-    from ..bench import Row
+    from ..bench.results import read_result
     from ..bench.runner import expand
     if not json_path.exists():
         return []
     try:
-        old = [Row(**r) for r in json.loads(json_path.read_text()).get("rows", [])]
-    except (ValueError, TypeError, AttributeError) as e:
-        usage_error(f"--skip-done: cannot read the rows of {json_path} to keep them ({e}); move it away")
+        _, old, _ = read_result(json_path)
+    except ValueError as e:
+        usage_error(f"--skip-done: cannot keep the earlier rows ({e}); move the file away")
     again = {p.key() + (p.provider,) for p in expand(suite)}
     return [r for r in old if r.key() + (r.provider,) not in again]
 

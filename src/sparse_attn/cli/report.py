@@ -64,10 +64,10 @@ def reusable_accuracy(acc_path: Path, suite_name, accuracy_len: int | None, con)
     fail. A cache made at another --accuracy-len, or of error rows only, was reused silently before."""
     if not acc_path.exists():
         return False
+    from ..bench.results import read_result
     try:
-        data = json.loads(acc_path.read_text())
-        head, acc = data.get("header") or {}, data.get("accuracy") or []
-    except (ValueError, AttributeError) as e:
+        head, _, acc = read_result(acc_path)
+    except ValueError as e:
         why = f"not an accuracy file ({e})"
     else:
         why = None
