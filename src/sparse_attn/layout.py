@@ -327,11 +327,10 @@ class BlockLayout:
             missed = sel.clone()
             for term in mask.terms:
                 in_rows = (p_first >= term.q_lo) & (p_last <= term.q_hi)
-                lo_last, _ = term_intervals(term, torch.clamp(p_last, min=term.q_lo, max=term.q_hi))
-                _, hi_first = term_intervals(term, torch.clamp(p_first, min=term.q_lo, max=term.q_hi))
+                # the intervals of the first and last rows inside the term's row range
+                lo_first, hi_first = term_intervals(term, torch.clamp(p_first, min=term.q_lo, max=term.q_hi))
+                lo_last, hi_last = term_intervals(term, torch.clamp(p_last, min=term.q_lo, max=term.q_hi))
                 full |= sel & in_rows & (lo_last <= j0) & (hi_first >= j1)
-                lo_first, _ = term_intervals(term, torch.clamp(p_first, min=term.q_lo, max=term.q_hi))
-                _, hi_last = term_intervals(term, torch.clamp(p_last, min=term.q_lo, max=term.q_hi))
                 misses = (p_last < term.q_lo) | (p_first > term.q_hi) | (hi_last < j0) | (lo_first > j1)
                 missed &= misses
             empty |= missed
