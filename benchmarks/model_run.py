@@ -30,13 +30,13 @@ keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from sparse_attn.json_io import dumps
 from sparse_attn import model_eval as me
 from sparse_attn.cli._common import tokens
 from sparse_attn.cli.eval_model import pattern_options
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     payload = {"header": head}
 
     def save():
-        json_path.write_text(json.dumps(me.sanitize(payload), indent=1))
+        json_path.write_text(dumps(payload))
 
     # 1. the sweep: every (simthreshd1, cdfthreshd) at one length, logits only
     t0 = time.time()

@@ -400,3 +400,39 @@ def test_a_restricted_run_is_compared_with_the_rows_it_asked_for(tmp_path, one_t
                                     "modes": ["fwd"]}
     assert rows and report.missing_rows(header, rows) == []
     assert report.missing_rows(header, rows[:0])  # what it does lack is still listed
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN / Infinity, as jq, JSON.parse or serde_json do."""
+    def refuse(const):
+        raise ValueError(f"non-JSON constant {const}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_result_files_are_strict_json_with_non_finite_values_as_null(tmp_path, capsys):
+    from sparse_attn import accuracy, sage_suite
+    from sparse_attn.bench import make_header, write_json
+    from sparse_attn.bench.results import read_result
+    nan, inf = float("nan"), float("inf")
+    rows = synthetic_rows()[:2]
+    rows[0].ms, rows[1].tflops = nan, inf
+    header = dict(make_header("cpu", "custom"), gpu="NVIDIA H100 80GB HBM3", device="cuda")
+    write_json(tmp_path / "runs" / "bench.json", header, rows)
+    data = _strict_json((tmp_path / "runs" / "bench.json").read_text())
+    assert data["rows"][0]["ms"] is None and data["rows"][1]["tflops"] is None
+    _, back, _ = read_result(tmp_path / "runs" / "bench.json")
+    assert back[0].ms is None and back[1].ms == rows[1].ms
+    acc_row = {"pattern": "local", "cosine": nan, "relative_l1": -inf, "error": None, "seq_len": 64, "sparsity": 0.5}
+    write_accuracy_json(tmp_path / "acc.json", {"suite": "x"}, [acc_row])
+    assert _strict_json((tmp_path / "acc.json").read_text())["accuracy"][0]["cosine"] is None
+    accuracy.write_json(tmp_path / "accuracy-cli.json", {"x": nan}, [{"cosine": nan, "nested": [inf, 1.0]}])
+    data = _strict_json((tmp_path / "accuracy-cli.json").read_text())
+    assert data["header"]["x"] is None and data["cases"][0]["nested"] == [None, 1.0]
+    check = sage_suite.Check("correctness", "nan", False, "cosine nan", nan, inf, {})
+    sage_suite.write_json(tmp_path / "sage.json", {}, [check], [{"speedup": nan}])
+    data = _strict_json((tmp_path / "sage.json").read_text())
+    assert data["checks"][0]["cosine"] is None and data["benchmark"][0]["speedup"] is None
+    # the report's merged results.json, and its markdown shows the missing time as "-"
+    assert main(["report", "--from", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")]) == 0
+    merged = _strict_json((tmp_path / "out" / "results.json").read_text())
+    assert merged["rows"][0]["ms"] is None

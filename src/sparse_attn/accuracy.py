@@ -13,7 +13,6 @@ do not count as savings), and ``grid_sparsity`` = ``layout.sparsity`` (fraction 
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from . import metrics, patterns
+from .json_io import dumps
 from .predict import SPARSE_LEVELS, adaptive_attention, level_params
 
 DATA_DOC = """Structured inputs (structured_qkv): for each (batch, kv head) a latent sequence
@@ -341,7 +341,7 @@ def write_json(path, header: dict, rows: list[dict], sweep: list[dict] | None = 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"header": header, "cases": [_clean(r) for r in rows], "sweep": sweep or []}
-    path.write_text(json.dumps(payload, indent=1, default=str))
+    path.write_text(dumps(payload, default=str))
     return path
 
 

@@ -382,17 +382,6 @@ def header(model_name: str, model_path: Path, model, device: str, dtype: torch.d
             "transformers": transformers.__version__, "sparse_attn": __version__, "python": platform.python_version()}
 
 
-def sanitize(obj):
-    """JSON-safe: nan/inf -> None."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: sanitize(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [sanitize(v) for v in obj]
-    return obj
-
-
 __all__ = [
     "ModelUnavailable",
     "PatternRun",

@@ -18,13 +18,14 @@ bar: e4m3 P and V carry ~3% relative rounding error; it is reported as a failure
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
 import torch
+
+from .json_io import dumps
 
 BLOCK_Q, BLOCK_K = 64, 128
 MIN_COSINE, MAX_L1 = 0.999, 0.02
@@ -454,7 +455,7 @@ def write_json(path, header: dict, checks: list[Check], bench: list[dict]) -> Pa
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"header": header, "checks": [asdict(c) for c in checks], "benchmark": bench}
-    path.write_text(json.dumps(payload, indent=1, default=str))
+    path.write_text(dumps(payload, default=str))
     return path
 
 

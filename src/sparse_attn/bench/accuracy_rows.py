@@ -17,11 +17,11 @@ None or why the row failed. This does not touch the timing runner: call it next 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from ..json_io import dumps
 from .suites import Suite
 
 
@@ -79,7 +79,7 @@ def write_accuracy_json(path, header: dict, rows: list[dict]) -> Path:
     """``{"header": header, "accuracy": rows}``; :func:`sparse_attn.report.load_results` reads it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"header": header, "accuracy": rows}, indent=1))
+    path.write_text(dumps({"header": header, "accuracy": rows}))
     return path
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..json_io import dumps, write_text_atomic
+
 HEADER_FIELDS = ("gpu", "torch", "triton", "date", "device", "suite")
 
 
@@ -62,13 +64,7 @@ def make_header(device, suite: str, **extra) -> dict:
 
 
 def write_json(path, header: dict, rows: list[Row]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"header": header, "rows": [asdict(r) for r in rows]}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, dumps({"header": header, "rows": [asdict(r) for r in rows]}))
 
 
 def write_csv(path, rows: list[Row]) -> Path:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import re
 from pathlib import Path
 
+from ..json_io import dumps
 from ._common import (console, default_device, device_arg, nonneg_int, positive_int, positive_tokens, split_list,
                       tokens, writable_dir)
 
@@ -194,8 +194,7 @@ def run(args) -> int:
     head["text_files"] = result["texts"]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path = args.out_dir / f"{args.name}.json"
-    json_path.write_text(json.dumps(me.sanitize({"header": head, "summary": result["summary"],
-                                                 "rows": result["rows"]}), indent=1))
+    json_path.write_text(dumps({"header": head, "summary": result["summary"], "rows": result["rows"]}))
     title = f"{label} on {head['gpu']} ({head['dtype']}): dense vs sparse, mean of {args.texts} texts"
     con.print(me.summary_table(result["summary"], title=title))
     longest = max(lengths)

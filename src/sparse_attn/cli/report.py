@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ..json_io import dumps
 from ._common import console, positive_tokens, usage_error, writable_dir
 
 DESCRIPTION = """Merge the JSON files of a suite run in slices (`sparse-attn bench --slice K/N`) and write
@@ -108,8 +108,7 @@ def build_report(inputs, out_dir: Path, *, name: str = "results.json", accuracy_
         write_accuracy_json(acc_path, {"device": "cpu", "suite": suite_name, "seq_len": accuracy_len}, acc)
     missing = report.missing_rows(header, rows)
     out_dir.mkdir(parents=True, exist_ok=True)
-    merged_path.write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows], "accuracy": acc},
-                                      indent=1))
+    merged_path.write_text(dumps({"header": header, "rows": [asdict(r) for r in rows], "accuracy": acc}))
     md, pngs = report.write_report(out_dir, header, rows, acc, gallery=gallery, missing=missing)
     return md, pngs, merged_path, missing
 
