@@ -99,6 +99,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         return quantized.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse, quant=quant,
                                    granularity=quant_granularity, smooth_k=smooth_k)
     if not _use_kernels(q):
+        if layout is not None and torch.compiler.is_compiling():  # the reference's key walk is data-dependent
+            from . import reference_op
+            return reference_op.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
     from .ops.block_sparse import attention_op
     kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)

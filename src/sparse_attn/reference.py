@@ -9,6 +9,7 @@ gets output 0 and LSE -inf, never NaN.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -91,30 +92,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     outs, lses = [], []
     for r0 in range(0, Lq, chunk):
         r1 = min(r0 + chunk, Lq)
-        # only the keys this chunk can see: O(rows x visited keys) memory, also under autograd
-        j0, j1, cols = (0, Lk, None) if layout is None else visited_keys(layout, r0 // layout.block_q)
-        if causal:
-            j1 = max(j0, min(j1, r1 + Lk - Lq))
-            cols = None if cols is None else cols[cols < j1]
-        if j1 <= j0 or (cols is not None and cols.numel() == 0):  # no key visible to any row of this chunk
+        keys = chunk_keys(layout, r0, r1, Lq, Lk, causal, q.device)
+        if keys is None:  # no key visible to any row of this chunk
             outs.append(q.new_zeros(B, Hq, r1 - r0, Dv, dtype=acc) + graph_anchor(q, k, v, acc))
             lses.append(torch.full((B, Hq, r1 - r0), float("-inf"), device=q.device, dtype=acc))
             continue
-        if cols is None:
-            kc, vc, j = kf[:, :, j0:j1], vf[:, :, j0:j1], torch.arange(j0, j1, device=q.device)
-        else:
-            j = cols.to(q.device)
-            kc, vc = kf.index_select(2, j), vf.index_select(2, j)
+        kc, vc = keys.take(kf), keys.take(vf)
         qc = q[:, :, r0:r1].to(mm).view(B, Hkv, group, r1 - r0, D)
         s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kc).to(acc) * scale
-        ok = torch.ones(1, 1, r1 - r0, j.numel(), dtype=torch.bool, device=q.device)
-        if layout is not None:
-            ok = token_mask_rows(layout, r0, r1, j0, j1, cols=cols)
-        if causal:
-            p = torch.arange(r0, r1, device=q.device) + (Lk - Lq)
-            ok = ok & (j[None, :] <= p[:, None])
-        ok = _heads_as_groups(ok, Hkv, group)
-        s = s.masked_fill(~ok, float("-inf"))
+        s = s.masked_fill(~_heads_as_groups(keys.ok, Hkv, group), float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: avoid inf - inf
         e = torch.exp(s - m)
@@ -131,6 +117,96 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         return out
     lse = torch.cat(lses, 2).float() if lses else q.new_zeros(B, Hq, 0, dtype=torch.float32)
     return out, lse
+
+
+class ChunkKeys(NamedTuple):
+    """The keys query rows ``[r0, r1)`` may see: ``[j0, j1)`` when ``cols`` is None, else the keys
+    ``cols``; ``j`` those keys' positions (int64 [K]); ``ok`` bool ``[Bl, Hl, r1 - r0, K]``, the
+    layout's pattern (and ``causal``) on them."""
+
+    j0: int
+    j1: int
+    cols: torch.Tensor | None
+    j: torch.Tensor
+    ok: torch.Tensor
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """``t [B, H, Lk, X]`` restricted to these keys: ``[B, H, K, X]``."""
+        return t[:, :, self.j0:self.j1] if self.cols is None else t.index_select(2, self.j)
+
+    def add_into(self, acc: torch.Tensor, part: torch.Tensor) -> None:
+        """``acc[:, :, keys] += part`` (``acc [B, H, Lk, X]``, ``part [B, H, K, X]``)."""
+        if self.cols is None:
+            acc[:, :, self.j0:self.j1] += part
+        else:
+            acc.index_add_(2, self.j, part)
+
+
+def chunk_keys(layout: BlockLayout | None, r0: int, r1: int, Lq: int, Lk: int, causal: bool,
+               device) -> ChunkKeys | None:
+    """The keys query rows ``[r0, r1)`` (inside one query block of ``layout``) may see, or None
+    when no row of them sees any key. Only the visited key blocks: memory O(rows x visited keys)."""
+    j0, j1, cols = (0, Lk, None) if layout is None else visited_keys(layout, r0 // layout.block_q)
+    if causal:
+        j1 = max(j0, min(j1, r1 + Lk - Lq))
+        cols = None if cols is None else cols[cols < j1]
+    if j1 <= j0 or (cols is not None and cols.numel() == 0):
+        return None
+    j = torch.arange(j0, j1, device=device) if cols is None else cols.to(device)
+    ok = torch.ones(1, 1, r1 - r0, j.numel(), dtype=torch.bool, device=device)
+    if layout is not None:
+        ok = token_mask_rows(layout, r0, r1, j0, j1, cols=cols).to(device)
+    if causal:
+        p = torch.arange(r0, r1, device=device) + (Lk - Lq)
+        ok = ok & (j[None, :] <= p[:, None])
+    return ChunkKeys(j0, j1, None if cols is None else j, j, ok)
+
+
+def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, lse: torch.Tensor, layout: BlockLayout | None = None, *,
+                       causal: bool = False, scale: float | None = None):
+    """Gradients of :func:`attention` without autograd: ``(dq, dk, dv)`` shaped and typed as q, k, v.
+
+    ``do [B, Hq, Lq, Dv]`` is the output's gradient, ``dlse [B, Hq, Lq]`` the LSE's (None: the loss
+    did not use it), ``lse`` the forward's. Per query block, as the forward: P = exp(s - lse) on the
+    visited keys, dV += Pᵀ dO, dS = P (dP - rowsum(P dP) + dLSE) with dP = dO Vᵀ (the row sum over the
+    block's keys is over every key the row sees, so no forward output is needed), dQ = scale dS K,
+    dK += scale dSᵀ Q. For callers where autograd cannot record (a custom op's kernel,
+    sparse_attn.reference_op); accumulates in fp32 (fp64 for fp64 inputs).
+    """
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kf, vf = k.to(acc), v.to(acc)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    chunk = layout.block_q if layout is not None else 128
+    for r0 in range(0, Lq, chunk):
+        r1 = min(r0 + chunk, Lq)
+        keys = chunk_keys(layout, r0, r1, Lq, Lk, causal, q.device)
+        if keys is None:  # no key: zero gradients
+            continue
+        R = r1 - r0
+        kc, vc = keys.take(kf), keys.take(vf)
+        qc = q[:, :, r0:r1].to(acc).view(B, Hkv, group, R, D)
+        doc = do[:, :, r0:r1].to(acc).view(B, Hkv, group, R, -1)
+        lse_c = lse[:, :, r0:r1].to(acc).view(B, Hkv, group, R, 1)
+        lse_c = torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c)  # rows without keys: s is -inf
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kc) * scale
+        s = s.masked_fill(~_heads_as_groups(keys.ok, Hkv, group), float("-inf"))
+        p = torch.exp(s - lse_c)
+        dp = torch.einsum("bhgqd,bhkd->bhgqk", doc, vc)
+        ds = dp - (p * dp).sum(-1, keepdim=True)
+        if dlse is not None:
+            ds = ds + dlse[:, :, r0:r1].to(acc).view(B, Hkv, group, R, 1)
+        ds = p * ds
+        keys.add_into(dv, torch.einsum("bhgqk,bhgqd->bhkd", p, doc))
+        keys.add_into(dk, torch.einsum("bhgqk,bhgqd->bhkd", ds, qc) * scale)
+        dq[:, :, r0:r1] = torch.einsum("bhgqk,bhkd->bhgqd", ds, kc).reshape(B, Hq, R, D) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def graph_anchor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
