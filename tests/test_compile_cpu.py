@@ -78,3 +78,22 @@ def test_compiled_module_with_inductor_and_scale():
                                                                                           MaskTerm(doc=64))))])
 def test_mask_table_round_trip(masks):
     assert masks_from_table(*mask_table(masks), len(masks)) == masks
+
+
+def test_varlen_and_grouped_compile_with_graph_breaks():
+    """varlen / grouped read cu_seqlens and group offsets on the host (documented): under
+    torch.compile they are graph breaks, and the compiled function still equals eager."""
+    from sparse_attn.grouped import Group
+    cu = torch.tensor([0, 50, 130], dtype=torch.int32)
+    q, k, v = (torch.randn(130, 2, 16) for _ in range(3))
+
+    def varlen(q, k, v):
+        return sparse_attn.varlen_attention(q, k, v, cu, cu, 80, 80, causal=True) * 2
+
+    groups = [Group(0, 25, 0, 40), Group(25, 60, 30, 90)]
+
+    def grouped(q, k, v):
+        return sparse_attn.grouped_attention(q[:60], k[:90], v[:90], groups, causal=True) * 2
+
+    for fn in (varlen, grouped):
+        torch.testing.assert_close(torch.compile(fn, backend="aot_eager")(q, k, v), fn(q, k, v))

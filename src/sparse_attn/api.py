@@ -157,6 +157,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             channel scales), so its result does not depend on what else is packed with it.
 
     Returns: out ``[Tq, Hq, D]`` (and lse fp32 ``[Hq, Tq]``).
+
+    Under ``torch.compile`` the call is a graph break (``fullgraph=False``): ``cu_seqlens`` are read
+    on the host to build the per-sequence layouts. :func:`attention` compiles with ``fullgraph=True``.
     """
     from . import varlen
     check_scale(scale)

@@ -293,7 +293,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     CUDA: one forward launch for all groups, one dQ and one dK/dV launch backward; the per-group
     layouts, bounds and scratch offsets are built once per groups signature and cached. Elsewhere:
     :func:`grouped_attention_loop` (one reference call per group). The LSE is differentiable, as in
-    :func:`sparse_attn.attention`.
+    :func:`sparse_attn.attention`. Under ``torch.compile`` the call is a graph break
+    (``fullgraph=False``): the groups' offsets are read on the host to build the plan.
     """
     if not (FORCE_KERNELS or (isinstance(q, torch.Tensor) and q.is_cuda)):
         return grouped_attention_loop(q, k, v, groups, causal=causal, scale=scale, return_lse=return_lse,
