@@ -396,3 +396,22 @@ def test_cpu_timing_runs_on_one_thread_by_default_and_says_so(tmp_path, capsys):
     assert main(argv + ["--out-dir", str(tmp_path / "b"), "--threads", "2"]) == 0
     assert json.loads((tmp_path / "b" / "small-cpu.json").read_text())["header"]["threads"] == 2
     assert torch.get_num_threads() == before  # restored
+
+
+def test_underscore_flags_of_the_seed_tools_are_accepted():
+    """Command lines copied from SageAttention's / SpargeAttn's READMEs (underscored flags) parse as
+    the hyphenated ones; values and anything after a bare -- are left alone."""
+    from sparse_attn.cli.main import build_parser, hyphenate_options
+    parser = build_parser()
+
+    def parse(argv):
+        return vars(parser.parse_args(hyphenate_options(argv)))
+    seed = ["sage-test", "--test_correctness", "--benchmark_perf", "--quant_gran", "per_thread", "--seq_lens", "1k",
+            "--top_k_ratios", "0.5"]
+    assert parse(seed) == parse([a.replace("_", "-") if a.startswith("--") else a for a in seed])
+    assert parse(["quick", "--seq_len=512", "--sparse_level", "high"]) == \
+        parse(["quick", "--seq-len=512", "--sparse-level", "high"])
+    assert hyphenate_options(["viz", "--out=my_file.png", "--", "--keep_me"]) == \
+        ["viz", "--out=my_file.png", "--", "--keep_me"]
+    with pytest.raises(SystemExit):  # plain argparse rejects them, as before this rewrite
+        parser.parse_args(["quick", "--seq_len", "512"])

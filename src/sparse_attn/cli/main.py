@@ -37,8 +37,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def hyphenate_options(argv: list[str]) -> list[str]:
+    """``--seq_len 512`` / ``--quant_gran=per_warp`` -> ``--seq-len`` / ``--quant-gran=per_warp``.
+
+    The tools this CLI stands in for (the SageAttention test suite, SpargeAttn's quick test) spell
+    their flags with underscores, so command lines copied from their READMEs work here too. Only
+    option names are rewritten (never values, and nothing after a bare ``--``); every option of
+    this CLI is hyphenated, so no name is ambiguous.
+    """
+    out = []
+    for i, token in enumerate(argv):
+        if token == "--":
+            return out + list(argv[i:])
+        if token.startswith("--") and "_" in token.split("=", 1)[0]:
+            name, eq, value = token.partition("=")
+            token = name.replace("_", "-") + eq + value
+        out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(hyphenate_options(list(argv)))
     return int(args.func(args) or 0)
 
 
