@@ -42,14 +42,16 @@ def _inputs(world, hq, hkv, length=None, dtype=torch.float64):
     return mk(hq), mk(hkv), mk(hkv), mk(hq)
 
 
-def _compare(rank, world, hq, hkv, causal, kv_head_chunk=None, scale=None, dtype=torch.float64, tol=TOL):
+def _compare(rank, world, hq, hkv, causal, kv_head_chunk=None, scale=None, dtype=torch.float64, tol=TOL,
+             use_grouped_attention=None):
     q, k, v, dout = _inputs(world, hq, hkv, dtype=dtype)
     full = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out = sparse_attn.attention(*full, causal=causal, scale=scale)
     out.backward(dout.double())
 
     loc = [zigzag_split(t, world, rank).requires_grad_() for t in (q, k, v)]
-    out_l = zigzag_llama3_attention(*loc, causal=causal, scale=scale, kv_head_chunk=kv_head_chunk)
+    out_l = zigzag_llama3_attention(*loc, causal=causal, scale=scale, kv_head_chunk=kv_head_chunk,
+                                    use_grouped_attention=use_grouped_attention)
     assert out_l.is_contiguous()
     out_l.backward(zigzag_split(dout, world, rank))
     for name, got, want in [("out", out_l, out)] + [(f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", loc, full)]:
@@ -149,6 +151,10 @@ def _case_other_call_or_scale(rank, world):
         zigzag_llama3_attention(q, k, v, scale=0.5 if rank == world - 1 else 0.25)
     with pytest.raises(ValueError, match=rf"ranks \[{world - 1}\] disagree.*rank 0: .*scale=None"):
         zigzag_llama3_attention(q, k, v, scale=0.5 if rank == world - 1 else None)
+    with pytest.raises(ValueError, match=rf"ranks \[{world - 1}\] disagree.*use_grouped_attention"):
+        zigzag_llama3_attention(q, k, v, use_grouped_attention=True if rank == world - 1 else None)
+    with pytest.raises(ValueError, match="use_grouped_attention must be True, False or None"):
+        zigzag_llama3_attention(q, k, v, use_grouped_attention="yes")
     _compare(rank, world, 2, 2, causal=True, scale=0.3)  # the group is still usable afterwards
 
 
@@ -163,7 +169,7 @@ def _varlen_cu(world, units=(3, 0, 5, 1)):
 
 
 def _compare_varlen(rank, world, hq, hkv, causal, kv_head_chunk=None, scale=None, dtype=torch.float64, tol=TOL,
-                    units=(3, 0, 5, 1)):
+                    units=(3, 0, 5, 1), use_grouped_attention=None):
     cu = _varlen_cu(world, units)
     g = torch.Generator().manual_seed(4321)
     T = int(cu[-1])
@@ -174,7 +180,8 @@ def _compare_varlen(rank, world, hq, hkv, causal, kv_head_chunk=None, scale=None
     out.backward(dout.double())
 
     loc = [zigzag_split_varlen(t, cu, world, rank).detach().requires_grad_() for t in (q, k, v)]
-    out_l = zigzag_llama3_varlen_attention(*loc, cu, causal=causal, scale=scale, kv_head_chunk=kv_head_chunk)
+    out_l = zigzag_llama3_varlen_attention(*loc, cu, causal=causal, scale=scale, kv_head_chunk=kv_head_chunk,
+                                           use_grouped_attention=use_grouped_attention)
     assert out_l.shape == (T // world, hq, D) and out_l.is_contiguous()
     out_l.backward(zigzag_split_varlen(dout, cu, world, rank))
     for name, got, want in [("out", out_l, out)] + [(f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", loc, full)]:
@@ -187,36 +194,63 @@ def _case_varlen_causal(rank, world):
 
 
 def _case_varlen_noncausal_head_chunks(rank, world):
-    _compare_varlen(rank, world, 4, 2, causal=False, kv_head_chunk=1, scale=0.4)
+    _compare_varlen(rank, world, 4, 2, causal=False, kv_head_chunk=1, scale=0.4, use_grouped_attention=True)
 
 
 def _case_varlen_one_sequence(rank, world):
     _compare_varlen(rank, world, 2, 2, causal=True, units=(4,), kv_head_chunk=1)
 
 
+def _count_launches():
+    """Wrap ops.block_sparse.forward_into (which local.forward imports per call) to count grouped
+    launches (seq_step 2) and plain ones; returns (counts, undo)."""
+    from sparse_attn.ops import block_sparse
+    real, counts = block_sparse.forward_into, {"grouped": 0, "plain": 0}
+
+    def counting(*args, **kwargs):
+        counts["grouped" if kwargs.get("seq_step") == 2 else "plain"] += 1
+        return real(*args, **kwargs)
+    block_sparse.forward_into = counting
+    return counts, lambda: setattr(block_sparse, "forward_into", real)
+
+
 def _case_kernel_path(rank, world):
     """The CUDA code path (one grouped forward launch for the 4 groups of two sequences, kernel
     backward from the saved LSE without recompute, on strided views of a packed batch, GQA) under the
-    Triton interpreter, in fp32. Kept to two short sequences: the interpreter is slow."""
+    Triton interpreter, in fp32; then with use_grouped_attention=False (one launch per group). Kept
+    to two short sequences: the interpreter is slow."""
     if os.environ.get("TRITON_INTERPRET") != "1" or world > 2:  # interpreter only; one world size is enough
         return
     local.FORCE_KERNELS = True
+    counts, undo = _count_launches()
     try:
         _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(2, 1))
+        assert counts == {"grouped": 1, "plain": 0}, counts
+        _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(2, 1),
+                        use_grouped_attention=False)
+        assert counts == {"grouped": 1, "plain": 4}, counts
     finally:
         local.FORCE_KERNELS = False
+        undo()
 
 
 def _case_kernel_path_dense(rank, world):
-    """The kernel path on a dense batch of B=2 rows (one grouped forward launch per row), GQA, two
-    head ranges, in fp32 under the Triton interpreter."""
+    """The kernel path on a dense batch of B=2 rows (two plain launches, one per zigzag chunk; with
+    use_grouped_attention=True one grouped launch per row), GQA, two head ranges, in fp32 under the
+    Triton interpreter."""
     if os.environ.get("TRITON_INTERPRET") != "1" or world > 2:
         return
     local.FORCE_KERNELS = True
+    counts, undo = _count_launches()
     try:
         _compare(rank, world, 2, 2, causal=True, kv_head_chunk=1, dtype=torch.float32, tol=2e-5)
+        assert counts == {"grouped": 0, "plain": 4}, counts  # 2 head ranges x 2 chunks
+        _compare(rank, world, 2, 2, causal=True, kv_head_chunk=1, dtype=torch.float32, tol=2e-5,
+                 use_grouped_attention=True)
+        assert counts == {"grouped": 4, "plain": 4}, counts  # 2 head ranges x 2 batch rows
     finally:
         local.FORCE_KERNELS = False
+        undo()
 
 
 def _case_host_check_group(rank, world):

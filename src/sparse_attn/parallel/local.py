@@ -43,7 +43,8 @@ def _packed(t: torch.Tensor, b: int) -> torch.Tensor:
     return t[b].transpose(0, 1)
 
 
-def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torch.Tensor, cache: dict) -> None:
+def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torch.Tensor, cache: dict,
+            grouped: bool | None = None) -> None:
     """Write each group's attention into ``out [B, h, Lq, Dv]`` and its LSE into ``lse`` (fp32
     ``[B, h, Lq]``); ``q [B, h, Lq, D]``, ``kf``/``vf [B, hk, Lk, D|Dv]`` (gathered, global order).
 
@@ -52,7 +53,8 @@ def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torc
     several sequences) run as one grouped launch per batch row, which saves a launch and its host
     time per group (part of the CP forward's 4.1 -> 1.9 ms with 4 sequences at 8K tokens per GPU on
     2 H200); the two groups of one sequence run as two plain launches, which measured 6% faster than
-    one grouped launch there (kernels 1.98 vs 2.10 ms)."""
+    one grouped launch there (kernels 1.98 vs 2.10 ms). ``grouped`` True / False forces one way
+    (``use_grouped_attention`` of the entry points); the reference path ignores it."""
     if not use_kernels(q):
         for g in groups:
             qs, ks, vs = q[:, :, g.q_start:g.q_end], kf[:, :, g.k_start:g.k_end], vf[:, :, g.k_start:g.k_end]
@@ -61,7 +63,7 @@ def forward(q, kf, vf, groups, causal: bool, scale, out: torch.Tensor, lse: torc
             lse[:, :, g.q_start:g.q_end] = l_
         return
     from ..ops.block_sparse import forward_into
-    if len(groups) > 2:
+    if (len(groups) > 2) if grouped is None else grouped:
         from ..grouped import grouped_plan
         plan = grouped_plan(groups, q.shape[2], kf.shape[2], causal=causal, heads=q.shape[1], device=q.device)
         assert plan.free_rows is None, "zigzag groups cover every local query token"

@@ -30,7 +30,7 @@ class _ZigzagAttention(torch.autograd.Function):
     """q ``[B, Hq, Lloc, D]``, k/v ``[B, Hkv, Lloc, D|Dv]`` (views; a packed batch as ``[1, H, T, D]``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: ZigzagPlan, group, causal, scale, head_step, packed):
+    def forward(ctx, q, k, v, plan: ZigzagPlan, group, causal, scale, head_step, packed, grouped):
         if packed:  # allocate [T, Hq, Dv] and hand out its [1, Hq, T, Dv] view: the caller gets a contiguous result
             out = q.new_empty(q.shape[2], q.shape[1], v.shape[3]).transpose(0, 1)[None]
         else:
@@ -44,7 +44,7 @@ class _ZigzagAttention(torch.autograd.Function):
         for i, (h0, h1) in enumerate(ranges):
             kf, vf = gather[i]
             qh = slice(h0 * g, h1 * g)
-            local.forward(q[:, qh], kf, vf, groups, causal, scale, out[:, qh], lse[:, qh], plan._cache)
+            local.forward(q[:, qh], kf, vf, groups, causal, scale, out[:, qh], lse[:, qh], plan._cache, grouped)
             del kf, vf
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (plan, group, causal, scale, head_step)
@@ -68,7 +68,13 @@ class _ZigzagAttention(torch.autograd.Function):
             del kf, vf
             scatter.push((dkf, dvf), (dk[:, h0:h1], dv[:, h0:h1]))
         scatter.flush()
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _check_grouped(use_grouped_attention) -> None:
+    if use_grouped_attention is not None and not isinstance(use_grouped_attention, bool):
+        raise ValueError(f"use_grouped_attention must be True, False or None (automatic), "
+                         f"got {use_grouped_attention!r}")
 
 
 def _check_options(kv_head_chunk, hkv):
@@ -102,17 +108,19 @@ def _validate_common(q, k, v):
                          f"{q.device}/{k.device}/{v.device}")
 
 
-def _check_across_ranks(q, k, v, group, causal: bool, scale, kv_head_chunk, fn: str, **extras) -> None:
+def _check_across_ranks(q, k, v, group, causal: bool, scale, kv_head_chunk, grouped, fn: str, **extras) -> None:
     """Both entries' cross-rank input check: shapes and dtypes of q/k/v, the options, and ``extras``
     (name -> int), compared on every rank before any collective (:func:`check_consistent_shapes`)."""
     options = {"causal": int(causal), "scale": None if scale is None else float(scale),
-               "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk}
+               "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk,
+               "use_grouped_attention": -1 if grouped is None else int(grouped)}
     check_consistent_shapes({"q": q, "k": k, "v": v}, group, {**options, **extras}, what=f"{fn}: ")
 
 
 def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *,
                             group=None, causal: bool = True, scale: float | None = None,
-                            kv_head_chunk: int | None = None, check_inputs: bool = True) -> torch.Tensor:
+                            kv_head_chunk: int | None = None, check_inputs: bool = True,
+                            use_grouped_attention: bool | None = None) -> torch.Tensor:
     """Context-parallel attention over the ranks of ``group`` (default: the world), zigzag sharded.
 
     Args:
@@ -130,6 +138,13 @@ def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_loca
             (a hang or wrong results). The check is one all-gather of a few host integers over gloo;
             it never waits for the GPU, but its latency is host time before the first kernel:
             0.2-0.9 ms on the lent 2 x H200, against a 2.4 ms forward at 8K tokens per GPU.
+        use_grouped_attention: how the CUDA forward runs this rank's query chunks (groups) against
+            the gathered K/V: True, one grouped launch for all of them (:func:`sparse_attn.grouped_attention`'s
+            kernel, K/V read once); False, one kernel launch per group (the two-kernel baseline of
+            llama3 CP); None (default) picks grouped for more than two groups (packed batches) and
+            per-group launches for the two chunks of one sequence, which measured 6% faster
+            (benchmarks/NOTES.md). The backward runs per group either way; the PyTorch reference
+            path (CPU) computes the same per-group attention for every value.
 
     Returns: ``out_local [B, Hq, 2C, Dv]``, this rank's zigzag share of the full output. Differentiable:
     the backward re-gathers K/V, runs the local backward and reduce-scatters dK/dV (summed in fp32).
@@ -139,14 +154,16 @@ def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_loca
     ranks. A peer that never calls in blocks the others until the process group's ``timeout`` (see
     :mod:`sparse_attn.parallel.comm`).
     """
+    _check_grouped(use_grouped_attention)
     if check_inputs:
-        _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk,
+        _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk, use_grouped_attention,
                             "zigzag_llama3_attention")
     _validate_dense(q_local, k_local, v_local)
     step = _check_options(kv_head_chunk, k_local.shape[1])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     plan = dense_plan(q_local.shape[2] * world, world, rank)
-    return _ZigzagAttention.apply(q_local, k_local, v_local, plan, group, causal, scale, step, False)
+    return _ZigzagAttention.apply(q_local, k_local, v_local, plan, group, causal, scale, step, False,
+                                  use_grouped_attention)
 
 
 def _cu_fingerprint(cu: list[int]) -> int:
@@ -159,7 +176,8 @@ def _cu_fingerprint(cu: list[int]) -> int:
 
 def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
                                    cu_seqlens, *, group=None, causal: bool = True, scale: float | None = None,
-                                   kv_head_chunk: int | None = None, check_inputs: bool = True) -> torch.Tensor:
+                                   kv_head_chunk: int | None = None, check_inputs: bool = True,
+                                   use_grouped_attention: bool | None = None) -> torch.Tensor:
     """Context-parallel attention over packed variable-length sequences, each zigzag sharded.
 
     Args:
@@ -172,15 +190,17 @@ def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor,
             identical on every rank); every sequence length must be a multiple of 2W.
         causal: causal within each sequence (token i sees key j of its own sequence iff j <= i);
             otherwise each token sees its whole sequence. Sequences never see each other.
-        scale, kv_head_chunk, group, check_inputs: as :func:`zigzag_llama3_attention`.
+        scale, kv_head_chunk, group, check_inputs, use_grouped_attention: as
+            :func:`zigzag_llama3_attention`.
 
     Returns: ``out_local [T / W, Hq, Dv]``, this rank's share of the full output. Differentiable.
     Shapes, dtypes, options and cu_seqlens are compared across ranks first (mismatch: ``ValueError``
     on every rank), unless ``check_inputs=False``.
     """
     cu = _as_list(cu_seqlens)
+    _check_grouped(use_grouped_attention)
     if check_inputs:
-        _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk,
+        _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk, use_grouped_attention,
                             "zigzag_llama3_varlen_attention",
                             num_seqs=len(cu) - 1, total_tokens=cu[-1] if cu else -1,
                             cu_seqlens_digest=_cu_fingerprint(cu))
@@ -199,5 +219,6 @@ def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor,
     _validate_common(q_local, k_local, v_local)
     step = _check_options(kv_head_chunk, k_local.shape[1])
     as4 = lambda t: t.transpose(0, 1)[None]  # noqa: E731  [T, H, D] -> [1, H, T, D] view
-    out = _ZigzagAttention.apply(as4(q_local), as4(k_local), as4(v_local), plan, group, causal, scale, step, True)
+    out = _ZigzagAttention.apply(as4(q_local), as4(k_local), as4(v_local), plan, group, causal, scale, step, True,
+                                 use_grouped_attention)
     return out[0].transpose(0, 1)
