@@ -415,3 +415,16 @@ def test_underscore_flags_of_the_seed_tools_are_accepted():
         ["viz", "--out=my_file.png", "--", "--keep_me"]
     with pytest.raises(SystemExit):  # plain argparse rejects them, as before this rewrite
         parser.parse_args(["quick", "--seq_len", "512"])
+
+
+def test_viz_exponential_dilation_and_repeated_pattern_options(tmp_path, capsys):
+    from sparse_attn import patterns
+    out = tmp_path / "d.png"
+    assert main(["viz", "dilated", "--seq-len", "2k", "--window-blocks", "5", "--dilation", "1", "--exponential",
+                 "--out", str(out)]) == 0
+    expected = patterns.dilated(2048, 5, 1, exponential=True).density
+    assert expected != patterns.dilated(2048, 5, 1).density
+    assert f"density {expected:.4f}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # argparse kept the last value, so both builders drew dilation 2
+        main(["viz", "dilated|dilated", "--dilation", "1", "--dilation", "2", "--out", str(out)])
+    assert e.value.code == 2 and "--dilation given twice" in capsys.readouterr().err

@@ -226,14 +226,14 @@ def strided_oracle(lq, lk, bq, bk, stride, local_blocks, causal):
     return tok & token_mask(causal_rule, lq, lk) if causal else tok
 
 
-def dilated_oracle(lq, lk, bq, bk, window_blocks, dilation, causal):
+def dilated_oracle(lq, lk, bq, bk, window_blocks, dilation, causal, exponential=False):
     nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
+    offsets = [(dilation * 2 ** (r - 1) if r else 0) if exponential else r * dilation for r in range(window_blocks)]
     blocks = np.zeros((nq, nk), dtype=bool)
     for qb in range(nq):
         d = row_pos(qb, lq, lk, bq)[1] // bk
         for kb in range(nk):
-            blocks[qb, kb] = any(kb == d - r * dilation or (not causal and kb == d + r * dilation)
-                                 for r in range(window_blocks))
+            blocks[qb, kb] = any(kb == d - o or (not causal and kb == d + o) for o in offsets)
     tok = expand(blocks, lq, lk, bq, bk)
     return tok & token_mask(causal_rule, lq, lk) if causal else tok
 
@@ -252,12 +252,26 @@ def test_strided(lq, lk, bq, bk, causal, stride, local_blocks):
 @pytest.mark.parametrize("lq,lk,bq,bk", BLOCK_SIZES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window_blocks,dilation", [(1, 1), (3, 2), (4, 3)])
-def test_dilated(lq, lk, bq, bk, causal, window_blocks, dilation):
-    lay = P.dilated(lq, window_blocks, dilation, lk, causal=causal, block_q=bq, block_k=bk)
-    assert_exact(lay, dilated_oracle(lq, lk, bq, bk, window_blocks, dilation, causal))
+@pytest.mark.parametrize("exponential", [False, True])
+def test_dilated(lq, lk, bq, bk, causal, window_blocks, dilation, exponential):
+    lay = P.dilated(lq, window_blocks, dilation, lk, causal=causal, exponential=exponential, block_q=bq, block_k=bk)
+    assert_exact(lay, dilated_oracle(lq, lk, bq, bk, window_blocks, dilation, causal, exponential))
     if causal:
-        same_layout(lay, P.dilated(lq, window_blocks, dilation, lk, block_q=bq, block_k=bk)
+        same_layout(lay, P.dilated(lq, window_blocks, dilation, lk, exponential=exponential, block_q=bq, block_k=bk)
                     & P.causal(lq, lk, block_q=bq, block_k=bk))
+
+
+def test_dilated_exponential_offsets_and_huge_windows():
+    """Offsets 0, 1, 2, 4, 8 around the diagonal (the seed's exponentially growing strides); a window
+    far beyond the grid stops growing instead of overflowing."""
+    lay = P.dilated(16 * 64, 5, 1, exponential=True, causal=False, block_q=64, block_k=64)
+    row = lay.kv_indices[0, 0, 15, :int(lay.kv_counts[0, 0, 15])].tolist()
+    assert row == [7, 11, 13, 14, 15]
+    assert lay.kv_indices[0, 0, 0, :int(lay.kv_counts[0, 0, 0])].tolist() == [0, 1, 2, 4, 8]
+    big = P.dilated(16 * 64, 200, 1, exponential=True, block_q=64, block_k=64)
+    same_layout(big, P.dilated(16 * 64, 6, 1, exponential=True, block_q=64, block_k=64))
+    with pytest.raises(TypeError, match="exponential must be a bool"):
+        P.dilated(1024, 3, 1, exponential="yes")
 
 
 # ----------------------------------------------------------------------------- random

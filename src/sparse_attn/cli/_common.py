@@ -68,6 +68,20 @@ def device_arg(text: str) -> str:
     return text.strip()
 
 
+class Once(argparse.Action):
+    """Store an option's value, refusing the option a second time. argparse keeps the last value
+    silently; for pattern options that hid a mistake: in ``'dilated|dilated' --dilation 1 --dilation 2``
+    every builder of the expression gets the one set of options, so both drew dilation 2."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given_once", set())
+        if self.dest in given:
+            parser.error(f"{option_string} given twice; every builder of a pattern expression takes the same "
+                         f"options (for different values, build the layouts in Python and join them with |)")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 def usage_error(message: str):
     """A bad option found after parsing: one line on stderr and exit code 2, as argparse's own errors."""
     print(f"sparse-attn: error: {message}", file=sys.stderr)

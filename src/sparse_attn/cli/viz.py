@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import console, nonneg_tokens, positive_int, positive_tokens, tokens, usage_error, writable_dir
+from ._common import Once, console, nonneg_tokens, positive_int, positive_tokens, tokens, usage_error, writable_dir
 
 DESCRIPTION = """Draw the block grid of a pattern: full blocks blue, partial blocks (element mask
 applied inside) orange, skipped blocks white; the title gives the layout's density (whole
@@ -29,20 +29,22 @@ def add_parser(sub) -> None:
     g.add_argument("--kv-len", type=positive_tokens, help="key length (default: L)")
     g.add_argument("--block-q", type=int, default=128, help="query block size (multiple of 16, 16..256; default 128)")
     g.add_argument("--block-k", type=int, default=128, help="key block size (default 128)")
-    g.add_argument("--window", type=tokens, help="local/streaming: window in tokens")
-    g.add_argument("--window-right", type=tokens, help="local: keys after the query (non-causal windows)")
-    g.add_argument("--num-sink", type=tokens, help="streaming: sink tokens at the start")
-    g.add_argument("--block-size", type=tokens, help="block_diagonal: document length in tokens")
-    g.add_argument("--stride", type=int, help="strided: every STRIDE-th key block is a summary block")
-    g.add_argument("--local-blocks", type=int, help="strided: width of the local band in blocks")
-    g.add_argument("--window-blocks", type=int, help="dilated/bigbird: window in blocks")
-    g.add_argument("--dilation", type=int, help="dilated: step between visited key blocks")
-    g.add_argument("--num-global-blocks", type=int, help="bigbird: global blocks")
-    g.add_argument("--num-random-blocks", type=int, help="bigbird: random blocks per row")
-    g.add_argument("--density", type=float, help="random: fraction of key blocks per row")
-    g.add_argument("--top-k", type=int, help="random: key blocks per row (instead of --density)")
-    g.add_argument("--heads", type=positive_int, help="random/bigbird: heads with their own layout")
-    g.add_argument("--seed", type=int, help="random/bigbird: RNG seed")
+    g.add_argument("--window", type=tokens, action=Once, help="local/streaming: window in tokens")
+    g.add_argument("--window-right", type=tokens, action=Once, help="local: keys after the query (non-causal windows)")
+    g.add_argument("--num-sink", type=tokens, action=Once, help="streaming: sink tokens at the start")
+    g.add_argument("--block-size", type=tokens, action=Once, help="block_diagonal: document length in tokens")
+    g.add_argument("--stride", type=int, action=Once, help="strided: every STRIDE-th key block is a summary block")
+    g.add_argument("--local-blocks", type=int, action=Once, help="strided: width of the local band in blocks")
+    g.add_argument("--window-blocks", type=int, action=Once, help="dilated/bigbird: window in blocks")
+    g.add_argument("--dilation", type=int, action=Once, help="dilated: step between visited key blocks")
+    g.add_argument("--exponential", action="store_true", default=None,
+                   help="dilated: offsets 0, d, 2d, 4d, ... (d = --dilation) instead of 0, d, 2d, 3d, ...")
+    g.add_argument("--num-global-blocks", type=int, action=Once, help="bigbird: global blocks")
+    g.add_argument("--num-random-blocks", type=int, action=Once, help="bigbird: random blocks per row")
+    g.add_argument("--density", type=float, action=Once, help="random: fraction of key blocks per row")
+    g.add_argument("--top-k", type=int, action=Once, help="random: key blocks per row (instead of --density)")
+    g.add_argument("--heads", type=positive_int, action=Once, help="random/bigbird: heads with their own layout")
+    g.add_argument("--seed", type=int, action=Once, help="random/bigbird: RNG seed")
     g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                    help="causal variant where the builder has one (default: the builder's)")
     d = p.add_argument_group("drawing")
@@ -59,7 +61,7 @@ def add_parser(sub) -> None:
 def pattern_options(args) -> dict:
     names = ("kv_len", "block_q", "block_k", "window", "window_right", "num_sink", "block_size", "stride",
              "local_blocks", "window_blocks", "dilation", "num_global_blocks", "num_random_blocks", "density",
-             "top_k", "heads", "seed", "causal")
+             "top_k", "heads", "seed", "causal", "exponential")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

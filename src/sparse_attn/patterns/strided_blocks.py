@@ -52,22 +52,27 @@ def strided(seq_len: int, stride: int, kv_len: int | None = None, *, local_block
 
 
 def dilated(seq_len: int, window_blocks: int, dilation: int, kv_len: int | None = None, *, causal: bool = False,
-            block_q: int = 128, block_k: int = 128, device=None) -> BlockLayout:
-    """Dilated block window: every ``dilation``-th key block around the diagonal.
+            exponential: bool = False, block_q: int = 128, block_k: int = 128, device=None) -> BlockLayout:
+    """Dilated block window: key blocks at growing offsets from the diagonal.
 
-    Query block ``qb`` visits key blocks ``d - r * dilation`` for ``r = 0 .. window_blocks - 1``
-    and, when not causal, also ``d + r * dilation`` (``d`` as in the module docstring; blocks
-    outside ``[0, Kb)`` are skipped). With ``causal`` tokens are then cut to ``j <= p``.
-    ``dilation = 1`` is a block-granular sliding window. Note that only the block holding the
-    query block's *last* row is the anchor: when ``block_q > block_k`` earlier rows of the query
-    block may see no key at ``r = 0``.
+    Query block ``qb`` visits key blocks ``d - o_r`` for ``r = 0 .. window_blocks - 1`` and, when
+    not causal, also ``d + o_r`` (``d`` as in the module docstring; blocks outside ``[0, Kb)`` are
+    skipped), with offsets ``o_r = r * dilation`` (every ``dilation``-th block), or with
+    ``exponential`` ``o_0 = 0`` and ``o_r = dilation * 2**(r - 1)`` (0, 1, 2, 4, 8, ... for
+    ``dilation = 1``: exponentially growing strides, fine near the diagonal and coarse far away).
+    With ``causal`` tokens are then cut to ``j <= p``. ``dilation = 1`` without ``exponential`` is
+    a block-granular sliding window. Note that only the block holding the query block's *last* row
+    is the anchor: when ``block_q > block_k`` earlier rows of the query block may see no key at
+    ``r = 0``.
     """
     q_len, kv_len = lengths(seq_len, kv_len)
     check_int("window_blocks", window_blocks, 1)
     check_int("dilation", dilation, 1)
+    if not isinstance(exponential, bool):
+        raise TypeError(f"exponential must be a bool, got {type(exponential).__name__} {exponential!r}")
     nq, nk = grid(q_len, kv_len, block_q, block_k)
     qb, _, d = _diagonals(nq, q_len, kv_len, block_q, block_k, device)
-    steps = torch.arange(window_blocks, device=device) * dilation
+    steps = _dilated_offsets(window_blocks, dilation, exponential, nk, device)
     if not causal:
         steps = torch.cat([-steps, steps[1:]])
     kb = (d[:, None] - steps[None, :]).reshape(-1)
@@ -75,3 +80,16 @@ def dilated(seq_len: int, window_blocks: int, dilation: int, kv_len: int | None 
     zeros = torch.zeros_like(q_all)
     return layout_from_entries(zeros, zeros, q_all, kb, batch=1, heads=1, q_len=q_len, kv_len=kv_len,
                                block_q=block_q, block_k=block_k, causal=causal)
+
+
+def _dilated_offsets(window_blocks: int, dilation: int, exponential: bool, nk: int, device) -> torch.Tensor:
+    """int64 [n]: the offsets o_r of :func:`dilated`, ascending. Exponential offsets stop once they
+    pass the key grid (later ones would only be skipped), which also keeps 2**r finite."""
+    if not exponential:
+        return torch.arange(window_blocks, device=device) * dilation
+    offsets = [0]
+    for r in range(1, window_blocks):
+        offsets.append(dilation * 2 ** (r - 1))
+        if offsets[-1] >= nk:
+            break
+    return torch.tensor(offsets, dtype=torch.long, device=device)
