@@ -428,3 +428,32 @@ def test_viz_exponential_dilation_and_repeated_pattern_options(tmp_path, capsys)
     with pytest.raises(SystemExit) as e:  # argparse kept the last value, so both builders drew dilation 2
         main(["viz", "dilated|dilated", "--dilation", "1", "--dilation", "2", "--out", str(out)])
     assert e.value.code == 2 and "--dilation given twice" in capsys.readouterr().err
+
+
+def test_bench_pattern_options_reparameterise_the_selected_patterns(tmp_path, capsys):
+    """Seed 002's `streaming_att 1024 64 16` / `block_sparse_att 512 64 16`: pattern options replace
+    the suite's values where the builder takes them; rows are renamed after them and their density
+    is the new layout's; the header records them, so a report compares against these rows."""
+    from sparse_attn import patterns
+    from sparse_attn.bench import get_suite, restrict
+    rc = main(["bench", "--device", "cpu", "--seq-lens", "512", "--patterns", "streaming", "block_diagonal",
+               "--window", "64", "--num-sink", "16", "--block-size", "16", "--block-q", "64", "--block-k", "64",
+               "--providers", "sparse_attn", "--reps", "2", "--head-dim", "16", "--out-dir", str(tmp_path),
+               "--no-progress"])
+    assert rc == 0
+    data = json.loads((tmp_path / "small-cpu.json").read_text())
+    got = {r["pattern"]: r["density"] for r in data["rows"]}
+    want = {"streaming[num_sink=16,window=64]<block_k=64,block_q=64>":
+            patterns.streaming(512, 64, 16, block_q=64, block_k=64).density,
+            "block_diagonal[block_size=16]<block_k=64,block_q=64>":
+            patterns.block_diagonal(512, 16, block_q=64, block_k=64).density}
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-9 for k in want)
+    restricted = data["header"]["restricted"]
+    assert restricted["pattern_options"] == {"block_q": 64, "block_k": 64, "window": 64, "num_sink": 16,
+                                             "block_size": 16}
+    again = restrict(get_suite("small"), **restricted)
+    assert {c.pattern.name for c in again.cases} == set(want)
+    # an option none of the selected patterns takes is an error, not silently ignored
+    assert main(["bench", "--device", "cpu", "--patterns", "causal", "--window", "64", "--out-dir",
+                 str(tmp_path), "--no-progress"]) == 2
+    assert "apply to none of the selected patterns (causal)" in capsys.readouterr().out

@@ -299,12 +299,60 @@ def _match(spec_: PatternSpec, wanted) -> bool:
     return any(fnmatch(spec_.name, w) or fnmatch(spec_.name, w + "-*") for w in wanted)
 
 
+BLOCK_OPTIONS = ("block_q", "block_k")  # Case fields, not builder arguments
+
+
+def with_options(spec_: PatternSpec, options: dict) -> PatternSpec:
+    """``spec_`` with the builder arguments in ``options`` that its builder (and each union part's)
+    takes replaced, renamed ``NAME[k=v,...]`` after the values that changed (so rows of another
+    parameterisation never merge with the suite's own). Options its builder lacks are ignored."""
+    from sparse_attn import patterns
+    params = inspect.signature(getattr(patterns, spec_.builder)).parameters
+    kw = dict(spec_.kwargs)
+    changed = {k: v for k, v in options.items() if k in params and k != "seq_len" and kw.get(k, object()) != v}
+    kw.update(changed)
+    union = tuple(with_options(u, options) for u in spec_.union)
+    if not changed and union == spec_.union:
+        return spec_
+    tag = ",".join(f"{k}={v}" for k, v in sorted(changed.items()))
+    return replace(spec_, name=f"{spec_.name}[{tag}]" if tag else spec_.name, kwargs=tuple(sorted(kw.items())),
+                   union=union)
+
+
+def _takes(spec_: PatternSpec, option: str) -> bool:
+    from sparse_attn import patterns
+    return (option in inspect.signature(getattr(patterns, spec_.builder)).parameters
+            or any(_takes(u, option) for u in spec_.union))
+
+
+def _apply_pattern_options(cases: list[Case], options: dict) -> list[Case]:
+    """Each case with ``options`` applied (:func:`with_options`; ``block_q`` / ``block_k`` set the
+    case's blocks); an option no selected case takes is a ValueError naming the patterns."""
+    blocks = {k: v for k, v in options.items() if k in BLOCK_OPTIONS}
+    builder_opts = {k: v for k, v in options.items() if k not in BLOCK_OPTIONS}
+    unused = [k for k in builder_opts if not any(_takes(c.pattern, k) for c in cases)]
+    if unused:
+        names = ", ".join(sorted({c.pattern.name for c in cases})) or "none"
+        raise ValueError(f"pattern option(s) {', '.join(unused)} apply to none of the selected patterns ({names}); "
+                         "select a pattern that takes them with --patterns")
+    out = []
+    for c in cases:
+        c = replace(c, pattern=with_options(c.pattern, builder_opts), **blocks)
+        if blocks:
+            tag = ",".join(f"{k}={v}" for k, v in sorted(blocks.items()))
+            c = replace(c, pattern=replace(c.pattern, name=f"{c.pattern.name}<{tag}>"))
+        out.append(c)
+    return out
+
+
 def restrict(suite: Suite, *, providers=None, patterns=None, seq_lens=None, modes=None, dtype=None,
-             batch=None, heads=None, kv_heads=None, head_dim=None) -> Suite:
+             batch=None, heads=None, kv_heads=None, head_dim=None, pattern_options=None) -> Suite:
     """The suite with cases selected by pattern (names, shell globs; a family name also selects its
     variants ``NAME-...``) and every other
     given field replacing the suite's own (providers, seq_lens, modes, dtype, batch, heads,
-    kv_heads, head_dim). Rows that become duplicates are run once (see runner)."""
+    kv_heads, head_dim). ``pattern_options`` (builder argument -> value, plus ``block_q`` /
+    ``block_k``) re-parameterise the selected patterns that take them (:func:`with_options`).
+    Rows that become duplicates are run once (see runner)."""
     out = []
     for c in suite.cases:
         if patterns and not _match(c.pattern, patterns):
@@ -323,4 +371,6 @@ def restrict(suite: Suite, *, providers=None, patterns=None, seq_lens=None, mode
             upd["kv_heads"] = tuple(kv_heads)
         c = replace(c, **upd)
         out.append(c)
+    if pattern_options:
+        out = _apply_pattern_options(out, pattern_options)
     return replace(suite, cases=tuple(dict.fromkeys(out)))

@@ -82,6 +82,33 @@ class Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+# Builder arguments of sparse_attn.patterns as command-line options (viz, bench): flag, type, help.
+PATTERN_OPTIONS = (
+    ("--window", tokens, "local/streaming: window in tokens"),
+    ("--window-right", tokens, "local: keys after the query (non-causal windows)"),
+    ("--num-sink", tokens, "streaming: sink tokens at the start"),
+    ("--block-size", tokens, "block_diagonal: document length in tokens"),
+    ("--stride", int, "strided: every STRIDE-th key block is a summary block"),
+    ("--local-blocks", int, "strided: width of the local band in blocks"),
+    ("--window-blocks", int, "dilated/bigbird: window in blocks"),
+    ("--dilation", int, "dilated: step between visited key blocks"),
+    ("--num-global-blocks", int, "bigbird: global blocks"),
+    ("--num-random-blocks", int, "bigbird: random blocks per row"),
+    ("--density", float, "random: fraction of key blocks per row"),
+    ("--top-k", int, "random: key blocks per row (instead of --density)"),
+)
+
+
+def add_pattern_options(group) -> tuple[str, ...]:
+    """Add :data:`PATTERN_OPTIONS` (each at most once per command line, :class:`Once`) and
+    ``--exponential`` to ``group``; returns their argparse dests."""
+    for flag, kind, text in PATTERN_OPTIONS:
+        group.add_argument(flag, type=kind, action=Once, help=text)
+    group.add_argument("--exponential", action="store_true", default=None,
+                       help="dilated: offsets 0, d, 2d, 4d, ... (d = --dilation) instead of 0, d, 2d, 3d, ...")
+    return tuple(flag[2:].replace("-", "_") for flag, _, _ in PATTERN_OPTIONS) + ("exponential",)
+
+
 def usage_error(message: str):
     """A bad option found after parsing: one line on stderr and exit code 2, as argparse's own errors."""
     print(f"sparse-attn: error: {message}", file=sys.stderr)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, nonneg_int, positive_int,
-                      positive_tokens, cpu_threads, split_list, usage_error, writable_dir)
+from ._common import (CPU_TIMING_NOTE, Once, add_pattern_options, console, default_device, device_arg, nonneg_int,
+                      positive_int, positive_tokens, cpu_threads, split_list, usage_error, writable_dir)
 
 DESCRIPTION = """Time attention providers on a suite of sparse patterns.
 
@@ -17,7 +17,9 @@ Timing is the median of repetitions after warm-up (CUDA events with an L2 flush 
 perf_counter on CPU); peak memory (CUDA only) is the extra memory one call allocates beyond
 its inputs. Failed rows (e.g. OOM) are recorded with an error, not fatal.
 
-Options given below replace the suite's own values (--patterns selects by glob).
+Options given below replace the suite's own values (--patterns selects by glob); pattern options
+(--window, --block-size, ...) re-parameterise the selected patterns that take them, e.g. seed 002's
+streaming benchmark: --patterns streaming --window 64 --num-sink 16 --seq-lens 1k 2k 4k.
 
 A suite too long for one command (a GPU box whose commands are time-limited) runs in slices:
 --plan N prints N contiguous slices with their rows and estimated time (the cost model of
@@ -63,6 +65,12 @@ def add_parser(sub) -> None:
     p.add_argument("--heads", type=positive_int, help="query heads Hq")
     p.add_argument("--kv-heads", nargs="+", type=positive_int, metavar="HKV", help="key/value heads (GQA when < Hq)")
     p.add_argument("--head-dim", type=positive_int, help="head dim D")
+    g = p.add_argument_group("pattern options: replace the selected patterns' own values where their builder takes "
+                             "them (the rows are then named NAME[option=value,...])")
+    g.add_argument("--block-q", type=positive_int, action=Once, help="layout query block size (16..256)")
+    g.add_argument("--block-k", type=positive_int, action=Once, help="layout key block size (16..256)")
+    g.add_argument("--seed", type=int, action=Once, help="random/bigbird: RNG seed")
+    p.set_defaults(pattern_option_names=("block_q", "block_k", "seed") + add_pattern_options(g))
     p.add_argument("--reps", type=positive_int, help="timed repetitions per row (default: enough for ~200 ms, 3..100)")
     p.add_argument("--warmup", type=nonneg_int, help="untimed calls before timing (default: ~25 ms worth, 1..10)")
     p.add_argument("--threads", type=nonneg_int,
@@ -84,9 +92,11 @@ def add_parser(sub) -> None:
 def restriction(args) -> dict:
     """The ``bench.restrict`` options the command line gives (only those set), also recorded in the
     JSON header so that a report compares against the rows asked for."""
+    pattern_options = {k: getattr(args, k) for k in getattr(args, "pattern_option_names", ())
+                       if getattr(args, k, None) is not None}
     opts = dict(providers=split_list(args.providers), patterns=split_list(args.patterns), seq_lens=args.seq_lens,
                 modes=args.modes, dtype=args.dtype, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
-                head_dim=args.head_dim)
+                head_dim=args.head_dim, pattern_options=pattern_options or None)
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -97,7 +107,10 @@ def selected_suite(args, device: str = "cpu"):
     if getattr(args, "stress", False) and args.suite != ALL:
         raise KeyError("--stress only applies to --suite all")
     base = suite_all(device, stress=args.stress) if args.suite == ALL else suite_for_device(args.suite, device)
-    suite = restrict(base, **restriction(args))
+    try:
+        suite = restrict(base, **restriction(args))
+    except ValueError as e:  # a pattern option none of the selected patterns takes
+        raise KeyError(str(e)) from None
     if getattr(args, "slice", None):  # before dropping providers the device lacks: same rows everywhere
         from ..bench.slices import parse_slice, slice_suite
         try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import Once, console, nonneg_tokens, positive_int, positive_tokens, tokens, usage_error, writable_dir
+from ._common import (Once, add_pattern_options, console, nonneg_tokens, positive_int, positive_tokens, usage_error,
+                      writable_dir)
 
 DESCRIPTION = """Draw the block grid of a pattern: full blocks blue, partial blocks (element mask
 applied inside) orange, skipped blocks white; the title gives the layout's density (whole
@@ -29,20 +30,7 @@ def add_parser(sub) -> None:
     g.add_argument("--kv-len", type=positive_tokens, help="key length (default: L)")
     g.add_argument("--block-q", type=int, default=128, help="query block size (multiple of 16, 16..256; default 128)")
     g.add_argument("--block-k", type=int, default=128, help="key block size (default 128)")
-    g.add_argument("--window", type=tokens, action=Once, help="local/streaming: window in tokens")
-    g.add_argument("--window-right", type=tokens, action=Once, help="local: keys after the query (non-causal windows)")
-    g.add_argument("--num-sink", type=tokens, action=Once, help="streaming: sink tokens at the start")
-    g.add_argument("--block-size", type=tokens, action=Once, help="block_diagonal: document length in tokens")
-    g.add_argument("--stride", type=int, action=Once, help="strided: every STRIDE-th key block is a summary block")
-    g.add_argument("--local-blocks", type=int, action=Once, help="strided: width of the local band in blocks")
-    g.add_argument("--window-blocks", type=int, action=Once, help="dilated/bigbird: window in blocks")
-    g.add_argument("--dilation", type=int, action=Once, help="dilated: step between visited key blocks")
-    g.add_argument("--exponential", action="store_true", default=None,
-                   help="dilated: offsets 0, d, 2d, 4d, ... (d = --dilation) instead of 0, d, 2d, 3d, ...")
-    g.add_argument("--num-global-blocks", type=int, action=Once, help="bigbird: global blocks")
-    g.add_argument("--num-random-blocks", type=int, action=Once, help="bigbird: random blocks per row")
-    g.add_argument("--density", type=float, action=Once, help="random: fraction of key blocks per row")
-    g.add_argument("--top-k", type=int, action=Once, help="random: key blocks per row (instead of --density)")
+    add_pattern_options(g)
     g.add_argument("--heads", type=positive_int, action=Once, help="random/bigbird: heads with their own layout")
     g.add_argument("--seed", type=int, action=Once, help="random/bigbird: RNG seed")
     g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
