@@ -409,6 +409,40 @@ def test_a_non_finite_input_shows_in_its_scale_group_only(bad):
     assert fp8[0, 1, :, 2].isnan().all() and not fp8[0, 0].isnan().any()
 
 
+@pytest.mark.parametrize("quant", ["int8", "int8-fp8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_key_does_not_spread_through_the_smoothing_mean(quant, bad):
+    """K smoothing subtracted K's mean over all tokens: one NaN / inf key made the mean, hence every
+    key, hence every row of the head non-finite (256 of 256 rows). That channel is now left
+    unsmoothed, so the bad key reaches only the rows that visit its scale group's keys (128 keys),
+    the same rows as with smooth_k=False."""
+    q, k, v = _qkv(2, 2, 256, 256, 32)
+    k[0, 0, 250, 5] = bad
+    out = sparse_attn.attention(q, k, v, causal=True, quant=quant)
+    unsmoothed = sparse_attn.attention(q, k, v, causal=True, quant=quant, smooth_k=False)
+    bad_rows = (~torch.isfinite(out[0, 0])).any(-1)
+    assert torch.equal(bad_rows, (~torch.isfinite(unsmoothed[0, 0])).any(-1))
+    assert not bad_rows[:128].any() and bool(bad_rows[250:].all())  # causal rows < 128 never see key 250
+    assert torch.isfinite(out[0, 1]).all()
+
+
+@interp
+@pytest.mark.interpreter
+def test_kernel_k_mean_leaves_non_finite_channels_unsmoothed(one_thread):
+    from sparse_attn.ops.sage import launch as sage_launch
+    k = torch.randn(1, 2, 40, 32)
+    k[0, 1, 7, 3] = float("nan")
+    mean = sage_launch.k_mean(k, False)
+    want = k.mean(2)
+    assert mean[0, 1, 3] == 0 and torch.isfinite(mean).all()
+    want[0, 1, 3] = 0.0
+    torch.testing.assert_close(mean, want)
+    packed = k[0].transpose(0, 1).contiguous()  # [T, H, D], two sequences of 20 tokens
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+    seq_mean = sage_launch.k_mean(packed, True, cu, 20)
+    assert seq_mean[0, 1, 3] == 0 and seq_mean[1, 1, 3] != 0  # only the sequence holding the NaN
+
+
 def test_fp8_without_keys_gives_zeros():
     q, k, v = _qkv(2, 2, 5, 0, 32)
     out, lse = sparse_attn.attention(q, k, v, quant="int8-fp8", return_lse=True)

@@ -15,7 +15,7 @@ import triton
 from ..block_sparse import launch as bs_launch
 from . import kernels
 from .granularity import GRANULARITY
-from .reference import lse_shift, packed_lse_shift, v_channel_scale
+from .reference import lse_shift, packed_lse_shift, smoothing_mean, v_channel_scale
 
 TILE = 128  # rows per quantization program: a multiple of every group span
 # H100, 16K x 32 heads x d128 (benchmarks/results/quant-probe-h100.json): 8 warps 0.077 ms, 4 warps 0.095,
@@ -117,15 +117,16 @@ def k_mean(k: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None,
            max_len: int | None = None) -> torch.Tensor | None:
     """fp32 per-head mean of K over tokens, dense ``[B, Hkv, D]``, varlen per sequence ``[S, Hkv, D]``
     (``cu`` / ``max_len`` as in quantize_rows; an empty sequence's mean is 0): subtracting it changes
-    every score of a query row by the same amount, which softmax ignores."""
+    every score of a query row by the same amount, which softmax ignores. Non-finite channels are
+    not smoothed (:func:`reference.smoothing_mean`)."""
     if varlen:
         if k.shape[0] == 0:
             return None
         _check_packed(cu, max_len)
         lens = (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)
-        return seq_stats(k, cu, max_len, False) / lens[:, None, None]
+        return smoothing_mean(seq_stats(k, cu, max_len, False) / lens[:, None, None])
     # dtype= accumulates in fp32 while reading k once (k.float() would write an fp32 copy first)
-    return k.mean(2, dtype=torch.float32) if k.shape[2] > 0 else None
+    return smoothing_mean(k.mean(2, dtype=torch.float32)) if k.shape[2] > 0 else None
 
 
 def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,

@@ -64,6 +64,15 @@ def v_channel_scale(amax: torch.Tensor) -> torch.Tensor:
                        torch.full_like(amax, float("nan")))
 
 
+def smoothing_mean(mean: torch.Tensor) -> torch.Tensor:
+    """K's per-head mean over tokens (fp32 ``[..., D]``) as smoothing subtracts it: a channel whose mean
+    is not finite (some token holds a NaN or inf there) is not smoothed (0). Subtracting a NaN mean
+    made every key of the head NaN, so one bad token turned all the head's rows NaN; unsmoothed, the
+    bad value stays in its own scale group and reaches only the rows that see that key, as without
+    quantization. Any mean is exact under softmax, 0 included."""
+    return torch.where(torch.isfinite(mean), mean, torch.zeros_like(mean))
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
               causal: bool = False, scale: float | None = None, return_lse: bool = False, quant: str = "int8",
               granularity: str = "per_warp", smooth_k: bool = True):
@@ -71,7 +80,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     ``quant``. ``q [B, Hq, Lq, D]``, ``k/v [B, Hkv, Lk, D]``; the LSE is that of the unsmoothed scores."""
     mode = check_quant(quant, granularity)
     (qs, qp), (ks, kp) = GRANULARITY[granularity]
-    mean = k.float().mean(-2) if smooth_k and k.shape[-2] > 0 else None
+    mean = smoothing_mean(k.float().mean(-2)) if smooth_k and k.shape[-2] > 0 else None
     q8, q_scale = quantize_rows(q, qs, qp)
     k8, k_scale = quantize_rows(k, ks, kp, mean)
     qd = q8.float() * q_scale[..., None]
