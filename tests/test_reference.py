@@ -298,8 +298,11 @@ def test_gradients_of_fully_masked_attention_are_zero(case):
     out, lse = reference.attention(q, k, v, layout, return_lse=True)
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     explicit = reference.attention_backward(torch.ones_like(out), torch.ones_like(lse), q, k, v, lse, layout)
-    for g, e, t in zip((dq, dk, dv), explicit, (q, k, v)):
+    # a loss on the LSE alone (merging partial attentions) once raised "does not require grad" here
+    lse_grads = torch.autograd.grad(lse.clamp(min=0).sum(), (q, k, v))
+    for g, e, lg, t in zip((dq, dk, dv), explicit, lse_grads, (q, k, v)):
         assert torch.equal(g, torch.zeros_like(t)) and torch.equal(e, torch.zeros_like(t))
+        assert torch.equal(lg, torch.zeros_like(t))
 
 
 @pytest.mark.parametrize("case", ZERO_LENGTH_CASES)

@@ -95,7 +95,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         keys = chunk_keys(layout, r0, r1, Lq, Lk, causal, q.device)
         if keys is None:  # no key visible to any row of this chunk
             outs.append(q.new_zeros(B, Hq, r1 - r0, Dv, dtype=acc) + graph_anchor(q, k, v, acc))
-            lses.append(torch.full((B, Hq, r1 - r0), float("-inf"), device=q.device, dtype=acc))
+            lses.append(torch.full((B, Hq, r1 - r0), float("-inf"), device=q.device, dtype=acc)
+                        + graph_anchor(q, k, v, acc))  # a loss on the LSE alone must still backward()
             continue
         kc, vc = keys.take(kf), keys.take(vf)
         qc = q[:, :, r0:r1].to(mm).view(B, Hkv, group, r1 - r0, D)
@@ -115,7 +116,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     out = torch.cat(outs, 2).to(q.dtype)
     if not return_lse:
         return out
-    lse = torch.cat(lses, 2).float() if lses else q.new_zeros(B, Hq, 0, dtype=torch.float32)
+    lse = torch.cat(lses, 2).float() if lses else q.new_zeros(B, Hq, 0, dtype=torch.float32) + graph_anchor(
+        q, k, v, torch.float32)
     return out, lse
 
 
