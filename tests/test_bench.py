@@ -534,3 +534,39 @@ def test_cuda_rows_have_memory_and_time():
     for r in rows:
         assert r.error is None and r.ms > 0 and r.peak_mem_bytes is not None and r.peak_mem_bytes >= 0
         assert math.isfinite(r.tflops)
+
+
+@pytest.mark.parametrize("case", ["local-gqa", "random-per-head-causal", "none-causal", "streaming", "empty"])
+def test_torch_sparse_provider_is_exact(case):
+    """The seed's torch.sparse baseline: token-exact CSR attention equals the reference, rows without
+    keys give 0, and its pattern holds exactly the allowed token pairs."""
+    import warnings
+    from sparse_attn import patterns, reference
+    from sparse_attn.bench import get_provider
+    from sparse_attn.bench.torch_sparse import token_csr
+    from sparse_attn.layout import BlockLayout
+    from sparse_attn.masks import ElementMask
+    L, hq, hkv, causal = 192, 2, 2, False
+    layout = {"local-gqa": patterns.local(L, 48, block_q=32, block_k=64),
+              "random-per-head-causal": patterns.random(L, density=0.3, heads=4, seed=1, block_q=64, block_k=64),
+              "none-causal": None, "streaming": patterns.streaming(L, 40, 8, block_q=64, block_k=32),
+              "empty": BlockLayout.from_mask(ElementMask(()), q_len=L, block_q=64, block_k=64)}[case]
+    if case == "local-gqa":
+        hq, hkv = 4, 2
+    if case == "random-per-head-causal":
+        hq, hkv, causal = 4, 1, True
+    if case == "none-causal":
+        causal = True
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, L, 16, generator=g) for h in (hq, hkv, hkv))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = get_provider("torch-sparse").build(q, k, v, layout, causal)()
+    torch.testing.assert_close(out, reference.attention(q, k, v, layout, causal=causal), rtol=1e-5, atol=1e-5)
+    if layout is not None:
+        tok = layout.to_token_mask()[0, min(1, layout.heads - 1)] & (torch.ones(L, L, dtype=torch.bool).tril()
+                                                                      if causal else True)
+        crow, col, _ = token_csr(layout, 0, 1, L, L, causal, "cpu")
+        assert int(crow[-1]) == col.numel() == int(tok.sum())
+        assert torch.equal(torch.zeros(L, L, dtype=torch.bool).index_put_(
+            (torch.repeat_interleave(torch.arange(L), crow.diff()), col), torch.tensor(True)), tok)

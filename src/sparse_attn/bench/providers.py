@@ -18,6 +18,8 @@
     sparse_attn-int8-fp8   bf16/fp16 or FP8 P.V); int8-fp8 needs compute capability 8.9+ on CUDA
     sageattention    PyPI sageattention 1.0.6 (Triton INT8), DENSE like the SDPA rows; unavailable when
                      the package is not installed
+    torch-sparse     the layout's exact attention through torch.sparse CSR ops (bench/torch_sparse.py):
+                     the baseline a user without a sparse kernel writes; memory O(allowed token pairs)
 
 Note ``is_causal`` in SDPA is top-left aligned; the suites only use ``Lq == Lk`` where it agrees
 with sparse_attn's bottom-right convention.
@@ -144,6 +146,48 @@ for _name, _backend_name, _cuda_only in (("sdpa-flash", "FLASH_ATTENTION", False
     register_provider(_name, available=_sdpa_available(_backend_name, _cuda_only), computes="dense",
                       description=f"dense SDPA, SDPBackend.{_backend_name} (causal-dense for causal cases)")(
         _sdpa_builder(_backend_name))
+
+
+# ----------------------------------------------------------------------------- torch.sparse
+@lru_cache(maxsize=None)
+def _torch_sparse_probe(device: str, dtype: torch.dtype) -> str | None:
+    """None if the torch-sparse provider runs a tiny local pattern on (device, dtype), else the error."""
+    from sparse_attn import patterns
+
+    from .torch_sparse import torch_sparse_provider
+    try:
+        q, k, v = _probe_inputs(device, dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch_sparse_provider(q, k, v, patterns.local(128, 32, block_q=64, block_k=64, device=device), False)()
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means "cannot run here"
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def torch_sparse_available(device) -> tuple[bool, str]:
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    err = _torch_sparse_probe(str(device), dtype)
+    if err is not None:
+        return False, f"torch.sparse ops do not run on {device.type} in {dtype}: {err}"
+    return True, f"torch.sparse CSR (sampled_addmm, row softmax, spmm) on {device.type}"
+
+
+@register_provider("torch-sparse", available=torch_sparse_available,
+                   description="token-level CSR attention with torch.sparse (sampled_addmm, row softmax, "
+                               "sparse @ dense), one call per head")
+def torch_sparse_provider(q, k, v, layout, causal):
+    from .torch_sparse import torch_sparse_provider as build
+
+    def forward():  # torch warns on every call that sparse CSR support is in beta
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = build(q, k, v, layout, causal)
+    return forward
 
 
 # ----------------------------------------------------------------------------- FlexAttention
