@@ -93,3 +93,39 @@ def test_accuracy_quick_writes_report(tmp_path, capsys):
     assert md.count("| pass |") == len(cases)
     assert "![" in md and "Threshold sweep" in md and "simthreshd1" in md
     assert (out_dir / "sweep.csv").read_text().startswith("simthreshd1,cdfthreshd")
+
+
+def test_quick_on_your_own_qkv_file_with_a_plot(tmp_path, capsys):
+    """Seed 004's "test your own data": q/k/v saved from a model run through quick, with the attention
+    maps of one head drawn (GQA: the head's kv head); bad files are exit-2 errors naming the file."""
+    from sparse_attn import accuracy
+    q, k, v = accuracy.structured_qkv(1, 4, 320, 32, kv_heads=2, seed=5)
+    torch.save({"q": q, "k": k, "v": v}, tmp_path / "mine.pt")
+    png = tmp_path / "maps.png"
+    rc = run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "mine.pt"), "--block", "32",
+                             "--plot", str(png), "--head", "3", "--causal", "--min-sparsity", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "q [1, 4, 320, 32], k/v [1, 2, 320, 32]" in out and "mine.pt" in out
+    assert_png(png)
+    torch.save((q, k), tmp_path / "two.pt")
+    torch.save({"q": q}, tmp_path / "dict.pt")
+    for name, words in (("two.pt", "tuple (q, k, v)"), ("dict.pt", "keys q, k, v"), ("none.pt", "no such file")):
+        assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / name)]) == 2
+        assert words in capsys.readouterr().out
+    assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "mine.pt"), "--plot",
+                               str(png), "--head", "9"]) == 2
+    assert "head 9 out of range" in capsys.readouterr().out
+
+
+def test_attention_comparison_of_given_tensors_matches_their_head():
+    """The map drawn for head h is head h's: its dense probabilities equal a softmax of that head."""
+    from sparse_attn import accuracy
+    q, k, v = accuracy.structured_qkv(2, 4, 96, 16, kv_heads=2, seed=1)
+    hq, hk, hv = accuracy.comparison_inputs(q, k, v, head=3, batch=1)
+    assert torch.equal(hq[0, 0], q[1, 3].double()) and torch.equal(hk[0, 0], k[1, 1].double())
+    p = accuracy.attention_probs(hq, hk)
+    want = torch.softmax(q[1, 3].double() @ k[1, 1].double().T / 4.0, -1)
+    torch.testing.assert_close(p, want)
+    with pytest.raises(ValueError, match="up to 4096 tokens"):
+        accuracy.comparison_inputs(torch.zeros(1, 1, 5000, 8), torch.zeros(1, 1, 5000, 8), None, 0, 0)

@@ -261,16 +261,49 @@ def attention_probs(q, k, layout=None, *, causal: bool = False) -> torch.Tensor:
     return reference.attention(q[:1, :1].double(), k[:1, :1].double(), eye, layout, causal=causal)[0, 0]
 
 
+MAX_MAP_TOKENS = 4096  # longest side of an attention map drawn: three fp64 [Lq, Lk] maps (384 MiB at 4096)
+
+
+def comparison_inputs(q, k, v, head: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 ``[1, 1, L, D]`` q / k / v of query head ``head`` (its kv head under GQA) and batch row
+    ``batch`` of caller tensors ``q [B, Hq, Lq, D]``, ``k / v [B, Hkv, Lk, D]`` (v None: N(0, 1))."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q and k must be [B, Hq, Lq, D] and [B, Hkv, Lk, D] with Hq a multiple of Hkv, got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if not (0 <= batch < q.shape[0] and 0 <= head < q.shape[1]):
+        raise ValueError(f"batch {batch} / head {head} out of range for q {tuple(q.shape)}")
+    if max(q.shape[2], k.shape[2]) > MAX_MAP_TOKENS:
+        raise ValueError(f"attention maps are drawn up to {MAX_MAP_TOKENS} tokens a side (three fp64 maps), got "
+                         f"Lq={q.shape[2]}, Lk={k.shape[2]}: pass a slice, e.g. q[..., :{MAX_MAP_TOKENS}, :]")
+    kv_head = head // (q.shape[1] // k.shape[1])
+    v = torch.randn_like(k[:, :, :, :1].expand(-1, -1, -1, 64), dtype=torch.float64) if v is None else v
+    pick = lambda t, h: t[batch:batch + 1, h:h + 1].double()  # noqa: E731
+    return pick(q, head), pick(k, kv_head), pick(v, kv_head)
+
+
 def plot_attention_comparison(path, *, seq_len: int = 768, block: int = 64, level: str = "medium",
-                              causal: bool = False, seed: int = 0, dpi: int = 110) -> Path:
-    """Dense vs sparse attention map vs |difference| for head 0 of a small structured input."""
+                              causal: bool = False, seed: int = 0, dpi: int = 110, q=None, k=None, v=None,
+                              head: int = 0, batch: int = 0, params: dict | None = None) -> Path:
+    """Dense vs sparse attention map vs |difference|: the adaptive layout (``level``) predicted and
+    applied to one head. By default head 0 of a small structured input of ``seq_len`` tokens; given
+    ``q [B, Hq, Lq, D]`` and ``k [B, Hkv, Lk, D]`` (and ``v``, else N(0, 1) for the output metrics),
+    query head ``head`` of batch row ``batch`` of those (up to :data:`MAX_MAP_TOKENS` a side). The
+    prediction is per head, so this head's layout is the one a call over all heads would use.
+    ``params``: meansim keyword arguments instead of the level's (``block`` then comes from them)."""
     from matplotlib.colors import LogNorm
     from .viz import _plt, save
     from .predict import meansim
     plt = _plt()
-    q, k, v = structured_qkv(1, 1, seq_len, 64, seed=seed, dtype=torch.float64)
-    kw = level_params(level)
-    layout = meansim(q, k, causal=causal, block=block, **kw)
+    if q is None or k is None:
+        if q is not None or k is not None or v is not None:
+            raise ValueError("give q and k together (v optional), or none of them for the built-in input")
+        q, k, v = structured_qkv(1, 1, seq_len, 64, seed=seed, dtype=torch.float64)
+        heading = f"head 0, L={seq_len}"
+    else:
+        q, k, v = comparison_inputs(q, k, v, head, batch)
+        heading = f"your input: batch {batch}, head {head}, Lq={q.shape[2]}, Lk={k.shape[2]}"
+    kw = dict(level_params(level), block=block) if params is None else dict(params)
+    layout = meansim(q, k, causal=causal, **kw)
     p_dense = attention_probs(q, k, causal=causal)
     p_sparse = attention_probs(q, k, layout, causal=causal)
     diff = (p_sparse - p_dense).abs()
@@ -284,15 +317,15 @@ def plot_attention_comparison(path, *, seq_len: int = 768, block: int = 64, leve
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("key")
         ax.set_ylabel("query")
-        for x in range(block, seq_len, block):
+        for x in range(layout.block_k, k.shape[2], layout.block_k):
             ax.axvline(x - 0.5, color="#4a90d9", linewidth=0.3, alpha=0.6)
-            ax.axhline(x - 0.5, color="#4a90d9", linewidth=0.3, alpha=0.6)
+        for y in range(layout.block_q, q.shape[2], layout.block_q):
+            ax.axhline(y - 0.5, color="#4a90d9", linewidth=0.3, alpha=0.6)
     fig.colorbar(shown, ax=list(axes), shrink=0.9, label="probability (log scale)")
-    sim, cdf = kw["simthreshd1"], kw["cdfthreshd"]
-    fig.suptitle(f"head 0, L={seq_len}, blocks {block}x{block}, level {level} (simthreshd1={sim}, "
-                 f"cdfthreshd={cdf}){', causal' if causal else ''}: sparsity "
-                 f"{effective_sparsity(layout, causal):.1%}, output cosine {m['cosine']:.4f}, "
-                 f"rel. L1 {m['relative_l1']:.4f}", fontsize=11)
+    rule = ", ".join(f"{name}={kw[name]}" for name in ("simthreshd1", "cdfthreshd", "topk") if name in kw)
+    fig.suptitle(f"{heading}, blocks {layout.block_q}x{layout.block_k}, {'level ' + level if params is None else 'thresholds'} ({rule})"
+                 f"{', causal' if causal else ''}: sparsity {effective_sparsity(layout, causal):.1%}, output cosine "
+                 f"{m['cosine']:.4f}, rel. L1 {m['relative_l1']:.4f}", fontsize=11)
     return save(fig, path, dpi=dpi)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ._common import (add_accuracy_options, console, default_device, nonneg_int, positive_int, positive_tokens,
                       cpu_threads)
@@ -50,6 +51,12 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-heads", type=positive_int, help="key/value heads (GQA when < heads; default: heads)")
     p.add_argument("--block", type=int, default=128, help="block size for queries and keys (default 128)")
     p.add_argument("--random", action="store_true", help="pure N(0,1) inputs instead of structured ones")
+    p.add_argument("--qkv", type=Path, metavar="FILE.pt",
+                   help="your own inputs instead: a torch.save'd dict {'q', 'k', 'v'} (or a tuple q, k, v) of "
+                        "[B, H, L, D] tensors, e.g. captured from a model layer (sizes then come from the file)")
+    p.add_argument("--plot", type=Path, metavar="PNG",
+                   help="also draw dense vs sparse attention maps and their difference for one head (--head)")
+    p.add_argument("--head", type=nonneg_int, default=0, help="query head --plot draws (default 0)")
     p.add_argument("--threads", type=nonneg_int,
                    help="CPU intra-op threads (default 1: on a busy shared machine torch's spinning OpenMP "
                         "threads made --benchmark timings noise; 0 = torch's default)")
@@ -74,8 +81,33 @@ def predictor_kwargs(args) -> dict:
     return kw
 
 
+def load_qkv(path: Path, device, dtype):
+    """q, k, v ``[B, H, L, D]`` from a ``torch.save`` file: a dict with keys q, k, v or a sequence of three
+    tensors (loaded with weights_only=True: tensors only, no code runs)."""
+    import torch
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"--qkv {path}: no such file") from None
+    except Exception as e:  # noqa: BLE001 - a pickle of something else, a truncated file, ...
+        raise ValueError(f"--qkv {path}: not a torch.save file of tensors ({type(e).__name__}: {e})") from None
+    if isinstance(data, dict) and {"q", "k", "v"} <= set(data):
+        q, k, v = data["q"], data["k"], data["v"]
+    elif isinstance(data, (list, tuple)) and len(data) == 3:
+        q, k, v = data
+    else:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"--qkv {path}: expected a dict with keys q, k, v or a tuple (q, k, v), got {got}")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        raise ValueError(f"--qkv {path}: q, k, v must be 4-D [B, H, L, D] tensors, got "
+                         f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (q, k, v)]}")
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
 def make_inputs(args, device, dtype):
     from .. import accuracy
+    if args.qkv is not None:
+        return load_qkv(args.qkv, device, dtype)
     make = accuracy.random_qkv if args.random else accuracy.structured_qkv
     return make(args.batch, args.heads, args.seq_len, args.head_dim, kv_heads=args.kv_heads, kv_len=args.kv_len,
                 seed=args.seed, dtype=dtype, device=device)
@@ -130,9 +162,10 @@ def check(args, device: str, con) -> int:
         return 2
     settings = ", ".join(f"{key}={val}" for key, val in kw.items() if key not in ("block", "attention_sink"))
     con.rule(f"quick test: sparse level {args.sparse_level} ({settings})")
-    con.print(f"L={args.seq_len}{'' if args.kv_len is None else f', Lk={args.kv_len}'}, causal={args.causal}, "
+    con.print(f"L={q.shape[2]}{'' if k.shape[2] == q.shape[2] else f', Lk={k.shape[2]}'}, causal={args.causal}, "
               f"device {device}, {str(dtype).replace('torch.', '')}, blocks {args.block}x{args.block}")
-    con.print(f"inputs ({'random N(0,1)' if args.random else 'structured'}): q {list(q.shape)}, k/v {list(k.shape)}")
+    source = str(args.qkv) if args.qkv is not None else "random N(0,1)" if args.random else "structured"
+    con.print(f"inputs ({escape(source)}): q {list(q.shape)}, k/v {list(k.shape)}")
     try:
         dense = sparse_attn.attention(q, k, v, causal=args.causal)
         out, layout = adaptive_attention(q, k, v, causal=args.causal, **kw)
@@ -151,6 +184,14 @@ def check(args, device: str, con) -> int:
     con.print("\nchecks:")
     for ok, text in checks:
         con.print(f"  {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'} {text}")
+    if args.plot is not None:
+        try:
+            path = accuracy.plot_attention_comparison(args.plot, q=q, k=k, v=v, head=args.head, causal=args.causal,
+                                                      params=kw)
+        except ValueError as e:
+            con.print(f"[red]--plot: {escape(str(e))}[/red]")
+            return 2
+        con.print(f"wrote {path} (head {args.head})")
     if args.benchmark:
         con.print()
         benchmark(q, k, v, kw, args.causal, device, con)
