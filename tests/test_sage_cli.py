@@ -2,6 +2,7 @@
 ``sage`` bench suite. CPU only, a few seconds."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import types
@@ -91,8 +92,79 @@ def test_cli_help_lists_the_flags(capsys):
     with pytest.raises(SystemExit):
         main(["sage-test", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--test-correctness", "--test-patterns", "--benchmark-perf", "--quant-gran", "--stress", "--out"):
+    for flag in ("--test-correctness", "--test-patterns", "--benchmark-perf", "--quant-gran", "--stress", "--out",
+                 "--batch-size", "--num-heads", "--head-dim", "--seq-lens", "--pattern"):
         assert flag in out
+    flat = " ".join(out.split())  # each size flag says which sections it sizes
+    assert "batch of all three sections: correctness, patterns, benchmark" in flat
+    assert "lengths of all three sections" in flat and "patterns section only" in flat
+
+
+def test_cli_size_and_pattern_flags_size_every_section(tmp_path, capsys, one_thread):
+    """The seed's --batch_size/--num_heads/--head_dim/--seq_lens/--pattern: sage-test had none of the
+    first four for the checks (--seq-lens sized only the benchmark) and no --pattern."""
+    rc = _run_cli(tmp_path, "--test-correctness", "--test-patterns", "--benchmark-perf", "--quant", "int8",
+                  "--batch_size", "2", "--num-heads", "1", "--head-dim", "32", "--seq-lens", "256", "512",
+                  "--pattern", "block_diagonal", "strided", "--top-k-ratios", "0.75", "--reps", "1")
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0, out
+    assert "checks B=2 H=1 L=256/512 D=32; benchmark B=2 H=1 L=[256, 512]" in out
+    data = json.loads((tmp_path / "sage_test.json").read_text())
+    hdr = data["header"]
+    assert (hdr["sizes"]["batch"], hdr["sizes"]["heads"], hdr["sizes"]["head_dim"]) == (2, 1, 32)
+    assert (hdr["sizes"]["bench_batch"], hdr["sizes"]["bench_heads"]) == (2, 1)
+    assert hdr["check_lens"] == [256, 512] and hdr["patterns"] == ["strided", "block_diagonal"]
+    checks = data["checks"]
+    assert not [c for c in checks if c["passed"] is False]
+    for L in (256, 512):  # the correctness section ran at each length, at the asked sizes
+        assert any(c["name"] == f"runs: dense, L={L}" and f"q [2, 1, {L}, 32]" in c["detail"] for c in checks)
+        assert sum(c["name"].startswith("block_index:") and c["name"].endswith(f"L={L}") for c in checks) == 6
+    pats = [c["extra"] for c in checks if c["section"] == "patterns"]
+    assert [(e["pattern"], e["seq_len"]) for e in pats] == [("strided", 256), ("block_diagonal", 256),
+                                                           ("strided", 512), ("block_diagonal", 512)]
+    assert all(e["block_index_shape"][:2] == [2, 1] for e in pats)
+    assert [(r["seq_len"], r["batch"], r["heads"], r["head_dim"]) for r in data["benchmark"]] == \
+        [(256, 2, 1, 32), (512, 2, 1, 32)]
+    # benchmark labels: measured blocks per row (0.75 of 2 key blocks rounds down to 1)
+    md = (tmp_path / "sage_test.md").read_text()
+    assert "| 256 | 0.75 (1/2 per row, 50.0% kept) |" in md and "| 512 | 0.75 (3/4 per row, 75.0% kept) |" in md
+
+
+def test_cli_default_sizes_are_the_presets():
+    from sparse_attn.cli.main import build_parser
+    from sparse_attn.cli.sage_test import check_lens, run_sizes, selected_patterns
+    for stress, preset in ((False, "cpu-tiny"), (True, "cpu-tiny-stress")):
+        args = build_parser().parse_args(["sage-test"] + ["--stress"] * stress)
+        sizes = run_sizes(args, "cpu")
+        assert sizes == sage_suite.SIZES[preset] and check_lens(args, sizes) == (sizes.seq_len,)
+        assert selected_patterns(args) == sage_suite.PATTERNS
+
+
+@pytest.mark.parametrize("flags, flag, why", [
+    (["--batch-size", "0"], "--batch-size", "positive integer, got '0'"),
+    (["--num-heads", "-2"], "--num-heads", "positive integer, got '-2'"),
+    (["--head-dim", "0"], "--head-dim", "positive integer, got '0'"),
+    (["--head-dim", "40"], "--head-dim", "multiple of 16 and at least 32"),
+    (["--head-dim", "16"], "--head-dim", "multiple of 16 and at least 32"),
+    (["--pattern", "diagonal"], "--pattern", "invalid choice: 'diagonal'"),
+])
+def test_cli_bad_sizes_are_usage_errors_naming_the_flag(tmp_path, capsys, flags, flag, why):
+    with pytest.raises(SystemExit) as e:
+        _run_cli(tmp_path, *flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: " in err and why in err, err
+
+
+def test_cli_seq_lens_too_short_for_the_correctness_checks(tmp_path, capsys, one_thread):
+    with pytest.raises(SystemExit) as e:
+        _run_cli(tmp_path, "--seq-lens", "512", "128")  # the default sections include correctness
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--seq-lens 128: the correctness checks need L > 128" in err
+    # the patterns alone run at one key block
+    assert _run_cli(tmp_path, "--test-patterns", "--seq-lens", "128", "--pattern", "local", "--num-heads", "1",
+                    "--top-k-ratios", "0.5") == 0
+    (check,) = json.loads((tmp_path / "sage_test.json").read_text())["checks"]
+    assert check["name"] == "local, L=128, top-k 0.5: 1 of 1 key blocks per row, 100.0% kept"
 
 
 # ----------------------------------------------------------------------------- block indices
@@ -142,7 +214,7 @@ def test_pattern_block_index_is_valid_and_has_its_shape(name):
     B, H, L, top_k = 2, 2, 2048, 4
     nq, nk = sage_suite.block_grid(L)
     bi = sage_suite.pattern_block_index(name, B, H, L, top_k)
-    assert bi.shape[:3] == (B, H, nq) and bi.dtype == torch.int32
+    assert bi.shape == (B, H, nq, top_k) and bi.dtype == torch.int32
     valid = bi >= 0
     assert torch.all(bi[~valid] == -1) and int(bi.max()) < nk
     counts = valid.sum(-1)
@@ -154,6 +226,62 @@ def test_pattern_block_index_is_valid_and_has_its_shape(name):
         assert all(r == set(range(qb // 8 * 4, qb // 8 * 4 + 4)) for qb, r in enumerate(rows))
     if name in ("local", "strided"):  # both keep the diagonal block
         assert all(qb // 2 in r for qb, r in enumerate(rows))
+
+
+def _measured(bi, nk):
+    """Blocks per row (entries >= 0) of ``bi [B, H, Qb, K]`` and the fraction of the block grid kept,
+    counted here independently of sage_suite.index_stats."""
+    counts = (bi >= 0).sum(-1)
+    return counts, counts.sum().item() / (counts.numel() * nk)
+
+
+@pytest.mark.parametrize("L", [512, 4096])
+@pytest.mark.parametrize("name", sage_suite.PATTERNS)
+def test_pattern_rows_hold_top_k_blocks_and_labels_state_them(name, L):
+    """Rows labelled "top-k 0.75 (24/32)" held 32/32 (strided), and local was ~62% dense at every
+    ratio: each row now holds top_k blocks (block_diagonal's shorter last document fewer, which its
+    label says) and the label states the blocks per row and the fraction kept, measured."""
+    nq, nk = sage_suite.block_grid(L)
+    sizes = sage_suite.with_sizes(sage_suite.SIZES["cpu-tiny"], batch=2, heads=3)
+    diag = sage_suite.diagonal_blocks(L)
+    for ratio in sage_suite.TOP_K_RATIOS:
+        top_k = sage_suite.top_k_for(ratio, nk)
+        bi, label, _ = sage_suite.pattern_case(name, ratio, dataclasses.replace(sizes, seq_len=L), seed=1)
+        assert bi.shape == (2, 3, nq, top_k) and bi.dtype == torch.int32
+        patterns.from_block_index(bi, seq_len=L)  # in range, no duplicates
+        counts, kept = _measured(bi, nk)
+        if name == "block_diagonal":  # documents of top_k blocks from block 0; the last holds Kb % top_k
+            want = torch.clamp(nk - diag // top_k * top_k, max=top_k)
+            assert torch.equal(counts, want.expand_as(counts))
+        else:
+            assert torch.all(counts == top_k) and kept == pytest.approx(top_k / nk)
+            assert torch.all((bi == diag[:, None].int()).any(-1))  # the diagonal block is always kept
+        lo, hi = int(counts.min()), int(counts.max())
+        per_row = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        assert label == f"{name}, L={L}, top-k {ratio:g}: {per_row} of {nk} key blocks per row, {kept:.1%} kept"
+
+
+def test_pattern_labels_at_4k():
+    """The reported case: L=4096 (Kb=32), top-k 0.75 = 24 blocks."""
+    sizes = dataclasses.replace(sage_suite.SIZES["cpu-tiny"], seq_len=4096)
+    labels = {n: sage_suite.pattern_case(n, 0.75, sizes)[1] for n in sage_suite.PATTERNS}
+    for n in ("random", "local", "strided"):
+        assert labels[n].endswith("top-k 0.75: 24 of 32 key blocks per row, 75.0% kept")
+    assert labels["block_diagonal"].endswith("top-k 0.75: 8 to 24 of 32 key blocks per row, 62.5% kept")
+
+
+def test_local_and_strided_rows():
+    nk, top_k = 32, 8
+    diag = torch.arange(nk)
+    local = sage_suite.local_rows(diag, nk, top_k)
+    assert local[0].tolist() == list(range(8)) and local[-1].tolist() == list(range(24, 32))  # shifted at edges
+    assert local[16].tolist() == list(range(12, 20))  # top_k // 2 blocks before the diagonal
+    strided = sage_suite.strided_rows(diag, nk, top_k)
+    assert strided[0].tolist() == [0, 4, 8, 12, 16, 20, 24, 28] and strided[5].tolist() == [1, 5, 9, 13, 17, 21, 25, 29]
+    gaps = torch.diff(sage_suite.strided_rows(diag, nk, 24), dim=-1)  # 24 of 32: gaps of 1 or 2, never all dense
+    assert set(gaps.unique().tolist()) == {1, 2}
+    with pytest.raises(ValueError, match="top_k=33 must be in 1..32"):
+        sage_suite.pattern_block_index("local", 1, 1, 4096, 33)
 
 
 def test_top_k_for_follows_sageattention():

@@ -9,7 +9,10 @@ with query blocks of 64 and key blocks of 128 tokens, turned into a BlockLayout 
                   calls (CUDA), invalid block indices rejected with an error naming the index and the
                   valid range, accuracy on normal inputs and on keys with a large per-channel offset
                   and outlier channels
-    patterns      random, local, strided, block_diagonal block indices at each top-k ratio: accuracy
+    patterns      random, local, strided, block_diagonal block indices at each top-k ratio: accuracy;
+                  each row holds exactly top_k key blocks (block_diagonal: its shorter last document
+                  fewer), and every label states the blocks per row and fraction kept as measured
+                  on the index (index_stats)
     benchmark     dense vs sparse (random top-k) 8-bit attention: ms, speedup, blocks skipped, peak
                   memory (CUDA), effective TOPS, and the bf16 attention on the same sparse layout
 
@@ -19,7 +22,7 @@ bar: e4m3 P and V carry ~3% relative rounding error; it is reported as a failure
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
@@ -64,6 +67,15 @@ def sizes_for(device, stress: bool = False) -> Sizes:
     return SIZES[("gpu" if gpu else "cpu-tiny") + ("-stress" if stress else "")]
 
 
+def with_sizes(sizes: Sizes, *, batch: int | None = None, heads: int | None = None,
+               head_dim: int | None = None) -> Sizes:
+    """``sizes`` with the given batch / heads (checks and benchmark alike) and head dim; None keeps
+    the preset's value."""
+    new = {k: v for k, v in (("batch", batch), ("bench_batch", batch), ("heads", heads), ("bench_heads", heads),
+                             ("head_dim", head_dim)) if v is not None}
+    return replace(sizes, **new)
+
+
 def default_quant(device) -> str:
     """``int8-fp8`` on GPUs with FP8 tensor cores (compute capability 8.9+), else ``int8``."""
     device = torch.device(device)
@@ -95,6 +107,12 @@ def diagonal_blocks(seq_len: int, kv_len: int | None = None, block_q: int = BLOC
     return torch.div(last, block_k, rounding_mode="floor").clamp(0, max(nk - 1, 0))
 
 
+def _check_top_k(top_k: int, nk: int, kv_len: int, block_k: int) -> None:
+    if not 1 <= top_k <= nk:
+        raise ValueError(f"top_k={top_k} must be in 1..{nk} (the key blocks of kv_len={kv_len} "
+                         f"at block_k={block_k})")
+
+
 def random_block_index(batch: int, heads: int, seq_len: int, top_k: int, *, kv_len: int | None = None,
                        block_q: int = BLOCK_Q, block_k: int = BLOCK_K, seed: int = 0, include_diagonal: bool = True,
                        device=None) -> torch.Tensor:
@@ -107,9 +125,7 @@ def random_block_index(batch: int, heads: int, seq_len: int, top_k: int, *, kv_l
     ``patterns.random(top_k=...)``, vectorised (that builder samples row by row, ~100x slower at 32K).
     """
     nq, nk = block_grid(seq_len, kv_len, block_q, block_k)
-    if not 1 <= top_k <= nk:
-        raise ValueError(f"top_k={top_k} must be in 1..{nk} (the key blocks of kv_len={kv_len or seq_len} "
-                         f"at block_k={block_k})")
+    _check_top_k(top_k, nk, kv_len or seq_len, block_k)
     gen = torch.Generator().manual_seed(seed)
     diag = diagonal_blocks(seq_len, kv_len, block_q, block_k)
     out = torch.empty(batch, heads, nq, top_k, dtype=torch.int32)
@@ -121,32 +137,82 @@ def random_block_index(batch: int, heads: int, seq_len: int, top_k: int, *, kv_l
     return out.to(device)
 
 
+def local_rows(diag: torch.Tensor, nk: int, top_k: int) -> torch.Tensor:
+    """int64 ``[Qb, top_k]``: for each row a band of ``top_k`` consecutive key blocks holding its
+    diagonal block ``diag [Qb]``, ``top_k // 2`` of them before it. At the edges the band is shifted
+    inwards, not cut, so every row keeps exactly ``top_k`` blocks (the token window of
+    ``(top_k // 2) * 128`` either side used before touched up to ``top_k + 1`` blocks mid-sequence,
+    fewer at the edges, and at Kb=4 the same 2-3 blocks for every ratio)."""
+    start = (diag - top_k // 2).clamp(min=0).clamp(max=nk - top_k)
+    return start[:, None] + torch.arange(top_k)
+
+
+def strided_rows(diag: torch.Tensor, nk: int, top_k: int) -> torch.Tensor:
+    """int64 ``[Qb, top_k]``, ascending: the diagonal block ``diag [Qb]`` and ``top_k - 1`` more at
+    offsets ``floor(i * Kb / top_k)`` from it, wrapping past the last key block. The offsets are
+    distinct and below Kb (Kb / top_k >= 1), so every row has exactly ``top_k`` blocks (the integer
+    stride ``Kb // top_k`` used before kept more than ``top_k``: at Kb=32, top_k=24 stride 1 kept all 32)."""
+    offsets = torch.arange(top_k) * nk // top_k
+    return ((diag[:, None] + offsets) % nk).sort(dim=-1).values
+
+
+def block_diagonal_rows(diag: torch.Tensor, nk: int, top_k: int) -> torch.Tensor:
+    """int64 ``[Qb, top_k]``: the key blocks of the row's document, documents being ``top_k``
+    consecutive key blocks from block 0. When ``top_k`` does not divide Kb the LAST document is
+    shorter (``Kb % top_k`` blocks) and its rows are -1 padded: they truly see fewer blocks."""
+    blocks = (diag // top_k * top_k)[:, None] + torch.arange(top_k)
+    return torch.where(blocks < nk, blocks, -1)
+
+
+PATTERN_ROWS = {"local": local_rows, "strided": strided_rows, "block_diagonal": block_diagonal_rows}
+
+
 def pattern_block_index(name: str, batch: int, heads: int, seq_len: int, top_k: int, *, seed: int = 0,
                         device=None) -> torch.Tensor:
-    """int32 ``[batch, heads, Qb, K]`` (-1 padded) of a named block pattern with about ``top_k``
-    key blocks per row (q block 64, k block 128):
+    """int32 ``[batch, heads, Qb, top_k]`` of a named block pattern (q block 64, k block 128), every
+    row holding exactly ``top_k`` key blocks (``1 <= top_k <= Kb``) except where noted:
 
-        random          :func:`random_block_index` (exactly ``top_k``, diagonal included)
-        local           the blocks touched by a window of ``(top_k // 2) * 128`` tokens either side
-        strided         the diagonal block plus every ``(Kb // top_k)``-th block
-        block_diagonal  documents of ``top_k * 128`` tokens: each row sees its document's blocks
-    The non-random ones come from :mod:`sparse_attn.patterns` (block level: every listed block full).
+        random          :func:`random_block_index` (diagonal included)
+        local           :func:`local_rows`: a band of ``top_k`` blocks around the diagonal
+        strided         :func:`strided_rows`: the diagonal plus blocks spaced ``Kb / top_k`` apart
+        block_diagonal  :func:`block_diagonal_rows`: documents of ``top_k`` key blocks; the rows of
+                        a shorter last document (``Kb % top_k`` blocks) are -1 padded
+    Measure what an index keeps with :func:`index_stats`.
     """
-    from . import patterns
     if name == "random":
         return random_block_index(batch, heads, seq_len, top_k, seed=seed, device=device)
-    _, nk = block_grid(seq_len)
-    kw = dict(block_q=BLOCK_Q, block_k=BLOCK_K)
-    if name == "local":
-        layout = patterns.local(seq_len, max(1, top_k // 2) * BLOCK_K, causal=False, **kw)
-    elif name == "strided":
-        layout = patterns.strided(seq_len, max(1, nk // top_k), **kw)
-    elif name == "block_diagonal":
-        layout = patterns.block_diagonal(seq_len, top_k * BLOCK_K, **kw)
-    else:
+    if name not in PATTERN_ROWS:
         raise ValueError(f"unknown pattern {name!r}; choose one of {', '.join(PATTERNS)}")
-    bi = patterns.to_block_index(layout)  # [1, 1, Qb, max_k]
-    return bi.expand(batch, heads, -1, -1).contiguous().to(device)
+    _, nk = block_grid(seq_len)
+    _check_top_k(top_k, nk, seq_len, BLOCK_K)
+    rows = PATTERN_ROWS[name](diagonal_blocks(seq_len), nk, top_k).to(torch.int32)  # [Qb, top_k]
+    return rows.expand(batch, heads, -1, -1).contiguous().to(device)
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """What a block index ``[B, H, Qb, K]`` keeps, counted from its entries (not from its label)."""
+
+    min_per_row: int
+    max_per_row: int
+    mean_per_row: float
+    kept: float  # fraction of the B*H*Qb*Kb block grid listed
+
+    def label(self, nk: int) -> str:
+        return f"{per_row(self.min_per_row, self.max_per_row)} of {nk} key blocks per row, {self.kept:.1%} kept"
+
+
+def per_row(lo: int, hi: int) -> str:
+    """``"3"`` or, when rows differ, ``"1 to 3"``."""
+    return f"{lo}" if lo == hi else f"{lo} to {hi}"
+
+
+def index_stats(block_index: torch.Tensor, nk: int) -> IndexStats:
+    """Blocks per row (entries >= 0) of ``block_index [B, H, Qb, K]`` and the fraction of the
+    ``Kb = nk`` wide block grid they cover."""
+    counts = (block_index >= 0).sum(-1)
+    return IndexStats(int(counts.min()), int(counts.max()), float(counts.float().mean()),
+                      float(counts.sum()) / (counts.numel() * nk))
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -237,7 +303,7 @@ def run_check(qz: Quant, q, k, v, layout, name: str) -> Check:
 
 def memory_check(qz: Quant, q, k, v, layout, calls: int = 20) -> Check:
     """CUDA: allocated memory after ``calls`` calls equals that after the first (outputs discarded)."""
-    name = f"memory: no growth over {calls} calls"
+    name = f"memory: no growth over {calls} calls, L={q.shape[2]}"
     if q.device.type != "cuda":
         return Check("correctness", name, None, "skipped: CUDA only (the allocator is measured)")
     for _ in range(2):
@@ -286,10 +352,10 @@ def index_checks(seq_len: int) -> Iterator[Check]:
             from_block_index(bi, seq_len=seq_len, **kw)
         except LayoutError as e:
             missing = [s for s in needed if s not in str(e)]
-            yield Check("correctness", f"block_index: {name}", not missing,
+            yield Check("correctness", f"block_index: {name}, L={seq_len}", not missing,
                         str(e) if not missing else f"error text lacks {missing}: {e}")
         else:
-            yield Check("correctness", f"block_index: {name}", False, "accepted without an error")
+            yield Check("correctness", f"block_index: {name}, L={seq_len}", False, "accepted without an error")
 
 
 def correctness_steps(qz: Quant, sizes: Sizes, *, dtype, device, seed: int = 0) -> list[tuple[str, Callable]]:
@@ -324,31 +390,41 @@ def correctness_steps(qz: Quant, sizes: Sizes, *, dtype, device, seed: int = 0) 
         ("accuracy: random top-k", lambda: accuracy_check(
             "correctness", f"accuracy: block_index top-k {half}/{nk}, L={L}", qz, *inputs(), layout_for(L))),
         ("accuracy: outlier keys", lambda: accuracy_check(
-            "correctness", f"accuracy: K offset + outlier channels, top-k {half}/{nk}", qz,
+            "correctness", f"accuracy: K offset + outlier channels, top-k {half}/{nk}, L={L}", qz,
             *inputs(outlier_keys=True), layout_for(L))),
     ]
     return [(label, (lambda fn=fn, label=label: _guard("correctness", label, fn))) for label, fn in runs]
 
 
-def pattern_steps(qz: Quant, sizes: Sizes, ratios=TOP_K_RATIOS, *, dtype, device,
-                  seed: int = 0) -> list[tuple[str, Callable]]:
-    """Accuracy of each pattern at each top-k ratio (B x H x L x D of ``sizes``)."""
+def pattern_case(pattern: str, ratio: float, sizes: Sizes, *, seed: int = 0, device=None):
+    """(block_index ``[B, H, Qb, top_k]``, its check name, its measured IndexStats) of ``pattern`` at
+    top-k ``ratio`` and ``sizes.seq_len``. The name states what the index really keeps."""
+    L = sizes.seq_len
+    nk = block_grid(L)[1]
+    bi = pattern_block_index(pattern, sizes.batch, sizes.heads, L, top_k_for(ratio, nk), seed=seed, device=device)
+    stats = index_stats(bi, nk)
+    return bi, f"{pattern}, L={L}, top-k {ratio:g}: {stats.label(nk)}", stats
+
+
+def pattern_steps(qz: Quant, sizes: Sizes, ratios=TOP_K_RATIOS, *, dtype, device, seed: int = 0,
+                  names=PATTERNS) -> list[tuple[str, Callable]]:
+    """Accuracy of each pattern in ``names`` at each top-k ratio (B x H x L x D of ``sizes``)."""
     from .patterns import from_block_index
     B, H, L, D = sizes.batch, sizes.heads, sizes.seq_len, sizes.head_dim
     nk = block_grid(L)[1]
 
     def one(pattern, ratio):
-        top_k = top_k_for(ratio, nk)
-        bi = pattern_block_index(pattern, B, H, L, top_k, seed=seed, device=device)
+        bi, name, stats = pattern_case(pattern, ratio, sizes, seed=seed, device=device)
         layout = from_block_index(bi, seq_len=L)
         q, k, v = make_qkv(B, H, L, D, dtype=dtype, device=device, seed=seed)
-        return accuracy_check("patterns", f"{pattern}, top-k {ratio:g} ({top_k}/{nk})", qz, q, k, v, layout,
-                              pattern=pattern, ratio=ratio, top_k=top_k, density=layout.density,
+        return accuracy_check("patterns", name, qz, q, k, v, layout, pattern=pattern, ratio=ratio, seq_len=L,
+                              top_k=top_k_for(ratio, nk), k_blocks=nk, blocks_per_row_min=stats.min_per_row,
+                              blocks_per_row_max=stats.max_per_row, kept=stats.kept, density=layout.density,
                               block_index_shape=list(bi.shape))
     steps = []
-    for pattern in PATTERNS:
+    for pattern in names:
         for ratio in ratios:
-            label = f"{pattern}, top-k {ratio:g}"
+            label = f"{pattern}, L={L}, top-k {ratio:g}"
             steps.append((label, lambda p=pattern, r=ratio, label=label: _guard("patterns", label,
                                                                               lambda: one(p, r))))
     return steps
@@ -391,8 +467,10 @@ def benchmark_length(qz: Quant, sizes: Sizes, seq_len: int, ratios, *, dtype, de
         row = dict(base, ratio=ratio, top_k=top_k, k_blocks=nk, dense_ms=dense_ms, dense_peak_bytes=dense_peak,
                    dense_tops=tflops(dense_flops, dense_ms))
         try:
-            layout = from_block_index(random_block_index(B, H, seq_len, top_k, seed=seed, device=device),
-                                      seq_len=seq_len)
+            bi = random_block_index(B, H, seq_len, top_k, seed=seed, device=device)
+            stats = index_stats(bi, nk)  # what the row's label prints: measured, not assumed
+            row.update(blocks_per_row_min=stats.min_per_row, blocks_per_row_max=stats.max_per_row, kept=stats.kept)
+            layout = from_block_index(bi, seq_len=seq_len)
             flops = attention_flops(layout, batch=B, heads=H, head_dim=D)
 
             def sparse_fn(layout=layout):
@@ -434,17 +512,26 @@ def checks_table(checks: list[Check]) -> list[str]:
     return lines
 
 
+def bench_top_k(row: dict) -> str:
+    """The top-k cell of a benchmark row: the ratio asked for, then the blocks per row and the fraction
+    kept as measured on its block index (``kept`` etc., see :func:`benchmark_length`)."""
+    if "kept" not in row:  # the row failed before its index was built
+        return f"{row['ratio']:g} ({row['top_k']})"
+    blocks = per_row(row["blocks_per_row_min"], row["blocks_per_row_max"])
+    return f"{row['ratio']:g} ({blocks}/{row['k_blocks']} per row, {row['kept']:.1%} kept)"
+
+
 def bench_table(rows: list[dict]) -> list[str]:
     lines = ["| L | top-k | dense ms | sparse ms | speedup | blocks skipped | dense / sparse peak MiB | sparse TOPS "
              "| bf16 sparse ms | 8-bit vs bf16 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     mib = 1 << 20
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['seq_len']} | {r['ratio']:g} ({r['top_k']}) | error: {r['error']} |||||||")
+            lines.append(f"| {r['seq_len']} | {bench_top_k(r)} | error: {r['error']} |||||||")
             continue
         peaks = ("-" if r.get("dense_peak_bytes") is None else
                  f"{r['dense_peak_bytes'] / mib:.0f} / {r['sparse_peak_bytes'] / mib:.0f}")
-        lines.append(f"| {r['seq_len']} | {r['ratio']:g} ({r['top_k']}/{r['k_blocks']}) | {_f(r['dense_ms'], '.3f')} "
+        lines.append(f"| {r['seq_len']} | {bench_top_k(r)} | {_f(r['dense_ms'], '.3f')} "
                      f"| {_f(r['sparse_ms'], '.3f')} | {_f(r['speedup'], '.2f')}x | {_f(r['block_savings'], '.1%')} "
                      f"| {peaks} | {_f(r['sparse_tops'], '.3g')} | {_f(r['bf16_sparse_ms'], '.3f')} "
                      f"| {_f(r['speedup_vs_bf16'], '.2f')}x |")
