@@ -457,3 +457,11 @@ def test_bench_pattern_options_reparameterise_the_selected_patterns(tmp_path, ca
     assert main(["bench", "--device", "cpu", "--patterns", "causal", "--window", "64", "--out-dir",
                  str(tmp_path), "--no-progress"]) == 2
     assert "apply to none of the selected patterns (causal)" in capsys.readouterr().out
+
+
+def test_bench_patterns_selecting_nothing_is_an_error_listing_the_cases(capsys):
+    """--plan crashed with an IndexError on such a selection; a run said only "nothing to run"."""
+    for extra in (["--plan"], []):
+        assert main(["bench", "--suite", "report-gpu", "--patterns", "nosuch*", "--device", "cpu"] + extra) == 2
+        out = capsys.readouterr().out
+        assert "selects no case of suite report-gpu" in out and "local-4096" in out

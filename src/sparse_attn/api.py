@@ -48,7 +48,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
 
     Args:
         q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]``; v: ``[B, Hkv, Lk, Dv]``, one dtype and device;
-            GQA/MQA when ``Hq`` is a multiple of ``Hkv`` (K/V are never repeated in memory).
+            GQA/MQA when ``Hq`` is a multiple of ``Hkv`` (K/V are never repeated in memory). The CUDA
+            kernels need ``Dv == D``; the reference path (CPU) takes any ``Dv``.
         layout: which ``block_q x block_k`` blocks each query block visits
             (:class:`sparse_attn.BlockLayout`, built for exactly ``(Lq, Lk)``, batch in {1, B},
             heads in {1, Hq}); None attends every key; ``"adaptive"`` or ``"adaptive:low|medium|high"``

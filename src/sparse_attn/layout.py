@@ -49,6 +49,17 @@ class _Coo:
 
 @dataclass(eq=False)
 class BlockLayout:
+    """Which ``block_q x block_k`` blocks of the ``[q_len, kv_len]`` attention matrix each query-block
+    row visits (the module docstring has the semantics):
+
+        kv_counts   int32 [Bl, Hl, Qb]          key blocks row qb visits (Bl in {1, B}, Hl in {1, Hq})
+        kv_indices  int32 [Bl, Hl, Qb, max_k]   which, ascending; slots past the count hold -1
+        kv_mask_ids int32 [Bl, Hl, Qb, max_k]   -1 = full block, m >= 0 = partial with ``masks[m]``
+        masks       ElementMask per partial kind (token-exact rules applied inside the block)
+
+    Build one with :mod:`sparse_attn.patterns` or :meth:`from_mask` / :meth:`from_block_mask`.
+    """
+
     block_q: int
     block_k: int
     q_len: int

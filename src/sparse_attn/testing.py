@@ -3,7 +3,7 @@
 Two oracles, deliberately different code:
 
 - :func:`oracle_attention` is :func:`sparse_attn.reference.attention` run in float64 (chunked,
-  layout-driven) — the oracle kernels are measured against (DESIGN rule 3).
+  layout-driven) — the oracle kernels are measured against (the tolerance rule below).
 - :func:`naive_masked_attention` is a full-matrix float64 softmax under a dense token mask — the
   independent check of the reference itself. O(Lq * Lk) memory: small sizes only.
 
@@ -119,7 +119,9 @@ def block_map_from_token_mask(token_mask: torch.Tensor, block_q: int, block_k: i
     return out
 
 
-# ----------------------------------------------------------------------------- tolerance (DESIGN rule 3)
+# ----------------------------------------------------------------------------- tolerance
+# The project's design rule 3: compare kernel and same-dtype reference against an fp64 oracle; the kernel's
+# error may be at most ~1.1-2x the reference's; NaN never passes.
 _FLOORS = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 3e-4, torch.bfloat16: 2e-3}
 
 
@@ -137,7 +139,7 @@ def default_atol_floor(dtype: torch.dtype) -> float:
 
 def assert_close_to_oracle(out: torch.Tensor, ref_same_dtype: torch.Tensor, oracle: torch.Tensor, *,
                            factor: float = 2.0, atol_floor: float | None = None, name: str = "output") -> None:
-    """DESIGN rule 3: ``out``'s error against the fp64 ``oracle`` may be at most ``factor`` times the
+    """The tolerance rule: ``out``'s error against the fp64 ``oracle`` may be at most ``factor`` times the
     error of the same-dtype reference ``ref_same_dtype``, plus ``atol_floor``.
 
     Checked for both the max-abs error and the RMSE (all three tensors the same shape, any dtype).

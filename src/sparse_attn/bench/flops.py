@@ -11,7 +11,7 @@ bottom-right causal mask allows some pair in it (``4 * D`` is ``2 * D`` for QK^T
 for PV, with ``Dv == D``).
 
 Every provider of a pattern gets the same count, dense SDPA baselines included, so TFLOP/s
-ratios between providers are exactly their time ratios ("effective" TFLOP/s, as in DESIGN.md).
+ratios between providers are exactly their time ratios ("effective" TFLOP/s, as the project's design notes define them).
 """
 from __future__ import annotations
 

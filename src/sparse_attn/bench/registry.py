@@ -1,4 +1,5 @@
-"""The one benchmark registry (DESIGN rule 9): named providers, three modes.
+"""The one benchmark registry (the project's design rule 9: one registry of providers and modes,
+effective TFLOP/s from the blocks actually computed, JSON out): named providers, three modes.
 
 A *provider* is a function ``build(q, k, v, layout, causal) -> forward`` registered with
 :func:`register_provider`. ``build`` does every piece of set-up that must not be timed (building
@@ -10,12 +11,13 @@ that closure for a mode:
     bwd       run ``out = forward()`` once, then time ``out.backward(grad, retain_graph=True)``
     fwd+bwd   time ``forward().backward(grad)``
 
-Adding a provider is one decorated function, e.g. the Triton kernel::
+Adding a provider is one decorated function (``q [B, Hq, Lq, D]``, ``k`` / ``v [B, Hkv, Lk, D]``, the
+case's layout or None, ``causal``), e.g. the public API on CUDA only::
 
-    @register_provider("ours", available=needs_cuda, description="sparse_attn Triton kernel")
-    def ours(q, k, v, layout, causal):
-        from sparse_attn.ops.block_sparse_attn import attention as triton_attention
-        return lambda: triton_attention(q, k, v, layout, causal=causal)
+    @register_provider("ours-cuda", available=needs_cuda, description="sparse_attn.attention on CUDA")
+    def ours_cuda(q, k, v, layout, causal):
+        import sparse_attn
+        return lambda: sparse_attn.attention(q, k, v, layout, causal=causal)
 
 ``available(device) -> (ok, reason)`` says whether the provider can run on a device at all; a
 provider that can run but not on some input (a dtype, a head dim) raises inside ``build`` or the
@@ -113,6 +115,7 @@ def _load_builtin() -> None:
 
 
 def get_provider(name: str) -> Provider:
+    """The registered provider ``name`` (the built-ins load on first use); KeyError listing the names."""
     _load_builtin()
     if name not in PROVIDERS:
         raise KeyError(f"unknown provider {name!r}; registered: {', '.join(PROVIDERS)}")
@@ -120,5 +123,6 @@ def get_provider(name: str) -> Provider:
 
 
 def provider_names() -> list[str]:
+    """Every registered provider's name, in registration order."""
     _load_builtin()
     return list(PROVIDERS)

@@ -22,6 +22,9 @@ HEADER_FIELDS = ("gpu", "torch", "triton", "date", "device", "suite")
 
 @dataclass
 class Row:
+    """One measured row: the case (pattern, sizes, dtype, mode, causal, density in whole blocks), the
+    provider, and median ms, effective TFLOP/s and peak extra bytes, or the error that stopped it."""
+
     provider: str
     pattern: str
     seq_len: int
@@ -48,6 +51,8 @@ ROW_FIELDS = tuple(f.name for f in fields(Row))
 
 
 def make_header(device, suite: str, **extra) -> dict:
+    """A result file's header: GPU name, torch / triton versions, UTC date, device, suite, host and CPU,
+    plus ``extra``."""
     device = torch.device(device)
     try:
         import triton
@@ -64,10 +69,12 @@ def make_header(device, suite: str, **extra) -> dict:
 
 
 def write_json(path, header: dict, rows: list[Row]) -> Path:
+    """``{"header": header, "rows": [...]}`` as strict JSON (json_io), written atomically."""
     return write_text_atomic(path, dumps({"header": header, "rows": [asdict(r) for r in rows]}))
 
 
 def write_csv(path, rows: list[Row]) -> Path:
+    """The rows as CSV with :data:`ROW_FIELDS` as columns (None as an empty cell)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:

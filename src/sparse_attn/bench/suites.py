@@ -72,11 +72,15 @@ class PatternSpec:
 
 def spec(name: str, builder: str | None = None, *, per_head: bool = False, causal: bool = False,
          union: tuple[PatternSpec, ...] = (), **kwargs) -> PatternSpec:
+    """A :class:`PatternSpec` named ``name`` building ``patterns.<builder or name>(seq_len, **kwargs)``."""
     return PatternSpec(name, builder or name, tuple(sorted(kwargs.items())), per_head, causal, union)
 
 
 @dataclass(frozen=True)
 class Case:
+    """One pattern timed at every ``seq_lens x kv_heads x modes x providers`` combination, with these
+    batch / heads / head dim / dtype and layout blocks."""
+
     pattern: PatternSpec
     seq_lens: tuple[int, ...]
     providers: tuple[str, ...]
@@ -95,6 +99,8 @@ class Case:
 
 @dataclass(frozen=True)
 class Suite:
+    """A named tuple of :class:`Case` (see the module docstring for the built-in ones)."""
+
     name: str
     description: str
     cases: tuple[Case, ...] = field(default_factory=tuple)
@@ -287,6 +293,7 @@ def suite_all(device, *, stress: bool = False) -> Suite:
 
 
 def get_suite(name: str) -> Suite:
+    """The built-in suite ``name`` (:data:`SUITES`); KeyError listing the names."""
     if name not in SUITES:
         raise KeyError(f"unknown suite {name!r}; available: {', '.join(SUITES)}")
     return SUITES[name]()

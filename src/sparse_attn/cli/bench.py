@@ -56,7 +56,8 @@ def add_parser(sub) -> None:
     p.add_argument("--providers", nargs="+", metavar="NAME",
                    help="providers to run instead of the suite's (space or comma separated; see --list)")
     p.add_argument("--patterns", nargs="+", metavar="GLOB",
-                   help="keep only these patterns, by case name or builder name, shell globs ('random*')")
+                   help="keep only these patterns, by case name (a family name also selects its NAME-... "
+                        "variants), shell globs ('random*')")
     p.add_argument("--seq-lens", nargs="+", type=positive_tokens, metavar="L",
                    help="sequence lengths, e.g. 4096 8k 128K")
     p.add_argument("--modes", nargs="+", choices=list(MODES), help="fwd, bwd (backward only), fwd+bwd")
@@ -71,8 +72,10 @@ def add_parser(sub) -> None:
     g.add_argument("--block-k", type=positive_int, action=Once, help="layout key block size (16..256)")
     g.add_argument("--seed", type=int, action=Once, help="random/bigbird: RNG seed")
     p.set_defaults(pattern_option_names=("block_q", "block_k", "seed") + add_pattern_options(g))
-    p.add_argument("--reps", type=positive_int, help="timed repetitions per row (default: enough for ~200 ms, 3..100)")
-    p.add_argument("--warmup", type=nonneg_int, help="untimed calls before timing (default: ~25 ms worth, 1..10)")
+    p.add_argument("--reps", type=positive_int,
+                   help="timed repetitions per row (default: enough for ~200 ms, 3..100 on CUDA, 3..20 on a CPU)")
+    p.add_argument("--warmup", type=nonneg_int,
+                   help="untimed calls before timing (default: ~25 ms worth, 1..10 on CUDA, at most 2 on a CPU)")
     p.add_argument("--threads", type=nonneg_int,
                    help="CPU intra-op threads while timing (default 1: on a busy shared machine torch's spinning "
                         "OpenMP threads made CPU timing ratios noise; 0 = torch's default)")
@@ -83,7 +86,8 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline", help="provider the speedup column compares with "
                    "(default: first of sdpa-cudnn, sdpa-flash, sdpa-math, reference present)")
     p.add_argument("--out-dir", default="out/bench", type=Path, help="where JSON and CSV go (default: out/bench)")
-    p.add_argument("--name", help="file stem of the results (default: SUITE-DEVICE, e.g. small-cpu)")
+    p.add_argument("--name", help="file stem of the results (default: the suite run and the device, e.g. small-cpu, "
+                                  "sage-tiny-cpu; with --slice K/N, then -K-of-N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--list", action="store_true", help="list suites and providers (with availability) and exit")
     p.set_defaults(func=run)
@@ -277,6 +281,13 @@ def run(args) -> int:
         suite = selected_suite(args, device)
     except KeyError as e:
         con.print(f"[red]{escape(str(e.args[0]))}[/red]")
+        return 2
+    if not suite.cases:  # (--plan crashed on it, a run said only "nothing to run")
+        from ..bench.suites import ALL, suite_all, suite_for_device
+        base = suite_all(device) if args.suite == ALL else suite_for_device(args.suite, device)
+        names = ", ".join(dict.fromkeys(c.pattern.name for c in base.cases))
+        con.print(f"[red]--patterns {escape(' '.join(args.patterns or []))} selects no case of suite {base.name}; "
+                  f"its cases: {escape(names)}[/red]")
         return 2
     if args.plan is not None:
         return print_plan(suite, args.plan, args.slice_limit, con)

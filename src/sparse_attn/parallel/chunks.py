@@ -41,7 +41,8 @@ def zigzag_split(x: torch.Tensor, world_size: int, rank: int, dim: int = 2) -> t
 
 def zigzag_merge(parts, dim: int = 2) -> torch.Tensor:
     """Inverse of :func:`zigzag_split`: ``parts[r]`` is rank r's local tensor (all W of them, in rank
-    order); returns the full tensor in sequence order."""
+    order), e.g. ``[B, H, L / W, D]`` with ``dim=2``; returns the full tensor in sequence order,
+    ``[B, H, L, D]`` (``dim`` W times longer)."""
     world_size = len(parts)
     if not world_size:
         raise ValueError("zigzag_merge needs every rank's local tensor (parts in rank order), got none")
@@ -65,7 +66,8 @@ def _seq_bounds(cu_seqlens, world_size: int) -> list[tuple[int, int]]:
 def zigzag_cu_seqlens(cu_seqlens: torch.Tensor, world_size: int) -> torch.Tensor:
     """Local cu_seqlens of a packed varlen batch after :func:`zigzag_split_varlen`: every sequence
     keeps 2 of its 2W chunks on each rank, so local offsets are ``cu_seqlens // W`` (same on every
-    rank). Each sequence length must be divisible by 2W."""
+    rank). ``cu_seqlens`` int ``[num_seqs + 1]`` (tensor or list) -> a tensor ``[num_seqs + 1]`` of its
+    dtype (int64 for a list). Each sequence length must be divisible by 2W."""
     _seq_bounds(cu_seqlens, world_size)
     return torch.div(torch.as_tensor(cu_seqlens), world_size, rounding_mode="floor")
 
@@ -78,7 +80,8 @@ def zigzag_split_varlen(x: torch.Tensor, cu_seqlens, world_size: int, rank: int,
 
 
 def zigzag_merge_varlen(parts, cu_seqlens, dim: int = 0) -> torch.Tensor:
-    """Inverse of :func:`zigzag_split_varlen` (``parts[r]``: rank r's packed local tensor)."""
+    """Inverse of :func:`zigzag_split_varlen`: ``parts[r]`` is rank r's packed local tensor
+    (``[T / W, H, D]`` with ``dim=0``); returns the packed batch ``[T, H, D]`` in sequence order."""
     world_size = len(parts)
     full = []
     for a, b in _seq_bounds(cu_seqlens, world_size):

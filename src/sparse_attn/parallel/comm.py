@@ -142,7 +142,8 @@ def check_consistent_shapes(tensors: dict, group=None, extras: dict | None = Non
 
 
 def all_gather_zigzag(x: torch.Tensor, dim: int = 2, group=None) -> torch.Tensor:
-    """All-gather every rank's zigzag-local ``x`` and return the full tensor in sequence order."""
+    """All-gather every rank's zigzag-local ``x`` (e.g. ``[B, H, L / W, D]``, ``dim=2``) and return
+    the full tensor in sequence order (``[B, H, L, D]``)."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
@@ -153,8 +154,8 @@ zigzag_gather = all_gather_zigzag
 
 
 def reduce_scatter_zigzag(full: torch.Tensor, dim: int = 2, group=None) -> torch.Tensor:
-    """Sum ``full`` (sequence order, same shape on every rank) over ranks and return this rank's zigzag
-    share. Uses ``dist.reduce_scatter``; on backends without it (gloo in some torch versions) falls back
+    """Sum ``full`` (sequence order, same shape on every rank, e.g. ``[B, H, L, D]`` with ``dim=2``) over
+    ranks and return this rank's zigzag share (``[B, H, L / W, D]``). Uses ``dist.reduce_scatter``; on backends without it (gloo in some torch versions) falls back
     to ``all_reduce`` + local slice (W times the traffic, same result)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     backend = dist.get_backend(group)

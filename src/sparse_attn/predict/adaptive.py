@@ -36,6 +36,7 @@ def predicted_layout(spec, q: torch.Tensor, k: torch.Tensor, *, causal: bool = F
         with a level of :data:`SPARSE_LEVELS`; None with ``options`` means ``"adaptive"``.
     options: :func:`meansim` keywords (``simthreshd1``, ``cdfthreshd``, ``topk``, ``block_q``,
         ``block_k``, ``block``, ``attention_sink``), applied over the level's thresholds.
+    q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]`` (GQA when Hkv < Hq), the attention's own.
     causal / scale: the attention's own; ``scale`` is also the temperature of the pooled scores.
     Returns a :class:`~sparse_attn.BlockLayout` (batch B, heads Hq); ``.sparsity`` is the fraction skipped.
     """
