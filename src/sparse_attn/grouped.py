@@ -293,8 +293,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     CUDA: one forward launch for all groups, one dQ and one dK/dV launch backward; the per-group
     layouts, bounds and scratch offsets are built once per groups signature and cached. Elsewhere:
     :func:`grouped_attention_loop` (one reference call per group). The LSE is differentiable, as in
-    :func:`sparse_attn.attention`. Under ``torch.compile`` the call is a graph break
-    (``fullgraph=False``): the groups' offsets are read on the host to build the plan.
+    :func:`sparse_attn.attention`. Under ``torch.compile`` on CUDA the call is a graph break
+    (``fullgraph=False`` works; ``fullgraph=True`` fails in the host-side plan cache, H100, torch 2.11);
+    on the CPU, a loop of reference calls, it also compiles with ``fullgraph=True``.
     """
     if not (FORCE_KERNELS or (isinstance(q, torch.Tensor) and q.is_cuda)):
         return grouped_attention_loop(q, k, v, groups, causal=causal, scale=scale, return_lse=return_lse,

@@ -167,11 +167,11 @@ def _torch_sparse_probe(device: str, dtype: torch.dtype) -> str | None:
 
 def torch_sparse_available(device) -> tuple[bool, str]:
     device = torch.device(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    err = _torch_sparse_probe(str(device), dtype)
+    err = _torch_sparse_probe(str(device), torch.float32)
     if err is not None:
-        return False, f"torch.sparse ops do not run on {device.type} in {dtype}: {err}"
-    return True, f"torch.sparse CSR (sampled_addmm, row softmax, spmm) on {device.type}"
+        return False, f"torch.sparse ops do not run on {device.type}: {err}"
+    note = " (fp32 / fp64 only: sampled_addmm has no fp16 / bf16 CUDA kernel)" if device.type == "cuda" else ""
+    return True, f"torch.sparse CSR (sampled_addmm, row softmax, spmm) on {device.type}{note}"
 
 
 @register_provider("torch-sparse", available=torch_sparse_available,

@@ -50,6 +50,9 @@ def _row_softmax(values: torch.Tensor, row: torch.Tensor, lq: int) -> torch.Tens
 
 def torch_sparse_provider(q, k, v, layout, causal):
     """``build(q, k, v, layout, causal) -> forward`` for the registry (see the module docstring)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # torch 2.11 has no such sampled_addmm kernel
+        raise ValueError(f"torch-sparse: torch.sparse.sampled_addmm has no {q.dtype} CUDA kernel; run this "
+                         "provider in fp32 (--dtype fp32)")
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     group, scale = Hq // Hkv, 1.0 / math.sqrt(D)
