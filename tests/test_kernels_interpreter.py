@@ -218,6 +218,37 @@ def test_lse_gradient_matches_the_reference(kind, lq, lk, hq, hkv):
     assert (qn.grad - oracle[0].grad).abs().max() > 0.05
 
 
+def test_unused_outputs_pass_no_gradient_tensor_and_an_lse_only_loss_works(monkeypatch):
+    """Eager autograd hands None for an unused output (set_materialize_grads(False)): a loss on the
+    output alone reaches the backward with dlse None (no HAS_DLSE load of a zero tensor), and a loss on
+    the LSE alone (do None) gets the reference's gradients."""
+    from sparse_attn.ops.block_sparse import launch
+    attention_op, _ = _ops()
+    seen = []
+    real = launch.backward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("dlse"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(launch, "backward", spy)
+    layout = BlockLayout.from_mask(MASKS["causal"], q_len=40, kv_len=40, block_q=16, block_k=16)
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16, torch.float32, True)
+    out, lse = attention_op(q, k, v, layout, return_lse=True)
+    out.sum().backward()
+    assert seen == [None]
+    for t in (q, k, v):
+        t.grad = None
+    _, lse = attention_op(q, k, v, layout, return_lse=True)
+    dl = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2))
+    (lse * dl).sum().backward()
+    assert seen[-1] is not None
+    oracle = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    (reference.attention(*oracle, layout, return_lse=True)[1] * dl.double()).sum().backward()
+    for name, a, b in zip("qkv", (q, k, v), oracle):
+        want = torch.zeros_like(b) if b.grad is None else b.grad  # the LSE does not depend on v
+        assert (a.grad.double() - want).abs().max() < 2e-3, name
+
+
 def test_lse_gradient_of_varlen_and_grouped_kernels(monkeypatch):
     from sparse_attn import Group, grouped, varlen
     _, varlen_attention_op = _ops()

@@ -94,11 +94,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
     """Gradients of q, k, v, from the output's gradient ``do`` and the LSE's ``dlse`` (None when the
-    loss did not use the LSE). The custom op's autograd calls the backward custom op: AOTAutograd
+    loss did not use it; ``do`` None, eager only: the loss used only the LSE). The custom op's autograd calls the backward custom op: AOTAutograd
     traces this function with fake tensors while ``torch.compiler.is_compiling()`` is False, so only
     an opaque op may run here then."""
     (q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids, terms,
      cu_q, cu_k, cu_dk, dk_rows) = ctx.saved_tensors
+    if do is None:  # eager, the loss used only the LSE (gradients are not materialized, _EagerForward)
+        do = torch.zeros_like(out)
     n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold, contiguous, t_contiguous = ctx.meta
     if pv_threshold > 0:  # the api refuses it with grad enabled; this guards direct op callers
         raise RuntimeError("sparse_attn: pv_threshold is a forward-only (inference) option: the output dropped tiles "
@@ -122,6 +124,9 @@ class _EagerForward(torch.autograd.Function):
     def forward(ctx, *inputs):
         out, lse = _fwd_impl(*inputs)
         _setup_context(ctx, inputs, (out, lse))
+        # an unused output's gradient arrives as None, not zeros: a loss that ignores the LSE then skips
+        # the row-terms pass's dLSE load (HAS_DLSE) instead of reading a zero tensor
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
