@@ -1,5 +1,20 @@
+# The twenty-eighth session's GPU runs (H100): first call (suites + spot checks), second call (dLSE cost,
+# backward-touching suites, random cases). Usage: bash benchmarks/gpu_run_s28.sh [1|2]
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
-pip install -q --no-deps .whl/sageattention-1.0.6-py3-none-any.whl 2>&1 | tail -1
+pip install -q --no-deps .whl/sageattention-1.0.6-py3-none-any.whl 2>&1 | grep -v WARNING | tail -1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python benchmarks/gpu_checks_s28.py 2>&1 | grep -v Warning | tail -20
-timeout 480 python -m pytest -q -n 8 -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_fuzz_gpu.py tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_backward_variants_gpu.py tests/gpu/test_grouped_gpu.py 2>&1 | tail -15 | tee $OUT/gpu-suites.txt
+if [ "${1:-1}" = 1 ]; then
+  timeout 480 python -m pytest -q -n 8 -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_fuzz_gpu.py \
+    tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_backward_variants_gpu.py \
+    tests/gpu/test_grouped_gpu.py 2>&1 | tail -15 | tee $OUT/gpu-suites.txt
+else
+  python benchmarks/dlse_cost_probe.py --out $OUT/dlse-cost-h100.json
+  timeout 300 python -m pytest -q -n 8 -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_backward_variants_gpu.py tests/gpu/test_grouped_gpu.py tests/gpu/test_tools_gpu.py 2>&1 \
+    | tail -4 | tee $OUT/gpu-suites-2.txt
+  for i in 0 1 2 3 4 5; do
+    python benchmarks/fuzz_more.py --start $((46000 + i * 1000)) --budget-s 120 > $OUT/fuzz-$i.txt 2>&1 &
+  done
+  wait
+  tail -n 2 $OUT/fuzz-*.txt
+fi
