@@ -7,6 +7,10 @@ if [ "${1:-1}" = 1 ]; then
   timeout 480 python -m pytest -q -n 8 -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_fuzz_gpu.py \
     tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_backward_variants_gpu.py \
     tests/gpu/test_grouped_gpu.py 2>&1 | tail -15 | tee $OUT/gpu-suites.txt
+elif [ "$1" = 3 ]; then  # the backward suites again, with time to finish (call 2 cut them at 300 s)
+  timeout 540 python -m pytest -q -n 8 -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_backward_variants_gpu.py tests/gpu/test_grouped_gpu.py tests/gpu/test_tools_gpu.py 2>&1 \
+    | tail -4 | tee $OUT/gpu-suites-3.txt
 else
   python benchmarks/dlse_cost_probe.py --out $OUT/dlse-cost-h100.json
   timeout 300 python -m pytest -q -n 8 -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
