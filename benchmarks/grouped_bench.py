@@ -23,7 +23,7 @@ Writes JSON ``{gpu, torch, triton, date, ..., config, rows}``.
 from __future__ import annotations
 
 import argparse
-import json
+import csv
 import sys
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from sparse_attn.bench.flops import attention_flops, tflops
 from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import time_fn
 from sparse_attn.grouped import grouped_attention_loop
+from sparse_attn.json_io import dumps
 
 # name -> (query heads, kv heads, head dim, sequence lengths)
 MODELS = {
@@ -105,8 +106,19 @@ def run_row(model, hq, hkv, d, seq_len, n_groups, world, rank, mode, dtype, devi
            "ms_grouped": ms_one, "ms_loop": ms_loop, "speedup": ms_loop / ms_one,
            "tflops_grouped": tflops(fl, ms_one), "tflops_loop": tflops(fl, ms_loop), "flops": fl,
            "kv_bytes_loop": b_loop, "kv_bytes_grouped": b_one, "kv_bytes_ratio": b_loop / b_one,
+           "kv_mb_saved": (b_loop - b_one) / 2**20, "kv_saved_pct": 100.0 * (b_loop - b_one) / b_loop,
            "max_abs_diff": diff}
     return row
+
+
+def write_rows_csv(path: Path, rows: list[dict]) -> None:
+    """The rows as CSV, one column per key any row has (lists as space-separated values)."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: " ".join(map(str, v)) if isinstance(v, list) else v for k, v in row.items()})
 
 
 def main(argv=None) -> int:
@@ -120,7 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     ap.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float16; float32 on CPU")
-    ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--out", default=None, help="JSON file to write (a CSV of the rows beside it, same stem)")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -145,7 +157,8 @@ def main(argv=None) -> int:
                             print(f"{model:11s} S={seq_len:6d} W={world} G={n_groups} {mode:7s} "
                                   f"grouped {row['ms_grouped']:8.3f} ms  loop {row['ms_loop']:8.3f} ms  "
                                   f"x{row['speedup']:.3f}  {row['tflops_grouped'] or 0:6.1f} TFLOP/s  "
-                                  f"K/V bytes loop/one x{row['kv_bytes_ratio']:.2f}  diff {row['max_abs_diff']:.1e}",
+                                  f"K/V read saved {row['kv_mb_saved']:.1f} MB ({row['kv_saved_pct']:.1f}%)  "
+                                  f"diff {row['max_abs_diff']:.1e}",
                                   flush=True)
     payload = {**make_header(device, "grouped"), "config": vars(a), "rows": rows}
     if device.type == "cuda":  # the configs the autotuner chose, per kernel family and key (length class)
@@ -153,8 +166,9 @@ def main(argv=None) -> int:
         payload["autotune_picks"] = autotune_picks()
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(payload, indent=1))
-        print(f"wrote {a.out}")
+        Path(a.out).write_text(dumps(payload))
+        write_rows_csv(Path(a.out).with_suffix(".csv"), rows)
+        print(f"wrote {a.out} and {Path(a.out).with_suffix('.csv')}")
     return 0
 
 

@@ -50,6 +50,10 @@ def test_tiny_run_writes_json(bench, tmp_path, one_thread):
         assert row["ms_grouped"] > 0 and row["ms_loop"] > 0 and row["speedup"] > 0
         assert row["kv_bytes_loop"] > row["kv_bytes_grouped"] > 0 and row["max_abs_diff"] < 1e-5
         assert row["flops"] > 0 and sum(row["q_lens"]) == row["q_tokens"]
+        saved = row["kv_bytes_loop"] - row["kv_bytes_grouped"]
+        assert row["kv_mb_saved"] == saved / 2**20 and row["kv_saved_pct"] == 100 * saved / row["kv_bytes_loop"]
+    lines = out.with_suffix(".csv").read_text().strip().splitlines()  # the seed's CSV export
+    assert len(lines) == 5 and "kv_saved_pct" in lines[0].split(",") and "ms_grouped" in lines[0].split(",")
 
 
 @pytest.mark.parametrize("causal,lq", [(True, 256), (False, 256), (True, 100)])
