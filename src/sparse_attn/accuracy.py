@@ -323,7 +323,8 @@ def plot_attention_comparison(path, *, seq_len: int = 768, block: int = 64, leve
             ax.axhline(y - 0.5, color="#4a90d9", linewidth=0.3, alpha=0.6)
     fig.colorbar(shown, ax=list(axes), shrink=0.9, label="probability (log scale)")
     rule = ", ".join(f"{name}={kw[name]}" for name in ("simthreshd1", "cdfthreshd", "topk") if name in kw)
-    fig.suptitle(f"{heading}, blocks {layout.block_q}x{layout.block_k}, {'level ' + level if params is None else 'thresholds'} ({rule})"
+    source = f"level {level}" if params is None else "thresholds"
+    fig.suptitle(f"{heading}, blocks {layout.block_q}x{layout.block_k}, {source} ({rule})"
                  f"{', causal' if causal else ''}: sparsity {effective_sparsity(layout, causal):.1%}, output cosine "
                  f"{m['cosine']:.4f}, rel. L1 {m['relative_l1']:.4f}", fontsize=11)
     return save(fig, path, dpi=dpi)

@@ -118,8 +118,9 @@ def describe(case: dict) -> str:
 def check_forward_backward(case: dict, device, *, seed: int | None = None, attention=None) -> None:
     """Run ``case`` (from :func:`draw_case`) through ``attention`` (default :func:`sparse_attn.attention`;
     called as ``attention(q, k, v, layout, causal=, scale=, return_lse=True)``) on fresh random inputs on
-    ``device`` and check against the reference (the tolerance rule of sparse_attn.testing): output, LSE
-    (rows with no key -inf and output exactly 0), dq, dk, dv. Raises AssertionError starting with the seed and configuration."""
+    ``device`` and check against the reference (the tolerance rule of sparse_attn.testing): output, LSE (rows
+    with no key -inf and output exactly 0), dq, dk, dv. Raises AssertionError starting with the seed and
+    configuration."""
     if attention is None:
         from .api import attention
     dtype = case["dtype"]

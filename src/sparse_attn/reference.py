@@ -76,10 +76,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
 
     Returns: out ``[B, Hq, Lq, Dv]`` in q's dtype (and lse).
 
-    ``_lowp`` (tests only) does both products in the input dtype and rounds probabilities to it, as a
-    fused kernel does: the "same-dtype reference" of the tolerance rule (sparse_attn.testing), whose
-    error against the fp64 oracle sets the kernels' tolerance. ``_round_p`` (the 8-bit twin, ops/sage/reference.py)
-    rounds the probabilities used in P.V (not those in the normaliser), as an FP8 P.V kernel does.
+    ``_lowp`` (tests only) does both products in the input dtype and rounds probabilities to it, as a fused
+    kernel does: the "same-dtype reference" of the tolerance rule (sparse_attn.testing), whose error against the
+    fp64 oracle sets the kernels' tolerance. ``_round_p`` (the 8-bit twin, ops/sage/reference.py) rounds the
+    probabilities used in P.V (not those in the normaliser), as an FP8 P.V kernel does.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]

@@ -154,9 +154,10 @@ zigzag_gather = all_gather_zigzag
 
 
 def reduce_scatter_zigzag(full: torch.Tensor, dim: int = 2, group=None) -> torch.Tensor:
-    """Sum ``full`` (sequence order, same shape on every rank, e.g. ``[B, H, L, D]`` with ``dim=2``) over
-    ranks and return this rank's zigzag share (``[B, H, L / W, D]``). Uses ``dist.reduce_scatter``; on backends without it (gloo in some torch versions) falls back
-    to ``all_reduce`` + local slice (W times the traffic, same result)."""
+    """Sum ``full`` (sequence order, same shape on every rank, e.g. ``[B, H, L, D]`` with ``dim=2``) over ranks
+    and return this rank's zigzag share (``[B, H, L / W, D]``). Uses ``dist.reduce_scatter``; on backends
+    without it (gloo in some torch versions) falls back to ``all_reduce`` + local slice (W times the traffic,
+    same result)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     backend = dist.get_backend(group)
     if backend not in _REDUCE_SCATTER_UNSUPPORTED:

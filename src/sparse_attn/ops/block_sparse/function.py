@@ -93,10 +93,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
-    """Gradients of q, k, v, from the output's gradient ``do`` and the LSE's ``dlse`` (None when the
-    loss did not use it; ``do`` None, eager only: the loss used only the LSE). The custom op's autograd calls the backward custom op: AOTAutograd
-    traces this function with fake tensors while ``torch.compiler.is_compiling()`` is False, so only
-    an opaque op may run here then."""
+    """Gradients of q, k, v, from the output's gradient ``do`` and the LSE's ``dlse`` (None when the loss did
+    not use it; ``do`` None, eager only: the loss used only the LSE). The custom op's autograd calls the
+    backward custom op: AOTAutograd traces this function with fake tensors while
+    ``torch.compiler.is_compiling()`` is False, so only an opaque op may run here then."""
     (q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids, terms,
      cu_q, cu_k, cu_dk, dk_rows) = ctx.saved_tensors
     if do is None:  # eager, the loss used only the LSE (gradients are not materialized, _EagerForward)
