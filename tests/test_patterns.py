@@ -555,3 +555,29 @@ def test_transpose_twice_is_identity(data):
     assert torch.equal(t.to_block_mask(), lay.to_block_mask().transpose(-1, -2))
     fresh = BlockLayout(t.block_q, t.block_k, t.q_len, t.kv_len, t.kv_counts, t.kv_indices, t.kv_mask_ids, t.masks)
     same_layout(fresh.transpose(), lay)
+
+
+def test_random_sampling_in_row_chunks_is_the_one_draw_and_bounded(monkeypatch):
+    """sample_blocks draws a chunk of rows at a time; the CPU generator fills them in the order of one
+    [Qb, Kb] draw, so layouts do not change with the chunking (seeded layouts stay the same), and the
+    builder no longer holds Qb x Kb scores (2.3 GiB at 1M tokens in 64-blocks)."""
+    from sparse_attn.patterns import _common
+    kw = dict(density=0.3, heads=3, seed=11, causal=True, block_q=32, block_k=32)
+    whole = P.random(2000, **kw)
+    monkeypatch.setattr(_common, "SAMPLE_CHUNK", 100)  # a few rows per chunk
+    chunked = P.random(2000, **kw)
+    assert torch.equal(whole.kv_indices, chunked.kv_indices) and torch.equal(whole.kv_counts, chunked.kv_counts)
+    bb = (P.bigbird(2000, heads=2, seed=3, block_q=32, block_k=32).kv_indices,)
+    monkeypatch.setattr(_common, "SAMPLE_CHUNK", 1 << 22)
+    assert torch.equal(bb[0], P.bigbird(2000, heads=2, seed=3, block_q=32, block_k=32).kv_indices)
+    monkeypatch.setattr(_common, "SAMPLE_CHUNK", 1 << 16)
+    seen = []
+    real_rand = torch.rand
+
+    def spy(*shape, **kw_):
+        out = real_rand(*shape, **kw_)
+        seen.append(out.numel())
+        return out
+    monkeypatch.setattr(torch, "rand", spy)
+    P.random(64 * 1024, top_k=4, block_q=64, block_k=64)  # Qb = Kb = 1024
+    assert seen and max(seen) <= 1 << 16

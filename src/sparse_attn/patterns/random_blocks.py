@@ -23,7 +23,8 @@ def random(seq_len: int, *, density: float | None = None, top_k: int | None = No
 
     Sampling uses a CPU ``torch.Generator`` seeded with ``seed``, so the layout is the same on
     every device. Returns a BlockLayout with ``batch`` x ``heads`` rows
-    (``kv_indices [batch, heads, Qb, max_k]``). Memory O(Qb * Kb) per head while sampling.
+    (``kv_indices [batch, heads, Qb, max_k]``). Sampling draws scores a chunk of rows at a time
+    (``_common.sample_blocks``): memory O(entries), not O(Qb * Kb).
     """
     q_len, kv_len = lengths(seq_len, kv_len)
     check_int("batch", batch, 1)
@@ -44,7 +45,8 @@ def random(seq_len: int, *, density: float | None = None, top_k: int | None = No
         k_row = torch.clamp(n_cand, max=top_k)
     else:  # the epsilon keeps e.g. 0.3 * 10 from rounding up to 4
         k_row = torch.ceil(n_cand.double() * float(density) - 1e-9).long().clamp(0)
-    eligible = torch.arange(nk)[None, :] < n_cand[:, None]
+    def eligible(r0: int, r1: int) -> torch.Tensor:  # rows r0..r1-1: their candidate prefix of key blocks
+        return torch.arange(nk)[None, :] < n_cand[r0:r1, None]
     forced = torch.where(n_cand > 0, d.clamp(0, max(nk - 1, 0)), -1) if include_diagonal else None
     gen = generator(seed)
     parts = []
