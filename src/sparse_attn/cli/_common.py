@@ -99,6 +99,9 @@ PATTERN_OPTIONS = (
 )
 
 
+PATTERN_OPTION_DESTS = tuple(flag[2:].replace("-", "_") for flag, _, _ in PATTERN_OPTIONS) + ("exponential",)
+
+
 def add_pattern_options(group) -> tuple[str, ...]:
     """Add :data:`PATTERN_OPTIONS` (each at most once per command line, :class:`Once`) and
     ``--exponential`` to ``group``; returns their argparse dests."""
@@ -106,7 +109,7 @@ def add_pattern_options(group) -> tuple[str, ...]:
         group.add_argument(flag, type=kind, action=Once, help=text)
     group.add_argument("--exponential", action="store_true", default=None,
                        help="dilated: offsets 0, d, 2d, 4d, ... (d = --dilation) instead of 0, d, 2d, 3d, ...")
-    return tuple(flag[2:].replace("-", "_") for flag, _, _ in PATTERN_OPTIONS) + ("exponential",)
+    return PATTERN_OPTION_DESTS
 
 
 def usage_error(message: str):

@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 from ..json_io import dumps
-from ._common import (console, default_device, device_arg, nonneg_int, positive_int, positive_tokens, split_list,
-                      tokens, writable_dir)
+from ._common import (PATTERN_OPTION_DESTS, Once, add_pattern_options, console, default_device, device_arg,
+                      nonneg_int, positive_int, positive_tokens, split_list, writable_dir)
 
 DESCRIPTION = """Run a causal LM twice on the same text, once with its own (dense) attention and once
 per PATTERN through the sparse_attn transformers integration, and compare: logits cosine
@@ -47,8 +47,7 @@ window_blocks = 3, dilation = 2."""
 DEFAULT_BARS = {"min_cosine": 0.95, "max_l1": 0.10, "min_top1": 0.90, "min_top5": 0.95}
 OFF = ("off", "none")
 
-OPTION_NAMES = ("window", "num_sink", "block_q", "block_k", "density", "top_k", "heads", "seed", "block_size",
-                "stride", "local_blocks", "window_blocks", "dilation", "num_global_blocks", "num_random_blocks")
+OPTION_NAMES = ("block_q", "block_k", "heads", "seed") + PATTERN_OPTION_DESTS
 ADAPTIVE_OPTIONS = ("simthreshd1", "cdfthreshd", "topk")
 
 
@@ -87,21 +86,12 @@ def add_parser(sub) -> None:
     t.add_argument("--no-verdict", action="store_true",
                    help="numbers only: no PASS/FAIL, exit code 0 whatever the metrics")
     g = p.add_argument_group("pattern options (tokens accept 8k / 128K)")
-    g.add_argument("--window", type=tokens, help="local/streaming window in tokens (default L/4)")
-    g.add_argument("--num-sink", type=tokens, help="streaming: sink tokens (default 64)")
-    g.add_argument("--block-q", type=int, help="query block size (default 128)")
-    g.add_argument("--block-k", type=int, help="key block size (default 128)")
-    g.add_argument("--density", type=float, help="random: fraction of key blocks per row (default 0.2)")
-    g.add_argument("--top-k", type=int, help="random: key blocks per row")
-    g.add_argument("--heads", type=positive_int, help="random/bigbird: per-head layouts (1 or the model's query heads)")
-    g.add_argument("--seed", type=int, help="random/bigbird seed")
-    g.add_argument("--block-size", type=tokens, help="block_diagonal: document length (default L/4)")
-    g.add_argument("--stride", type=int, help="strided: summary-block stride")
-    g.add_argument("--local-blocks", type=int, help="strided: local band in blocks")
-    g.add_argument("--window-blocks", type=int, help="dilated/bigbird: window in blocks")
-    g.add_argument("--dilation", type=int, help="dilated: step between key blocks")
-    g.add_argument("--num-global-blocks", type=int, help="bigbird: global blocks")
-    g.add_argument("--num-random-blocks", type=int, help="bigbird: random blocks per row")
+    g.add_argument("--block-q", type=int, action=Once, help="query block size (default 128)")
+    g.add_argument("--block-k", type=int, action=Once, help="key block size (default 128)")
+    g.add_argument("--heads", type=positive_int, action=Once,
+                   help="random/bigbird: per-head layouts (1 or the model's query heads)")
+    g.add_argument("--seed", type=int, action=Once, help="random/bigbird seed")
+    add_pattern_options(g)  # the builders' options, shared with viz and bench (defaults per L: see above)
     a = p.add_argument_group("adaptive options (passed to sparse_attn.predict.meansim)")
     a.add_argument("--simthreshd1", type=float)
     a.add_argument("--cdfthreshd", type=float)
