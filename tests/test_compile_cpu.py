@@ -10,8 +10,7 @@ import torch
 
 import sparse_attn
 from sparse_attn import patterns
-from sparse_attn.masks import ElementMask, MaskTerm
-from sparse_attn.masks import mask_table
+from sparse_attn.masks import ElementMask, MaskTerm, mask_table
 from sparse_attn.reference_op import masks_from_table
 
 CASES = {  # name: (layout builder, Lq, Lk, Hq, Hkv, causal)
