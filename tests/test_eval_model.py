@@ -131,6 +131,24 @@ def test_eval_model_no_verdict_and_one_text(tiny_model_dir, tmp_path, capsys):
     assert all(s[f"{key}_std"] is None for key in me.METRIC_KEYS)
 
 
+def test_eval_model_compare_runs_random_token_ids_too(tiny_model_dir, tmp_path, capsys):
+    """--compare (seed 004's random vs real data): the same patterns on random token ids, a side-by-side
+    table, the random run in the JSON; the verdict stays on real text."""
+    rc = cli(["--model", str(tiny_model_dir), "--lengths", "64", "--texts", "2", "--new-tokens", "0",
+              "--patterns", "local", "--window", "32", "--block-q", "16", "--block-k", "16", "--device", "cpu",
+              "--no-plot", "--out-dir", str(tmp_path), "--no-verdict", "--compare"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "real text vs random token ids" in printed
+    data = json.loads((tmp_path / "eval-model.json").read_text())
+    rnd = data["compare_random"]
+    assert [r["text"] for r in rnd["rows"]] == ["random-0", "random-1"]
+    assert rnd["summary"][0]["pattern"] == "local" and rnd["summary"][0]["length"] == 64
+    assert data["summary"][0]["cosine"] != rnd["summary"][0]["cosine"]  # other inputs, other numbers
+    ids = me.random_texts(100, 2, 8, seed=0)
+    assert torch.equal(ids[0][1], me.random_texts(100, 2, 8, seed=0)[0][1]) and int(ids[1][1].max()) < 100
+
+
 def test_summarize_std():
     """Sample std (n - 1) per (pattern, length) next to the unchanged mean; None for one text, nan stays nan."""
     rows = []

@@ -266,18 +266,31 @@ class PatternRun:
     config: Callable[[int], object]
 
 
+def random_texts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """``n`` (name, token ids [length]) pairs of uniformly random token ids, seeded: input without the
+    structure of language, for comparing how sparse (and how accurate) a pattern is there."""
+    g = torch.Generator().manual_seed(seed)
+    return [(f"random-{i}", torch.randint(vocab_size, (length,), generator=g)) for i in range(n)]
+
+
 def evaluate(model, tokenizer, runs: list[PatternRun], lengths: list[int], n_texts: int = 3, new_tokens: int = 32,
-             on_step: Callable[[str], None] | None = None, skip_texts: int = 0) -> dict:
+             on_step: Callable[[str], None] | None = None, skip_texts: int = 0, source: str = "text") -> dict:
     """Every (length, text): one dense run (the model's own attention) and one run per pattern
     through the sparse_attn integration. Returns ``{"texts", "rows", "summary"}`` (rows per text,
-    summary averaged over texts per (pattern, length)). ``skip_texts``: see :func:`stdlib_texts`."""
+    summary averaged over texts per (pattern, length)). ``skip_texts``: see :func:`stdlib_texts`.
+    ``source="random"``: uniformly random token ids (:func:`random_texts`) instead of real text."""
     from .integrations.transformers import disable, enable
     if not lengths or min(lengths) < 1 or n_texts < 1 or new_tokens < 0:
         # ids[:length] with a length <= 0 silently ran on the text minus its last tokens
         raise ValueError(f"evaluate needs lengths >= 1, n_texts >= 1 and new_tokens >= 0; got lengths {lengths}, "
                          f"n_texts {n_texts}, new_tokens {new_tokens}")
     device = next(model.parameters()).device
-    texts = stdlib_texts(tokenizer, n_texts, max(lengths), skip=skip_texts)
+    if source not in ("text", "random"):
+        raise ValueError(f"source must be 'text' or 'random', got {source!r}")
+    if source == "random":
+        texts = random_texts(model.config.vocab_size, n_texts, max(lengths))
+    else:
+        texts = stdlib_texts(tokenizer, n_texts, max(lengths), skip=skip_texts)
     rows = []
     for length in lengths:
         for name, ids in texts:

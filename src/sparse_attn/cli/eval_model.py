@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lengths", nargs="+", type=positive_tokens, metavar="L",
                    help="sequence lengths (8k style accepted; default 1k 2k 4k 8k on CUDA, 512 1k on CPU)")
     p.add_argument("--texts", type=positive_int, default=3, help="texts per length (default 3)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run on as many sequences of uniformly random token ids and print how sparse and how "
+                        "accurate each pattern is there against real text (the verdict stays on real text)")
     p.add_argument("--new-tokens", type=nonneg_int, default=32,
                    help="greedy continuation length (default 32; 0 = none)")
     p.add_argument("--layers", help="layers that run the pattern, e.g. '2-29' or '0,5,7' (default: all; others dense)")
@@ -220,6 +224,30 @@ def print_verdict(con, summary: list[dict], bars) -> bool:
     return not failing
 
 
+def compare_random(con, model, tokenizer, runs, lengths, args, summary: list[dict], json_path) -> None:
+    """--compare: the same evaluation on random token ids; prints its table and, per (pattern, L),
+    sparsity and cosine on real text against random ids; adds ``compare_random`` to the JSON."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .. import model_eval as me
+    with con.status("evaluating on random token ids") as status:
+        rnd = me.evaluate(model, tokenizer, runs, lengths, args.texts, args.new_tokens,
+                          on_step=lambda m: status.update(escape(m)), source="random")
+    t = Table(title="real text vs random token ids (means over texts)")
+    for col in ("pattern", "L", "sparsity text", "sparsity random", "cosine text", "cosine random"):
+        t.add_column(col, justify="left" if col == "pattern" else "right")
+    by_key = {(s["pattern"], s["length"]): s for s in rnd["summary"]}
+    for s in summary:
+        r = by_key[(s["pattern"], s["length"])]
+        t.add_row(s["pattern"], str(s["length"]), f"{s['sparsity']:.3f}", f"{r['sparsity']:.3f}",
+                  f"{s['cosine']:.4f}", f"{r['cosine']:.4f}")
+    con.print(t)
+    data = json.loads(json_path.read_text())
+    data["compare_random"] = {"summary": rnd["summary"], "rows": rnd["rows"]}
+    json_path.write_text(dumps(data))
+
+
 def run(args) -> int:
     import torch
     from rich.markup import escape
@@ -272,6 +300,8 @@ def run(args) -> int:
         if s["length"] == longest and s["layer_causal_sparsity"]:
             vals = " ".join(f"{v:.2f}" for v in s["layer_causal_sparsity"])
             con.print(f"per-layer sparsity vs causal, {s['pattern']} at L={longest}: {vals}")
+    if args.compare:
+        compare_random(con, model, tokenizer, runs, lengths, args, summary, json_path)
     written = [json_path]
     if not args.no_plot:
         written.append(me.plot_summary(summary, args.out_dir / f"{args.name}.png", title=title))
