@@ -342,6 +342,60 @@ def test_sliding_window_model_matches_eager():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def tiny_mistral(window=20):
+    from transformers import MistralConfig, MistralForCausalLM
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, sliding_window=window,
+                        max_position_embeddings=512, initializer_range=0.1, attn_implementation="eager")
+    torch.manual_seed(0)
+    return MistralForCausalLM(cfg).eval()
+
+
+def test_sliding_window_mask_is_not_materialised(monkeypatch):
+    """The sliding-window mask function is checked a row chunk at a time and comes back as a
+    one-element marker, not an [B, 1, L, L] mask; prefill and KV-cached decoding stay exact."""
+    model = tiny_mistral()
+    x = ids(length=64)
+    made = []
+    real = sat.sparse_attn_mask
+    monkeypatch.setattr(sat, "MASK_CHUNK", 5 * 64)  # 5 rows a chunk: 13 chunks on the prefill
+    with torch.no_grad():
+        ref = model(x).logits
+        enable(model, SparseAttnConfig())
+        from transformers.masking_utils import AttentionMaskInterface
+        monkeypatch.setitem(AttentionMaskInterface._global_mapping, sat.NAME,
+                            lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+        out = model(x).logits
+        pre = model(x[:, :40], use_cache=True)
+        step = model(x[:, 40:41], past_key_values=pre.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step[:, -1], ref[:, 40], atol=1e-5, rtol=1e-5)
+    bands = [m for m in made if m is not None]
+    assert bands and all(m.untyped_storage().nbytes() == 1 for m in bands), [getattr(m, "shape", m) for m in made]
+    assert [tuple(m.shape) for m in bands] == [(1, 1, 64, 64), (1, 1, 40, 40), (1, 1, 1, 20)]  # the sliding cache keeps 20 keys
+
+
+def test_band_marker_only_fits_its_own_call():
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    marker = sat.sparse_attn_mask(1, 48, 48, mask_function=sliding_window_causal_mask_function(10), local_size=10)
+    assert marker.untyped_storage().nbytes() == 1 and not bool(marker.any())
+    sat.check_mask(marker, 48, 48, True, 10)
+    for lq, lk, causal, window in ((48, 48, True, None), (48, 48, True, 11), (48, 48, False, 10), (47, 48, True, 10)):
+        with pytest.raises(NotImplementedError, match="sliding window of 10 keys"):
+            sat.check_mask(marker, lq, lk, causal, window)
+    wide = sat.sparse_attn_mask(1, 8, 8, mask_function=sliding_window_causal_mask_function(64), local_size=64)
+    sat.check_mask(wide, 8, 8, True, None)  # a window over every earlier key is plain causal
+
+
+def test_other_mask_functions_are_still_materialised_and_checked():
+    from transformers.masking_utils import and_masks, causal_mask_function
+    holes = and_masks(causal_mask_function, lambda b, h, q, kv: kv != 3)
+    mask = sat.sparse_attn_mask(1, 40, 40, mask_function=holes, local_size=None)
+    assert mask.untyped_storage().nbytes() >= 40 * 40 and not bool(mask[0, 0, 20, 3])
+    with pytest.raises(NotImplementedError, match="padded batches are not supported"):
+        sat.check_mask(mask, 40, 40, True, None)
+
+
 def test_from_pretrained_with_registered_default(tmp_path):
     model = tiny_llama(layers=2)
     model.save_pretrained(tmp_path)

@@ -101,8 +101,8 @@ NUMERIC_L1 = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, tor
 def baseline_blocks(layout, causal: bool) -> int:
     """Blocks the dense baseline computes over the layout's batch x heads rows (causal: the causal layout's)."""
     if causal:
-        per_row = patterns.causal(layout.q_len, layout.kv_len, block_q=layout.block_q,
-                                  block_k=layout.block_k).num_blocks
+        per_row = patterns.causal_block_count(layout.q_len, layout.kv_len, block_q=layout.block_q,
+                                              block_k=layout.block_k)
     else:
         per_row = layout.num_q_blocks * layout.num_kv_blocks
     return per_row * layout.batch * layout.heads

@@ -160,8 +160,7 @@ def _causal_cut(layout: BlockLayout, causal: bool) -> BlockLayout:
     if not causal:
         return layout
     from .. import patterns
-    return layout & patterns.causal(layout.q_len, layout.kv_len, block_q=layout.block_q, block_k=layout.block_k,
-                                    device=layout.device)
+    return patterns.causal_cut(layout)
 
 
 def adaptive_predictor() -> Callable:

@@ -233,6 +233,8 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
     sliding window, or all-allowed); raise NotImplementedError for padding or anything custom."""
     if not isinstance(mask, torch.Tensor):
         raise NotImplementedError(f"sparse_attn: attention masks of type {type(mask).__name__} are not supported")
+    if _check_band(mask, lq, lk, causal, window):
+        return
     sig = (tuple(mask.shape), mask._version, lq, lk, causal, window)
     if _CHECKED and _CHECKED[0]() is mask and _CHECKED[1] == sig:
         return
@@ -270,8 +272,10 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
                      **kwargs) -> torch.Tensor | None:
     """transformers mask interface for ``"sparse_attn"``: None for the plain causal/bidirectional
     case (sparse_attn applies causal itself); raises on padding or a key range that does not end at
-    the last query (static caches); other mask functions (packed sequences, sliding windows, ...)
-    are materialised so the attention function can check them."""
+    the last query (static caches). A mask function found (chunk by chunk) to be causal within
+    ``local_size`` keys, a sliding-window layer's mask, gives a zero-memory marker that
+    :func:`check_mask` accepts only on a causal call with that ``sliding_window``; other mask
+    functions (packed sequences, ...) are materialised so the attention function can check them."""
     from transformers.masking_utils import (
         bidirectional_mask_function,
         causal_mask_function,
@@ -294,10 +298,70 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
         return None
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
+    window, device = kwargs.get("local_size"), kwargs.get("device") or "cpu"
+    if _is_causal_band(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, window, device,
+                       bool(kwargs.get("use_vmap"))):
+        return _band_marker(batch_size, q_length, kv_length, window, device)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      allow_is_causal_skip=False, **{k: v for k, v in kwargs.items() if k in ("local_size", "use_vmap",
                                                                                              "device")})
+
+
+MASK_CHUNK = 1 << 24  # mask entries evaluated at a time when checking a mask function (16 MiB of bool)
+_BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window)) of the latest markers
+
+
+def _is_causal_band(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
+                    mask_function: Callable, window: int | None, device, use_vmap: bool = False) -> bool:
+    """Whether ``mask_function`` allows exactly causal attention within the last ``window`` keys
+    (all keys when ``window`` is None) for every batch row: what sparse_attn applies itself for a
+    sliding-window layer. Evaluated a chunk of query rows at a time (:data:`MASK_CHUNK` entries),
+    so no ``[B, 1, Lq, Lk]`` mask exists; stops at the first row chunk that differs."""
+    from transformers.masking_utils import sdpa_mask
+    rows = max(1, MASK_CHUNK // max(1, batch_size * kv_length))
+    j = torch.arange(kv_length, device=device)[None, :]
+    for r0 in range(0, q_length, rows):
+        r1 = min(q_length, r0 + rows)
+        got = sdpa_mask(batch_size=batch_size, q_length=r1 - r0, kv_length=kv_length, q_offset=q_offset + r0,
+                        kv_offset=kv_offset, mask_function=mask_function, allow_is_causal_skip=False,
+                        use_vmap=use_vmap, device=device)
+        if got is None or got.dtype != torch.bool:
+            return False
+        p = torch.arange(r0, r1, device=device)[:, None] + (kv_length - q_length)
+        want = (j <= p) & (j > p - int(window)) if window else (j <= p)
+        if not torch.equal(got, want.expand_as(got)):
+            return False
+    return True
+
+
+def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device) -> torch.Tensor:
+    """What the mask interface returns for a verified causal (sliding-window) mask: a
+    ``[B, 1, Lq, Lk]`` all-False bool view of one element (no O(Lq * Lk) memory; anything else that
+    read it as a mask would mask everything, not attend silently), recognised by :func:`check_mask`."""
+    marker = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
+    _BANDS[:] = [(weakref.ref(marker), (q_length, kv_length, window))] + [b for b in _BANDS if b[0]() is not None][:3]
+    return marker
+
+
+def _reach(window: int | None, kv_len: int) -> int | None:
+    """A causal window's effective size over ``kv_len`` keys: None when it holds every earlier key."""
+    return int(window) if window and int(window) < kv_len else None
+
+
+def _check_band(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
+    """True when ``mask`` is a band marker that matches this call; raises when it does not."""
+    for ref, (q_len, kv_len, band_window) in _BANDS:
+        if ref() is not mask:
+            continue
+        if (q_len, kv_len) != (lq, lk) or not causal or _reach(window, lk) != _reach(band_window, lk):
+            raise NotImplementedError(
+                f"sparse_attn: the model's mask is causal with a sliding window of {band_window} keys over "
+                f"q_len={q_len}, kv_len={kv_len}, but this layer runs causal={causal}, sliding_window={window} over "
+                f"q_len={lq}, kv_len={lk}; sparse_attn applies only the layer's own window, so it would not "
+                "honour that mask")
+        return True
+    return False
 
 
 # ---------------------------------------------------------------------- install

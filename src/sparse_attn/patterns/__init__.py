@@ -9,7 +9,7 @@ their rule touches, full where the rule allows the whole block. Block patterns (
 random, bigbird, from_block_index, topk) list full blocks, cut token-exactly to ``j <= p`` when
 ``causal``. Combine with ``|`` (union) and ``&`` (intersection).
 """
-from .basic import causal, causal_cut, dense
+from .basic import causal, causal_block_count, causal_cut, dense
 from .bigbird_blocks import bigbird
 from .block_index import from_block_index, from_block_mask, to_block_index
 from .csr import from_csr, to_csr
@@ -20,6 +20,6 @@ from .sliding import local, streaming
 from .strided_blocks import dilated, strided
 from .topk_blocks import topk
 
-__all__ = ["dense", "causal", "causal_cut", "local", "streaming", "block_diagonal", "strided", "dilated", "random", "bigbird",
+__all__ = ["dense", "causal", "causal_block_count", "causal_cut", "local", "streaming", "block_diagonal", "strided", "dilated", "random", "bigbird",
            "from_block_index", "to_block_index", "from_block_mask", "to_csr", "from_csr", "topk", "from_flex",
            "to_flex"]

@@ -48,7 +48,7 @@ def _build_one(name: str, seq_len: int, options: dict):
     return fn(seq_len, **kw)
 
 
-NOT_BUILDERS = {"causal_cut", "to_flex", "from_block_index", "from_block_mask", "from_csr", "to_csr", "to_block_index",
+NOT_BUILDERS = {"causal_cut", "causal_block_count", "to_flex", "from_block_index", "from_block_mask", "from_csr", "to_csr", "to_block_index",
                 "from_flex", "topk"}
 
 
