@@ -27,6 +27,27 @@ def test_values_on_a_literal():
     assert metrics.cosine_similarity(a, b) == pytest.approx(dot / (na * nb))
 
 
+@pytest.mark.parametrize("shapes", [((3, 5, 7), (3, 5, 7)), ((2, 1, 9), (1, 4, 9)), ((41,), (41,))])
+def test_chunked_passes_equal_one_float64_pass(monkeypatch, shapes):
+    """The metrics run over chunks of CHUNK elements; with chunks of 8 they must equal the plain
+    float64 formulas on the whole tensors, and a NaN in the last chunk still makes every one nan."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(*shapes[0], generator=g, dtype=torch.float32)
+    b = (torch.randn(*shapes[1], generator=g) * 3).to(torch.float16)
+    x, y = torch.broadcast_tensors(a.double(), b.double())
+    d = x - y
+    want = {"cosine": float((x * y).sum() / (x.norm() * y.norm())), "relative_l1": float(d.abs().sum() / y.abs().sum()),
+            "rmse": float(d.square().mean().sqrt()), "max_abs_error": float(d.abs().max())}
+    monkeypatch.setattr(metrics, "CHUNK", 8)
+    got = metrics.compare(a, b)
+    assert got["finite"] is True
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-12), name
+    a.reshape(-1)[-1] = float("nan")
+    bad = metrics.compare(a, b)
+    assert bad["finite"] is False and all(math.isnan(bad[name]) for name in want)
+
+
 def test_identical_and_opposite():
     x = torch.randn(3, 4, 5, 8)
     assert metrics.cosine_similarity(x, x) == pytest.approx(1.0)
