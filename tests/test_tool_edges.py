@@ -68,3 +68,27 @@ def test_report_of_slices_from_different_devices_says_so(tmp_path):
     header, rows, _ = report.merge_results(sorted(tmp_path.glob("*.json")))
     assert header["gpu"] == "NVIDIA H100 80GB HBM3 + NVIDIA H200"
     assert any("ran on different devices" in line for line in report.header_lines(header, rows))
+
+
+def test_pooled_states_keep_every_visited_block_and_the_strongest_state():
+    blocks = {"block_q": 16, "block_k": 32}
+    lay = patterns.random(700, density=0.2, heads=3, seed=5, **blocks) | patterns.local(700, 40, causal=False, **blocks)
+    states = viz.block_states(lay)
+    same, fq, fk = viz.pooled_states(lay, head=2)
+    assert (fq, fk) == (1, 1) and torch.equal(same, states[0, 2])  # the grid fits: no pooling
+    cells, fq, fk = viz.pooled_states(lay, head=1, max_cells=10)  # 44 x 22 blocks
+    assert (fq, fk) == (5, 3) and cells.shape == (9, 8)
+    grid = torch.zeros(9 * 5, 8 * 3, dtype=torch.int8)
+    grid[:44, :22] = states[0, 1]
+    assert torch.equal(cells, grid.view(9, 5, 8, 3).amax(dim=(1, 3)))
+
+
+def test_drawing_a_million_tokens_does_not_build_the_block_grid(tmp_path):
+    """draw_layout at 1M tokens in 64-blocks went over 12 GiB (a 16K x 16K grid through matplotlib)."""
+    lay = patterns.local(1 << 20, 4096, block_q=64, block_k=64)
+    fig = viz.draw_layout(lay, name="local", close_up=viz.CloseUp(1 << 19, (1 << 19) - 128, 256))
+    image = fig.axes[0].get_images()[0].get_array()
+    assert max(image.shape) <= viz.MAX_CELLS and int((image == viz.PARTIAL).sum()) > 0
+    assert viz.save(fig, tmp_path / "m.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="has 1 head"):
+        viz.draw_layout(lay, heads=[3])

@@ -60,6 +60,33 @@ def token_region(layout, q0: int, k0: int, rows: int, cols: int | None = None, *
     return torch.cat(rows, 0) if rows else torch.zeros(0, max(k1 - k0, 0), dtype=torch.bool)
 
 
+# a drawn block grid has at most this many cells a side: a panel's axes are ~300 pixels wide, and
+# matplotlib's own resampling of a finer grid drops single visited blocks (BigBird's global row)
+MAX_CELLS = 256
+
+
+def pooled_states(layout, batch: int = 0, head: int = 0, max_cells: int = MAX_CELLS) -> tuple[torch.Tensor, int, int]:
+    """One head's block states pooled to at most ``max_cells`` a side, built from its listed blocks
+    (no ``[Qb, Kb]`` grid: 16K x 16K at 1M tokens in 64-blocks, which matplotlib turned into >12 GiB).
+
+    Returns (int8 ``[ceil(Qb / fq), ceil(Kb / fk)]``, fq, fk): each cell covers ``fq x fk`` blocks and
+    shows the strongest state among them (partial over full over absent), so a visited block is
+    never hidden by pooling. ``fq = fk = 1`` when the grid fits (then it equals :func:`block_states`).
+    """
+    lay = layout.to("cpu")
+    nq, nk = lay.num_q_blocks, lay.num_kv_blocks
+    fq, fk = max(1, math.ceil(nq / max_cells)), max(1, math.ceil(nk / max_cells))
+    b, h = min(batch, lay.batch - 1), min(head, lay.heads - 1)
+    counts, idx, mid = lay.kv_counts[b, h], lay.kv_indices[b, h].long(), lay.kv_mask_ids[b, h]
+    valid = torch.arange(lay.max_k) < counts[:, None].long()
+    qb = torch.arange(nq)[:, None].expand_as(idx)[valid]
+    cell = (qb // fq) * math.ceil(nk / fk) + idx[valid] // fk
+    state = torch.where(mid[valid] >= 0, PARTIAL, FULL).to(torch.int8)
+    out = torch.zeros(math.ceil(nq / fq) * math.ceil(nk / fk), dtype=torch.int8)
+    out.scatter_reduce_(0, cell, state, reduce="amax")
+    return out.view(math.ceil(nq / fq), math.ceil(nk / fk)), fq, fk
+
+
 def per_head_density(states: torch.Tensor) -> torch.Tensor:
     """float ``[Bl, Hl]``: fraction of each head's grid that is visited."""
     return (states > 0).float().mean(dim=(-1, -2))
@@ -110,23 +137,27 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch, Rectangle
     plt = _plt()
-    states = block_states(layout)
-    b = min(batch, states.shape[0] - 1)
-    heads = heads if heads is not None else _heads_to_draw(states.shape[1], max_heads)
-    dens = per_head_density(states)
+    lay = layout.to("cpu")
+    b = min(batch, lay.batch - 1)
+    heads = heads if heads is not None else _heads_to_draw(lay.heads, max_heads)
+    if any(not 0 <= h < lay.heads for h in heads):
+        raise ValueError(f"draw_layout: heads={heads}, but the layout has {lay.heads} head(s) (0..{lay.heads - 1})")
+    dens = lay.kv_counts.sum(-1).double() / max(lay.num_q_blocks * lay.num_kv_blocks, 1)  # [Bl, Hl]
     n_panels = len(heads) + (close_up is not None)
     size = (max(panel_inches * n_panels, 6.4), panel_inches + 1.2)
     fig, axes = plt.subplots(1, n_panels, figsize=size, squeeze=False)
     axes = axes[0]
     cmap = ListedColormap(COLORS)
-    nq, nk = states.shape[-2:]
+    nq, nk = lay.num_q_blocks, lay.num_kv_blocks
     for ax, h in zip(axes, heads):
-        ax.imshow(states[b, h].numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
-                  extent=(0, nk, nq, 0))
+        cells, fq, fk = pooled_states(lay, b, h)
+        # extent in block units: a pooled cell spans fq x fk blocks, drawn where those blocks are
+        ax.imshow(cells.numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest", extent=(0, nk, nq, 0))
         _grid(ax, nq, nk)
-        label = "all heads" if states.shape[1] == 1 else f"head {h}"
+        label = "all heads" if lay.heads == 1 else f"head {h}"
         ax.set_title(f"{label}: {dens[b, h]:.3f}", fontsize=9)
-        ax.set_xlabel(f"key block ({layout.block_k} tokens)", fontsize=8)
+        pooled = "" if (fq, fk) == (1, 1) else f"; a cell = {fq}x{fk} blocks"
+        ax.set_xlabel(f"key block ({layout.block_k} tokens{pooled})", fontsize=8)
         ax.set_ylabel(f"query block ({layout.block_q} tokens)", fontsize=8)
         ax.tick_params(labelsize=7)
         if close_up is not None and h == close_up.head:
@@ -135,8 +166,9 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
                                    fill=False, edgecolor="#c0392b", linewidth=1.2))
     if close_up is not None:
         _draw_close_up(axes[-1], layout, close_up, b)
-    n_full = int((states == FULL).sum())
-    n_part = int((states == PARTIAL).sum())
+    listed = torch.arange(lay.max_k) < lay.kv_counts[..., None].long()
+    n_part = int((listed & (lay.kv_mask_ids >= 0)).sum())
+    n_full = int(listed.sum()) - n_part
     kv = "" if layout.kv_len == layout.q_len else f"x{layout.kv_len}"
     title = (f"{name + ': ' if name else ''}L={layout.q_len}{kv}, blocks {layout.block_q}x{layout.block_k}, "
              f"density {layout.density:.3f}")
@@ -172,7 +204,8 @@ def _draw_close_up(ax, layout, cu: CloseUp, batch: int) -> None:
         ax.axvline(x, color="#c0392b", linewidth=0.6, alpha=0.7)
     for y in range(math.ceil(cu.q0 / layout.block_q) * layout.block_q, cu.q0 + rows, layout.block_q):
         ax.axhline(y, color="#c0392b", linewidth=0.6, alpha=0.7)
-    ax.set_title(f"tokens {cu.q0}..{cu.q0 + rows} x {cu.k0}..{cu.k0 + cols} (head {cu.head})", fontsize=9)
+    title = f"tokens {cu.q0}..{cu.q0 + rows} x {cu.k0}..{cu.k0 + cols} (head {cu.head})"
+    ax.set_title(title.replace(" x ", "\nx ") if len(title) > 44 else title, fontsize=9)  # long positions: 2 lines
     ax.set_xlabel("key", fontsize=8)
     ax.set_ylabel("query", fontsize=8)
     ax.tick_params(labelsize=7)
