@@ -48,6 +48,14 @@ def test_chunked_passes_equal_one_float64_pass(monkeypatch, shapes):
     assert bad["finite"] is False and all(math.isnan(bad[name]) for name in want)
 
 
+def test_precision_metric_uses_spargeattn_names(capsys):
+    a, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 2.0, 2.0, 6.0])
+    m = metrics.compare(a, b)
+    assert metrics.precision_metric(a, b, verbose=True) == {"Cossim": m["cosine"], "L1": m["relative_l1"],
+                                                            "RMSE": m["rmse"]}
+    assert capsys.readouterr().out.strip() == f"Cossim: {round(m['cosine'], 4)}, L1: 0.2727, RMSE: 1.118"
+
+
 def test_identical_and_opposite():
     x = torch.randn(3, 4, 5, 8)
     assert metrics.cosine_similarity(x, x) == pytest.approx(1.0)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-__all__ = ["cosine_similarity", "relative_l1", "rmse", "max_abs_error", "sparsity", "compare"]
+__all__ = ["cosine_similarity", "relative_l1", "rmse", "max_abs_error", "sparsity", "compare", "precision_metric"]
 
 
 CHUNK = 1 << 22  # elements converted to float64 at a time (32 MiB a side): no float64 copy of whole outputs
@@ -123,3 +123,15 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float | bool]:
     m = _all(out, ref)
     # every metric is nan exactly when some input value is not finite (an empty pair is finite)
     return {**m, "finite": not math.isnan(m["max_abs_error"])}
+
+
+def precision_metric(out: torch.Tensor, ref: torch.Tensor, verbose: bool = False,
+                     round_num: int = 4) -> dict[str, float]:
+    """SpargeAttn's names for three of :func:`compare`'s metrics, for tests ported from it:
+    ``{"Cossim": cosine, "L1": relative L1, "RMSE": rmse}`` of ``out`` against ``ref`` (same
+    definitions, float64, the NaN policy above). ``verbose`` prints them rounded to ``round_num``."""
+    m = _all(out, ref)
+    named = {"Cossim": m["cosine"], "L1": m["relative_l1"], "RMSE": m["rmse"]}
+    if verbose:
+        print(", ".join(f"{k}: {round(v, round_num)}" for k, v in named.items()))
+    return named
