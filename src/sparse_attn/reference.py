@@ -62,7 +62,7 @@ def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
               causal: bool = False, scale: float | None = None, return_lse: bool = False,
-              _lowp: bool = False, _round_p=None):
+              _lowp: bool = False, _round_p=None, _acc_lse: bool = False):
     """Reference block-sparse attention.
 
     Args:
@@ -79,7 +79,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     ``_lowp`` (tests only) does both products in the input dtype and rounds probabilities to it, as a fused
     kernel does: the "same-dtype reference" of the tolerance rule (sparse_attn.testing), whose error against the
     fp64 oracle sets the kernels' tolerance. ``_round_p`` (the 8-bit twin, ops/sage/reference.py) rounds the
-    probabilities used in P.V (not those in the normaliser), as an FP8 P.V kernel does.
+    probabilities used in P.V (not those in the normaliser), as an FP8 P.V kernel does. ``_acc_lse``
+    (:mod:`sparse_attn.reference_op`) keeps the LSE in the accumulation dtype, float64 for float64
+    inputs: its explicit backward recomputes P from that LSE, and an fp32 one cost float64 gradients
+    about 1e-5 of their size.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -116,8 +119,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     out = torch.cat(outs, 2).to(q.dtype)
     if not return_lse:
         return out
-    lse = torch.cat(lses, 2).float() if lses else q.new_zeros(B, Hq, 0, dtype=torch.float32) + graph_anchor(
-        q, k, v, torch.float32)
+    lse_dtype = acc if _acc_lse else torch.float32
+    lse = torch.cat(lses, 2).to(lse_dtype) if lses else q.new_zeros(B, Hq, 0, dtype=lse_dtype) + graph_anchor(
+        q, k, v, lse_dtype)
     return out, lse
 
 

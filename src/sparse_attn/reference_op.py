@@ -41,16 +41,22 @@ def _layout(q, k, kv_counts, kv_indices, kv_mask_ids, terms, term_counts, n_mask
 def reference_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, kv_indices: Tensor, kv_mask_ids: Tensor,
                   terms: Tensor, term_counts: Tensor, n_masks: int, block_q: int, block_k: int, causal: bool,
                   scale: float) -> tuple[Tensor, Tensor]:
-    """``(out [B, Hq, Lq, Dv] in q's dtype, lse fp32 [B, Hq, Lq])`` of the reference on this layout."""
+    """``(out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq])`` of the reference on this layout; the LSE
+    in the accumulation dtype (:func:`_lse_dtype`), since the backward recomputes P from it."""
     layout = _layout(q, k, kv_counts, kv_indices, kv_mask_ids, terms, term_counts, n_masks, block_q, block_k)
-    out, lse = reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True)
+    out, lse = reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True, _acc_lse=True)
     return out.contiguous(), lse.contiguous()
 
 
 @reference_fwd.register_fake
 def _(q, k, v, *args):
     out = q.new_empty(*q.shape[:3], v.shape[-1])
-    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+    return out, q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The reference's accumulation dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @torch.library.custom_op("sparse_attn::reference_bwd", mutates_args=())
@@ -87,9 +93,11 @@ reference_fwd.register_autograd(_backward, setup_context=_setup_context)
 def attention(q, k, v, layout: BlockLayout, *, causal: bool = False, scale: float | None = None,
               return_lse: bool = False):
     """:func:`sparse_attn.reference.attention` (same arguments, a validated layout on q's device)
-    through the custom op, so that torch.compile traces it as one opaque, differentiable call."""
+    through the custom op, so that torch.compile traces it as one opaque, differentiable call. The
+    op's LSE is cast to fp32 here, as the eager reference returns it (the op keeps float64 inputs' own
+    for its backward)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)  # as reference.attention
     terms, term_counts = layout.mask_table()
     out, lse = reference_fwd(q, k, v, layout.kv_counts, layout.kv_indices, layout.kv_mask_ids, terms, term_counts,
                              len(layout.masks), layout.block_q, layout.block_k, causal, scale)
-    return (out, lse) if return_lse else out
+    return (out, lse.float()) if return_lse else out
