@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU test suites in shards that each finish inside one device call (the six suites together took
+# 520 s on 8 workers of an H100, too close to the 600 s a call may run), and extra fuzz seeds.
+#   bash benchmarks/gpu_suites.sh a          # kernels + fuzz suites
+#   bash benchmarks/gpu_suites.sh b          # 8-bit, integration, grouped, tools, backward variants
+#   bash benchmarks/gpu_suites.sh fuzz START # six fuzz_more.py workers from seed START (+1000 each), 100 s
+# Carry .whl (sageattention's wheel, for shard b). Summaries land in $OUT.
+set -u
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
+pip install -q --no-deps .whl/sageattention-*.whl 2>&1 | grep -v WARNING | tail -1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+suites() {  # $1: shard name, rest: test files
+  local name=$1; shift
+  timeout 560 python -m pytest -q -n 8 -p no:cacheprovider "$@" 2>&1 | tail -6 | tee "$OUT/gpu-suites-$name.txt"
+}
+case "${1:-a}" in
+  a) suites a tests/gpu/test_kernels_gpu.py tests/gpu/test_fuzz_gpu.py ;;
+  b) suites b tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_grouped_gpu.py \
+       tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py ;;
+  fuzz)
+    start=${2:?a first seed, e.g. 58000}
+    for i in 0 1 2 3 4 5; do
+      python benchmarks/fuzz_more.py --start $((start + i * 1000)) --budget-s 100 > "$OUT/fuzz-$i.txt" 2>&1 &
+    done
+    wait
+    tail -n 2 "$OUT"/fuzz-*.txt ;;
+  *) echo "usage: bash benchmarks/gpu_suites.sh a|b|fuzz START" >&2; exit 2 ;;
+esac
