@@ -4,10 +4,12 @@
 #   bash benchmarks/gpu_suites.sh a          # kernels + fuzz suites
 #   bash benchmarks/gpu_suites.sh b          # 8-bit, integration, grouped, tools, backward variants
 #   bash benchmarks/gpu_suites.sh fuzz START # six fuzz_more.py workers from seed START (+1000 each), 100 s
-# Carry .whl (sageattention's wheel, for shard b). Summaries land in $OUT.
+# Carry .whl (sageattention's wheel, for shard b). Summaries land in $OUT (default out/gpu).
 set -u
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
-pip install -q --no-deps .whl/sageattention-*.whl 2>&1 | grep -v WARNING | tail -1
+ls .whl/sageattention-*.whl >/dev/null 2>&1 && pip install -q --no-deps .whl/sageattention-*.whl 2>&1 | grep -v WARNING | tail -1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 suites() {  # $1: shard name, rest: test files
   local name=$1; shift
