@@ -274,6 +274,19 @@ def test_dilated_exponential_offsets_and_huge_windows():
         P.dilated(1024, 3, 1, exponential="yes")
 
 
+
+@pytest.mark.parametrize("lq,lk,bq,bk", [(64, 16, 16, 16), (1000, 100, 16, 16), (640, 64, 64, 16), (300, 100, 48, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window_blocks,dilation", [(3, 1), (6, 2), (9, 1)])
+def test_dilated_exponential_when_queries_outnumber_keys(lq, lk, bq, bk, causal, window_blocks, dilation):
+    """Lq > Lk puts early query blocks' diagonal before the first key block (d < 0), where d + o still
+    reaches the grid for offsets up to Kb - 1 - d: the exponential offsets used to stop at Kb and drop
+    those blocks (dilated(64, 3, 1, kv_len=16, exponential=True) missed key block 0 of query block 1)."""
+    lay = P.dilated(lq, window_blocks, dilation, lk, causal=causal, exponential=True, block_q=bq, block_k=bk)
+    assert_exact(lay, dilated_oracle(lq, lk, bq, bk, window_blocks, dilation, causal, exponential=True))
+    if window_blocks == 3 and dilation == 1:  # offsets 0, 1, 2 both ways
+        same_layout(lay, P.dilated(lq, 3, 1, lk, causal=causal, block_q=bq, block_k=bk))
+
 # ----------------------------------------------------------------------------- random
 @pytest.mark.parametrize("lq,lk,bq,bk", [(17, 17, 16, 16), (100, 100, 64, 128), (1000, 1000, 16, 16),
                                          (100, 300, 48, 32), (300, 100, 16, 16), (300, 100, 48, 32)])

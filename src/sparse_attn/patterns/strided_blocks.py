@@ -72,7 +72,10 @@ def dilated(seq_len: int, window_blocks: int, dilation: int, kv_len: int | None 
         raise TypeError(f"exponential must be a bool, got {type(exponential).__name__} {exponential!r}")
     nq, nk = grid(q_len, kv_len, block_q, block_k)
     qb, _, d = _diagonals(nq, q_len, kv_len, block_q, block_k, device)
-    steps = _dilated_offsets(window_blocks, dilation, exponential, nk, device)
+    # the largest offset that can still land in [0, Kb): d may be negative (Lq > Lk), so d + o reaches
+    # the grid for offsets up to Kb - 1 - min(d), not only Kb - 1
+    reach = max(int(d.max()), nk - 1 - int(d.min())) if d.numel() else 0
+    steps = _dilated_offsets(window_blocks, dilation, exponential, reach, device)
     if not causal:
         steps = torch.cat([-steps, steps[1:]])
     kb = (d[:, None] - steps[None, :]).reshape(-1)
@@ -82,14 +85,15 @@ def dilated(seq_len: int, window_blocks: int, dilation: int, kv_len: int | None 
                                block_q=block_q, block_k=block_k, causal=causal)
 
 
-def _dilated_offsets(window_blocks: int, dilation: int, exponential: bool, nk: int, device) -> torch.Tensor:
-    """int64 [n]: the offsets o_r of :func:`dilated`, ascending. Exponential offsets stop once they
-    pass the key grid (later ones would only be skipped), which also keeps 2**r finite."""
+def _dilated_offsets(window_blocks: int, dilation: int, exponential: bool, reach: int, device) -> torch.Tensor:
+    """int64 [n]: the offsets o_r of :func:`dilated`, ascending. Exponential offsets stop after the
+    first one beyond ``reach``, the largest offset that can land in the key grid (later ones would only
+    be skipped), which also keeps 2**r finite."""
     if not exponential:
         return torch.arange(window_blocks, device=device) * dilation
     offsets = [0]
     for r in range(1, window_blocks):
         offsets.append(dilation * 2 ** (r - 1))
-        if offsets[-1] >= nk:
+        if offsets[-1] > reach:
             break
     return torch.tensor(offsets, dtype=torch.long, device=device)
