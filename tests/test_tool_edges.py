@@ -92,3 +92,28 @@ def test_drawing_a_million_tokens_does_not_build_the_block_grid(tmp_path):
     assert viz.save(fig, tmp_path / "m.png").stat().st_size > 0
     with pytest.raises(ValueError, match="has 1 head"):
         viz.draw_layout(lay, heads=[3])
+
+
+def test_viz_refuses_heads_and_batches_the_layout_lacks():
+    """An out-of-range batch or close-up head was clamped: a panel titled 'head 7' showed head 2."""
+    lay = patterns.random(100, density=0.3, heads=3, batch=2, seed=1, block_q=16, block_k=16)
+    assert torch.equal(viz.token_region(lay, 0, 0, 32, head=2, batch=1),
+                       lay.to_token_mask()[1, 2, :32, :32])
+    for kwargs in ({"head": 3}, {"batch": 2}, {"head": -1}):
+        with pytest.raises(ValueError, match="valid: 0.."):
+            viz.token_region(lay, 0, 0, 32, **kwargs)
+        with pytest.raises(ValueError, match="valid: 0.."):
+            viz.pooled_states(lay, **kwargs)
+    with pytest.raises(ValueError, match="close_up.head=7"):
+        viz.draw_layout(lay, close_up=viz.CloseUp(0, 0, 32, head=7))
+    with pytest.raises(ValueError, match="batch=5"):
+        viz.draw_layout(lay, batch=5)
+    with pytest.raises(ValueError, match="heads=\\[\\] draws nothing"):
+        viz.draw_layout(lay, heads=[])
+    with pytest.raises(TypeError, match="draws a BlockLayout, got Tensor"):
+        viz.draw_layout(torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="max_cells"):
+        viz.pooled_states(lay, max_cells=0)
+    # a layout of one head / batch serves every index (it broadcasts), as in attention
+    shared = patterns.local(100, 20, block_q=16, block_k=16)
+    assert torch.equal(viz.token_region(shared, 0, 0, 32, head=5, batch=3), viz.token_region(shared, 0, 0, 32))

@@ -10,12 +10,15 @@ sparse_attn[bench]``), with the non-interactive Agg backend.
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .layout import BlockLayout
 
 ABSENT, FULL, PARTIAL = 0, 1, 2
 COLORS = ("#ffffff", "#2b5c9e", "#f0962e")  # absent, full, partial
@@ -27,6 +30,23 @@ def _plt():
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     return plt
+
+
+def _pick(name: str, i, n: int) -> int:
+    """Index ``i`` into a layout dimension of size ``n``: a size-1 dimension broadcasts (any index
+    reads entry 0); otherwise ``0 <= i < n`` or a ValueError (an out-of-range index was clamped and the
+    panel labelled with the index asked for, showing another head)."""
+    if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(i).__name__} {i!r}")
+    if i < 0 or (n > 1 and i >= n):
+        raise ValueError(f"{name}={i}, but the layout has {n} (valid: 0..{n - 1}; a layout of 1 serves any)")
+    return 0 if n == 1 else int(i)
+
+
+def _check_layout(layout, fn: str) -> None:
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"{fn} draws a BlockLayout, got {type(layout).__name__}; build one with "
+                        "sparse_attn.patterns or BlockLayout.from_block_mask")
 
 
 # ----------------------------------------------------------------------------- data
@@ -45,6 +65,8 @@ def token_region(layout, q0: int, k0: int, rows: int, cols: int | None = None, *
                  head: int = 0) -> torch.Tensor:
     """bool ``[rows, cols]`` (clipped to the layout): the exact pattern of queries ``q0..`` x keys ``k0..``."""
     from .reference import token_mask_rows
+    _check_layout(layout, "token_region")
+    batch, head = _pick("batch", batch, layout.batch), _pick("head", head, layout.heads)
     if q0 < 0 or k0 < 0 or q0 >= max(layout.q_len, 1) or k0 >= max(layout.kv_len, 1):
         raise ValueError(f"token_region starts at query {q0}, key {k0}: both must lie in the layout "
                          f"(0..{layout.q_len - 1} x 0..{layout.kv_len - 1})")
@@ -55,7 +77,7 @@ def token_region(layout, q0: int, k0: int, rows: int, cols: int | None = None, *
     while r < q1:
         r_end = min(q1, (r // lay.block_q + 1) * lay.block_q)
         m = token_mask_rows(lay, r, r_end)
-        rows.append(m[min(batch, m.shape[0] - 1), min(head, m.shape[1] - 1), :, k0:k1])
+        rows.append(m[batch if m.shape[0] > 1 else 0, head if m.shape[1] > 1 else 0, :, k0:k1])
         r = r_end
     return torch.cat(rows, 0) if rows else torch.zeros(0, max(k1 - k0, 0), dtype=torch.bool)
 
@@ -73,10 +95,13 @@ def pooled_states(layout, batch: int = 0, head: int = 0, max_cells: int = MAX_CE
     shows the strongest state among them (partial over full over absent), so a visited block is
     never hidden by pooling. ``fq = fk = 1`` when the grid fits (then it equals :func:`block_states`).
     """
+    _check_layout(layout, "pooled_states")
+    if isinstance(max_cells, bool) or not isinstance(max_cells, numbers.Integral) or max_cells < 1:
+        raise ValueError(f"max_cells must be an int >= 1, got {max_cells!r}")
+    b, h = _pick("batch", batch, layout.batch), _pick("head", head, layout.heads)
     lay = layout.to("cpu")
     nq, nk = lay.num_q_blocks, lay.num_kv_blocks
     fq, fk = max(1, math.ceil(nq / max_cells)), max(1, math.ceil(nk / max_cells))
-    b, h = min(batch, lay.batch - 1), min(head, lay.heads - 1)
     counts, idx, mid = lay.kv_counts[b, h], lay.kv_indices[b, h].long(), lay.kv_mask_ids[b, h]
     valid = torch.arange(lay.max_k) < counts[:, None].long()
     qb = torch.arange(nq)[:, None].expand_as(idx)[valid]
@@ -136,12 +161,18 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
     """
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch, Rectangle
+    _check_layout(layout, "draw_layout")
+    b = _pick("batch", batch, layout.batch)
+    heads = list(heads) if heads is not None else _heads_to_draw(layout.heads, max_heads)
+    if not heads:
+        raise ValueError("draw_layout: heads=[] draws nothing; pass at least one head index, or None for up to "
+                         "max_heads of them")
+    if any(isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 0 <= h < layout.heads for h in heads):
+        raise ValueError(f"draw_layout: heads={heads}, but the layout has {layout.heads} head(s) "
+                         f"(0..{layout.heads - 1})")
+    cu_head = None if close_up is None else _pick("close_up.head", close_up.head, layout.heads)
     plt = _plt()
     lay = layout.to("cpu")
-    b = min(batch, lay.batch - 1)
-    heads = heads if heads is not None else _heads_to_draw(lay.heads, max_heads)
-    if any(not 0 <= h < lay.heads for h in heads):
-        raise ValueError(f"draw_layout: heads={heads}, but the layout has {lay.heads} head(s) (0..{lay.heads - 1})")
     dens = lay.kv_counts.sum(-1).double() / max(lay.num_q_blocks * lay.num_kv_blocks, 1)  # [Bl, Hl]
     n_panels = len(heads) + (close_up is not None)
     size = (max(panel_inches * n_panels, 6.4), panel_inches + 1.2)
@@ -160,7 +191,7 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
         ax.set_xlabel(f"key block ({layout.block_k} tokens{pooled})", fontsize=8)
         ax.set_ylabel(f"query block ({layout.block_q} tokens)", fontsize=8)
         ax.tick_params(labelsize=7)
-        if close_up is not None and h == close_up.head:
+        if close_up is not None and h == cu_head:
             ax.add_patch(Rectangle((close_up.k0 / layout.block_k, close_up.q0 / layout.block_q),
                                    close_up.width / layout.block_k, close_up.rows / layout.block_q,
                                    fill=False, edgecolor="#c0392b", linewidth=1.2))
