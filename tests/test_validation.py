@@ -265,3 +265,60 @@ def test_checks_run_before_layout_use():
     causal = BlockLayout.from_mask(ElementMask((causal_term(),)), q_len=40, kv_len=48, block_q=16, block_k=16)
     with pytest.raises(ValueError, match=r"scale must be"):
         sparse_attn.attention(q, k, v, causal, scale=0)
+
+
+# ----------------------------------------------------------------------------- argument types (an audit's finds)
+def test_numpy_numbers_are_accepted_and_tensors_strings_refused_with_a_reason():
+    np = pytest.importorskip("numpy")
+    from sparse_attn import patterns
+    q, k, v = qkv()
+    want = sparse_attn.attention(q, k, v, scale=0.5)
+    assert torch.equal(sparse_attn.attention(q, k, v, scale=np.float32(0.5)), want)  # "got np.float32(0.5)"
+    with pytest.raises(ValueError, match=r"scale\.item\(\)"):
+        sparse_attn.attention(q, k, v, scale=torch.tensor(0.5))
+    with pytest.raises(TypeError, match="causal must be True or False, got str 'no'"):
+        sparse_attn.attention(q, k, v, causal="no")  # was truthy: causal attention
+    lay = patterns.local(4096, 256, block_q=np.int64(64))  # refused as "not a multiple of 16"
+    assert type(lay.block_q) is int and lay.block_q == 64
+    with pytest.raises(TypeError, match="density must be a number in \\(0, 1\\], got bool True"):
+        patterns.random(256, density=True, block_q=16, block_k=16)  # was density 1.0
+    with pytest.raises(TypeError, match="got str '0.25'"):
+        patterns.random(256, density="0.25", block_q=16, block_k=16)
+    with pytest.raises(ValueError, match="seed must be < 2\\*\\*64"):
+        patterns.random(256, density=0.25, seed=2 ** 64, block_q=16, block_k=16)  # "Overflow when unpacking"
+
+
+def test_layout_lengths_and_masks_are_checked_with_their_names():
+    mask = ElementMask((window_term(4, 0),))
+    with pytest.raises(LayoutError, match="q_len must be an int >= 0, got int -1"):
+        BlockLayout.from_mask(mask, q_len=-1, block_q=16, block_k=16)  # built a q_len=-1 layout
+    with pytest.raises(LayoutError, match="got float 100.0"):
+        BlockLayout.from_mask(mask, q_len=100.0, block_q=16, block_k=16)  # repeat_interleave_cpu error
+    with pytest.raises(LayoutError, match="q_len must be an int >= 0, got int -5"):
+        BlockLayout.from_block_mask(torch.ones(2, 2, dtype=torch.bool), block_q=16, block_k=16, q_len=-5)
+    lay = layout_for()
+    bad = BlockLayout(lay.block_q, lay.block_k, lay.q_len, lay.kv_len, lay.kv_counts, lay.kv_indices,
+                      lay.kv_mask_ids, masks=mask)
+    with pytest.raises(LayoutError, match="masks must be a tuple of ElementMask"):  # was "not iterable"
+        bad.validate()
+
+
+def test_varlen_and_grouped_check_max_seqlen_and_shared_blocks_on_the_cpu_too():
+    np = pytest.importorskip("numpy")
+    from sparse_attn import Group, patterns
+    q, k, v = (torch.randn(48, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 16, 48], dtype=torch.int32)
+    with pytest.raises(TypeError, match="max_seqlen for cu_seqlens_q must be an int >= the longest sequence"):
+        sparse_attn.varlen_attention(q, k, v, cu, cu, None, None)  # "'>' not supported ... NoneType"
+    out = sparse_attn.varlen_attention(q, k, v, cu, cu, np.int64(32), 32)
+    assert torch.equal(out, sparse_attn.varlen_attention(q, k, v, cu, cu, 32, 32))
+    mixed = [patterns.local(16, 4, block_q=16, block_k=16), patterns.local(32, 4, block_q=32, block_k=64)]
+    with pytest.raises(LayoutError, match="same block_q x block_k .* 16x16 and 32x64"):
+        sparse_attn.varlen_attention(q, k, v, cu, cu, 32, 32, layouts=mixed)  # the kernels refused, the CPU ran
+    groups = [Group(0, 16, 0, 16), Group(16, 48, 0, 32)]
+    with pytest.raises(LayoutError, match="same block_q x block_k"):
+        sparse_attn.grouped_attention(q, k, v, groups, layouts=mixed)
+    empty = [Group(0, 16, 0, 16), Group(16, 48, 0, 0)]
+    with pytest.raises(LayoutError, match="layout 1 was built for q_len=16"):  # a group with no keys
+        sparse_attn.grouped_attention(q, k, v, empty, layouts=[mixed[0], mixed[0]])
+    sparse_attn.grouped_attention(q, k, v, empty, layouts=[mixed[0], None])

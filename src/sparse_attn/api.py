@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import torch
 
@@ -10,7 +11,7 @@ from . import patterns, reference
 from .layout import BlockLayout
 from .patterns import causal_cut
 from .plan_cache import PlanCache
-from .validation import check_layout, check_packed_qkv, check_qkv, check_scale
+from .validation import check_causal, check_layout, check_packed_qkv, check_qkv, check_scale
 
 DEFAULT_BLOCK = 128
 
@@ -83,7 +84,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         gets output 0 and LSE ``-inf``.
     """
     check_qkv(q, k, v)
-    check_scale(scale)
+    scale, causal = check_scale(scale), check_causal(causal)
     if pv_threshold is not None:
         _check_pv_threshold(pv_threshold, q, k, v, quant)
     if isinstance(layout, str) or adaptive is not None:
@@ -157,18 +158,19 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             sequence is quantized as if it were called alone (its own scale groups, K mean and V
             channel scales), so its result does not depend on what else is packed with it.
 
-    Returns: out ``[Tq, Hq, D]`` (and lse fp32 ``[Hq, Tq]``).
+    Returns: out ``[Tq, Hq, Dv]`` (and lse fp32 ``[Hq, Tq]``).
 
     Under ``torch.compile`` the call is a graph break (``fullgraph=False``): ``cu_seqlens`` are read
     on the host to build the per-sequence layouts. :func:`attention` compiles with ``fullgraph=True``.
     """
     from . import varlen
-    check_scale(scale)
+    scale, causal = check_scale(scale), check_causal(causal)
     check_packed_qkv(q, k, v, "varlen_attention")
     q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
     k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
     if len(q_lens) != len(k_lens):
         raise ValueError(f"cu_seqlens_q has {len(q_lens)} sequences, cu_seqlens_k has {len(k_lens)}")
+    max_seqlen_q, max_seqlen_k = operator.index(max_seqlen_q), operator.index(max_seqlen_k)  # numpy ints too
     varlen.check_layout_args(layouts, pattern, len(q_lens))  # before the plan cache hashes them
     plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device)
     if quant is not None:

@@ -28,7 +28,7 @@ import torch
 from .layout import BlockLayout
 from .plan_cache import PlanCache
 from .reference import graph_anchor
-from .validation import check_packed_qkv, check_scale
+from .validation import check_causal, check_packed_qkv, check_scale
 
 PatternFn = Callable[[int, int], BlockLayout]
 
@@ -118,10 +118,10 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     from .api import attention
     from .varlen import check_unit_layout
     check_packed_qkv(q, k, v, "grouped_attention")
-    check_scale(scale)
+    scale, causal = check_scale(scale), check_causal(causal)
     tq, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
     groups = check_groups(groups, tq, k.shape[0])
-    _check_layout_args(layouts, pattern, len(groups))
+    _check_layout_args(layouts, pattern, groups, q.shape[1])
     shapes: dict = {}  # (q_len, kv_len) -> layout, one pattern call per distinct shape
     pieces: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (q_start, out [L, Hq, Dv], lse [Hq, L])
     for i, g in enumerate(groups):
@@ -166,9 +166,14 @@ def _assemble(pieces, q, tq, hq, dv):
     return torch.cat(outs, 0), torch.cat(lses, 1)
 
 
-def _check_layout_args(layouts, pattern, n_groups: int) -> None:
-    from .varlen import check_layout_args
-    check_layout_args(layouts, pattern, n_groups, "group")
+def _check_layout_args(layouts, pattern, groups: Sequence[Group], heads: int) -> None:
+    """layouts= / pattern= as varlen checks them; a layout given for a group with no queries or no keys
+    must still be one for that group (it is not run, but a wrong one is a caller's slip to report)."""
+    from .varlen import check_layout_args, check_unit_layout
+    check_layout_args(layouts, pattern, len(groups), "group")
+    for i, g in enumerate(groups):
+        if layouts is not None and layouts[i] is not None and (g.q_len == 0 or g.k_len == 0):
+            check_unit_layout(layouts[i], g.q_len, g.k_len, heads, "group", i)
 
 
 # ----------------------------------------------------------------------------- the one-launch plan
@@ -301,7 +306,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
         return grouped_attention_loop(q, k, v, groups, causal=causal, scale=scale, return_lse=return_lse,
                                       layouts=layouts, pattern=pattern)
     check_packed_qkv(q, k, v, "grouped_attention")
-    check_scale(scale)
+    scale, causal = check_scale(scale), check_causal(causal)
     groups = check_groups(groups, q.shape[0], k.shape[0])
-    _check_layout_args(layouts, pattern, len(groups))
+    _check_layout_args(layouts, pattern, groups, q.shape[1])
     return _kernel_path(q, k, v, groups, causal, scale, return_lse, layouts, pattern)

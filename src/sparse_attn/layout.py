@@ -17,6 +17,7 @@ Memory is O(Bl*Hl*Qb*max_k); only ``to_block_mask`` / ``to_token_mask`` are dens
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -31,9 +32,28 @@ class LayoutError(ValueError):
     """A BlockLayout that is inconsistent with itself or with the tensors it is used on."""
 
 
+def _as_int(value):
+    """``value`` as a plain int when it is an integer of any kind (numpy / torch scalars too), else None."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # a tensor of more than one element
+        return None
+
+
 def check_block_size(name: str, value: int) -> None:
-    if not isinstance(value, int) or value % 16 or not MIN_BLOCK <= value <= MAX_BLOCK:
+    v = _as_int(value)
+    if v is None or v % 16 or not MIN_BLOCK <= v <= MAX_BLOCK:
         raise LayoutError(f"{name} must be a multiple of 16 in [{MIN_BLOCK}, {MAX_BLOCK}], got {value!r}")
+
+
+def check_length(name: str, value) -> int:
+    """A sequence length as a plain int >= 0, or a LayoutError naming it."""
+    v = _as_int(value)
+    if v is None or v < 0:
+        raise LayoutError(f"{name} must be an int >= 0, got {type(value).__name__} {value!r}")
+    return v
 
 
 @dataclass
@@ -76,6 +96,13 @@ class BlockLayout:
     # True for the result of transpose(): the backward's view, whose masks stay in the (query, key)
     # frame of the layout it came from, so it has no token-level meaning of its own
     _is_transpose: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        # numpy / torch integer scalars become plain ints: these reach kernel arguments and cache keys
+        for name in ("block_q", "block_k", "q_len", "kv_len"):
+            v = _as_int(getattr(self, name))
+            if v is not None:
+                setattr(self, name, v)
 
     # ------------------------------------------------------------------ shape facts
     @property
@@ -202,8 +229,8 @@ class BlockLayout:
         if block_mask.dim() != 4:
             raise LayoutError(f"block_mask must be [Qb, Kb] or [B, H, Qb, Kb], got shape {tuple(block_mask.shape)}")
         nq, nk = block_mask.shape[-2:]
-        q_len = nq * block_q if q_len is None else q_len
-        kv_len = nk * block_k if kv_len is None else kv_len
+        q_len = nq * block_q if q_len is None else check_length("q_len", q_len)
+        kv_len = nk * block_k if kv_len is None else check_length("kv_len", kv_len)
         if math.ceil(q_len / block_q) != nq or math.ceil(kv_len / block_k) != nk:
             raise LayoutError(
                 f"block_mask has {nq}x{nk} blocks but q_len={q_len}, kv_len={kv_len} with blocks "
@@ -245,9 +272,11 @@ class BlockLayout:
         if not isinstance(mask, ElementMask):
             hint = ": wrap it, ElementMask((term,))" if isinstance(mask, MaskTerm) else ""
             raise TypeError(f"from_mask takes an ElementMask, got {type(mask).__name__}{hint}")
-        kv_len = q_len if kv_len is None else kv_len
+        q_len = check_length("q_len", q_len)
+        kv_len = q_len if kv_len is None else check_length("kv_len", kv_len)
         check_block_size("block_q", block_q)
         check_block_size("block_k", block_k)
+        block_q, block_k = int(block_q), int(block_k)
         nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_k)
         offset = kv_len - q_len
         qb = torch.arange(nq, device=device)
@@ -507,8 +536,8 @@ class BlockLayout:
         check_block_size("block_k", self.block_k)
         if self.q_len < 0 or self.kv_len < 0:
             raise LayoutError(f"q_len and kv_len must be >= 0, got {self.q_len}, {self.kv_len}")
-        bad_masks = [m for m in self.masks if not isinstance(m, ElementMask)]
-        if not isinstance(self.masks, (tuple, list)) or bad_masks:
+        listed = isinstance(self.masks, (tuple, list))  # checked first: an ElementMask itself is not iterable
+        if not listed or any(not isinstance(m, ElementMask) for m in self.masks):
             raise LayoutError(f"masks must be a tuple of ElementMask, got {self.masks!r:.80}")
         nq, nk = self.num_q_blocks, self.num_kv_blocks
         for name, t, dim in (("kv_counts", self.kv_counts, 3), ("kv_indices", self.kv_indices, 4),

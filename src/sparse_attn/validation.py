@@ -3,6 +3,7 @@ received and what is expected."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -90,7 +91,20 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
     return layout
 
 
-def check_scale(scale) -> None:
-    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0
-    if scale is not None and not ok:
-        raise ValueError(f"scale must be a finite positive number or None (1/sqrt(head_dim)), got {scale!r}")
+def check_causal(causal) -> bool:
+    """``causal`` must be a bool: a string such as ``"no"`` was truthy, and ran causal attention."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {type(causal).__name__} {causal!r}")
+    return causal
+
+
+def check_scale(scale) -> float | None:
+    """``scale`` as a Python float (numpy scalars too), None kept; a ValueError when it is not a finite
+    positive number (a tensor is refused: it would be read back from the device on every call)."""
+    if scale is None:
+        return None
+    ok = isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0
+    if not ok:
+        hint = "; pass a Python float (scale.item())" if isinstance(scale, torch.Tensor) else ""
+        raise ValueError(f"scale must be a finite positive number or None (1/sqrt(head_dim)), got {scale!r}{hint}")
+    return float(scale)

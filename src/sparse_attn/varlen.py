@@ -33,6 +33,9 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
     if min(lens) < 0:
         i = min(range(len(lens)), key=lens.__getitem__)
         raise ValueError(f"{name} must be non-decreasing: {name}[{i}]={vals[i]} > {name}[{i + 1}]={vals[i + 1]}")
+    if isinstance(max_seqlen, bool) or not hasattr(max_seqlen, "__index__"):
+        raise TypeError(f"max_seqlen for {name} must be an int >= the longest sequence ({max(lens)} tokens), got "
+                        f"{type(max_seqlen).__name__} {max_seqlen!r}; e.g. int(({name}[1:] - {name}[:-1]).max())")
     if max(lens) > max_seqlen:
         raise ValueError(f"max_seqlen for {name} is {max_seqlen} but a sequence has {max(lens)} tokens")
     return lens
@@ -56,6 +59,11 @@ def check_layout_args(layouts, pattern, n: int, unit: str = "sequence") -> None:
         if len(layouts) != n:
             raise LayoutError(f"got {len(layouts)} layouts for {n} {unit}s: give one per {unit}"
                               + (" (None for an empty group)" if unit == "group" else ""))
+        blocks = sorted({(lay.block_q, lay.block_k) for lay in layouts if isinstance(lay, BlockLayout)})
+        if len(blocks) > 1:  # the CPU path ran them one by one and accepted this; the kernels cannot
+            raise LayoutError(f"every {unit}'s layout must have the same block_q x block_k (one launch runs them "
+                              f"all), got {' and '.join(f'{q}x{k}' for q, k in blocks)}: build them with the same "
+                              "block_q=, block_k=")
 
 
 def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequence[BlockLayout] | None,

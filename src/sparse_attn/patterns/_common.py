@@ -7,6 +7,7 @@ Positions are in the key frame, as everywhere in the package: query row ``i`` si
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 
 import torch
@@ -107,9 +108,22 @@ def ranges_to_entries(qb: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> t
 
 def generator(seed: int) -> torch.Generator:
     """A CPU generator seeded with ``seed``: samples are the same on every device."""
+    seed = check_int("seed", seed, 0)
+    if seed >= 1 << 64:
+        raise ValueError(f"seed must be < 2**64 (a torch.Generator seed), got {seed}")
     g = torch.Generator(device="cpu")
-    g.manual_seed(check_int("seed", seed, 0))
+    g.manual_seed(seed)
     return g
+
+
+def check_fraction(name: str, value) -> float:
+    """``value`` as a float in (0, 1], or a TypeError/ValueError naming it (a string or a bool is not a
+    fraction: ``density=True`` read as 1.0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number in (0, 1], got {type(value).__name__} {value!r}")
+    if not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+    return float(value)
 
 
 SAMPLE_CHUNK = 1 << 22  # scores drawn per chunk of rows in sample_blocks (16 MiB of fp32)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
-from ._common import check_int, generator, grid, lengths, layout_from_entries, row_positions, sample_blocks
+from ._common import (check_fraction, check_int, generator, grid, lengths, layout_from_entries, row_positions,
+                      sample_blocks)
 
 
 def random(seq_len: int, *, density: float | None = None, top_k: int | None = None, kv_len: int | None = None,
@@ -34,8 +35,8 @@ def random(seq_len: int, *, density: float | None = None, top_k: int | None = No
                          f"(key blocks per row); got density={density}, top_k={top_k}")
     if top_k is not None:
         check_int("top_k", top_k, 1)
-    elif not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}")
+    else:
+        density = check_fraction("density", density)
     nq, nk = grid(q_len, kv_len, block_q, block_k)
     qb = torch.arange(nq)
     _, p_last = row_positions(qb, q_len, kv_len, block_q)

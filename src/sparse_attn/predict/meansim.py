@@ -53,6 +53,7 @@ from typing import Sequence
 import torch
 
 from ..layout import BlockLayout, check_block_size
+from ..validation import check_scale
 from ..ops import block_select
 from ..ops.block_pool import block_pool_sim
 from .pack import causal_masks, layout_from_keep, layout_from_packed
@@ -203,9 +204,8 @@ def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[f
         topk_t, cdf_t = _per_head("topk", topk, Hq, dev, work, 0.0, 1.0), None
     else:
         topk_t, cdf_t = None, _per_head("cdfthreshd", cdfthreshd, Hq, dev, work, 0.0, 1.0)
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a finite positive number or None (1/sqrt(head_dim)), got {scale!r}")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = check_scale(scale)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
     group = Hq // Hkv
     with torch.no_grad():
         mq, sq = block_pool_sim(q.detach(), block_q, work)          # [B, Hq, Qb, D], [B, Hq, Qb]
