@@ -13,7 +13,10 @@ ls .whl/sageattention-*.whl >/dev/null 2>&1 && pip install -q --no-deps .whl/sag
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 suites() {  # $1: shard name, rest: test files
   local name=$1; shift
-  timeout 560 python -m pytest -q -n 8 -p no:cacheprovider "$@" 2>&1 | tail -6 | tee "$OUT/gpu-suites-$name.txt"
+  timeout 560 python -m pytest -q -n 8 -p no:cacheprovider "$@" > "$OUT/gpu-suites-$name.log" 2>&1
+  # the summary, and each failure's first error lines (a whole log is too long to read back in a reply)
+  tail -4 "$OUT/gpu-suites-$name.log" | tee "$OUT/gpu-suites-$name.txt"
+  grep -E "^(E  |_{5,} )" "$OUT/gpu-suites-$name.log" | cut -c1-240 | head -60
 }
 case "${1:-a}" in
   a) suites a tests/gpu/test_kernels_gpu.py tests/gpu/test_fuzz_gpu.py ;;
