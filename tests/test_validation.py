@@ -322,3 +322,15 @@ def test_varlen_and_grouped_check_max_seqlen_and_shared_blocks_on_the_cpu_too():
     with pytest.raises(LayoutError, match="layout 1 was built for q_len=16"):  # a group with no keys
         sparse_attn.grouped_attention(q, k, v, empty, layouts=[mixed[0], mixed[0]])
     sparse_attn.grouped_attention(q, k, v, empty, layouts=[mixed[0], None])
+
+
+def test_reference_oracle_refuses_a_layout_for_other_lengths_and_csr_errors_point_at_the_offset():
+    from sparse_attn import patterns, reference
+    q = torch.randn(1, 1, 48, 16)
+    with pytest.raises(LayoutError, match="layout is for q_len=64, kv_len=64, .* Lq=48, Lk=48"):
+        reference.attention(q, q, q, patterns.local(64, 5, block_q=16, block_k=16))  # ran, on the wrong frame
+    with pytest.raises(LayoutError, match="layout is for q_len=32"):
+        reference.attention(q, q, q, patterns.local(32, 5, block_q=16, block_k=16))  # an IndexError inside
+    with pytest.raises(LayoutError, match="first problem at 2\\)"):  # crow has offsets 0..2; it said 3
+        patterns.from_csr(torch.tensor([[[0, 1, 5]]]), torch.tensor([[[0, 1, 1]]]), seq_len=32, block_q=16,
+                          block_k=16)

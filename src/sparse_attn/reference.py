@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .layout import BlockLayout
+from .layout import BlockLayout, LayoutError
 from .masks import allowed
 
 
@@ -60,6 +60,15 @@ def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int 
     return out
 
 
+def _check_frame(layout: BlockLayout, B: int, Hq: int, Lq: int, Lk: int) -> None:
+    """The layout's own shape facts against q/k's (no device sync): this module is public as the test
+    oracle, and a layout for other lengths gave a silently wrong result or an IndexError deep inside."""
+    if (layout.q_len, layout.kv_len) != (Lq, Lk) or layout.batch not in (1, B) or layout.heads not in (1, Hq):
+        raise LayoutError(f"reference.attention: the layout is for q_len={layout.q_len}, kv_len={layout.kv_len}, "
+                          f"batch={layout.batch}, heads={layout.heads} but q/k have Lq={Lq}, Lk={Lk}, B={B}, Hq={Hq} "
+                          "(batch and heads may also be 1)")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
               causal: bool = False, scale: float | None = None, return_lse: bool = False,
               _lowp: bool = False, _round_p=None, _acc_lse: bool = False):
@@ -86,6 +95,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if layout is not None:
+        _check_frame(layout, B, Hq, Lq, Lk)
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -53,6 +53,7 @@ def from_csr(crow: torch.Tensor, col: torch.Tensor, *, seq_len: int, kv_len: int
     bad = torch.cat([(crow[..., :1] != 0), counts < 0, (crow[..., -1:] > col.shape[2])], -1)
     if bad.any():
         b, h, n = (int(x) for x in bad.nonzero()[0])
+        n = min(n, nq)  # bad's columns: the start (crow index 0), each count (its end index), the end (index nq)
         raise LayoutError(f"crow[{b},{h}] = {crow[b, h].tolist()} is not a valid offset array: it must start at 0, "
                           f"never decrease, and end at most at col.shape[2] = {col.shape[2]} (first problem at {n})")
     b, h, q = torch.nonzero(counts > 0, as_tuple=True)
