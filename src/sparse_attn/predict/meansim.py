@@ -53,9 +53,9 @@ from typing import Sequence
 import torch
 
 from ..layout import BlockLayout, check_block_size
-from ..validation import check_scale
 from ..ops import block_select
 from ..ops.block_pool import block_pool_sim
+from ..validation import check_scale
 from .pack import causal_masks, layout_from_keep, layout_from_packed
 
 
