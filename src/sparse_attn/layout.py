@@ -32,7 +32,7 @@ class LayoutError(ValueError):
     """A BlockLayout that is inconsistent with itself or with the tensors it is used on."""
 
 
-def _as_int(value):
+def as_int(value):
     """``value`` as a plain int when it is an integer of any kind (numpy / torch scalars too), else None."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         return None
@@ -43,14 +43,14 @@ def _as_int(value):
 
 
 def check_block_size(name: str, value: int) -> None:
-    v = _as_int(value)
+    v = as_int(value)
     if v is None or v % 16 or not MIN_BLOCK <= v <= MAX_BLOCK:
         raise LayoutError(f"{name} must be a multiple of 16 in [{MIN_BLOCK}, {MAX_BLOCK}], got {value!r}")
 
 
 def check_length(name: str, value) -> int:
     """A sequence length as a plain int >= 0, or a LayoutError naming it."""
-    v = _as_int(value)
+    v = as_int(value)
     if v is None or v < 0:
         raise LayoutError(f"{name} must be an int >= 0, got {type(value).__name__} {value!r}")
     return v
@@ -100,7 +100,7 @@ class BlockLayout:
     def __post_init__(self):
         # numpy / torch integer scalars become plain ints: these reach kernel arguments and cache keys
         for name in ("block_q", "block_k", "q_len", "kv_len"):
-            v = _as_int(getattr(self, name))
+            v = as_int(getattr(self, name))
             if v is not None:
                 setattr(self, name, v)
 

@@ -60,6 +60,11 @@ def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int 
     return out
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The reference's accumulation dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _check_frame(layout: BlockLayout, B: int, Hq: int, Lq: int, Lk: int) -> None:
     """The layout's own shape facts against q/k's (no device sync): this module is public as the test
     oracle, and a layout for other lengths gave a silently wrong result or an IndexError deep inside."""
@@ -99,7 +104,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         _check_frame(layout, B, Hq, Lq, Lk)
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     mm = q.dtype if _lowp else acc  # dtype the two products run in
     kf, vf = k.to(mm), v.to(mm)
     chunk = layout.block_q if layout is not None else 128
@@ -195,7 +200,7 @@ def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Ten
     Hkv, Lk = k.shape[1], k.shape[2]
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     kf, vf = k.to(acc), v.to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)

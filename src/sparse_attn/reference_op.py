@@ -42,7 +42,7 @@ def reference_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, kv_indices
                   terms: Tensor, term_counts: Tensor, n_masks: int, block_q: int, block_k: int, causal: bool,
                   scale: float) -> tuple[Tensor, Tensor]:
     """``(out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq])`` of the reference on this layout; the LSE
-    in the accumulation dtype (:func:`_lse_dtype`), since the backward recomputes P from it."""
+    in the accumulation dtype (:func:`reference.acc_dtype`), since the backward recomputes P from it."""
     layout = _layout(q, k, kv_counts, kv_indices, kv_mask_ids, terms, term_counts, n_masks, block_q, block_k)
     out, lse = reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True, _acc_lse=True)
     return out.contiguous(), lse.contiguous()
@@ -51,12 +51,7 @@ def reference_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, kv_indices
 @reference_fwd.register_fake
 def _(q, k, v, *args):
     out = q.new_empty(*q.shape[:3], v.shape[-1])
-    return out, q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
-
-
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The reference's accumulation dtype: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return out, q.new_empty(q.shape[:3], dtype=reference.acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("sparse_attn::reference_bwd", mutates_args=())

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import patterns
-from .layout import BlockLayout, LayoutError, _Coo
+from .layout import BlockLayout, LayoutError, _Coo, as_int
 
 PatternFn = Callable[[int, int], BlockLayout]
 
@@ -33,7 +33,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
     if min(lens) < 0:
         i = min(range(len(lens)), key=lens.__getitem__)
         raise ValueError(f"{name} must be non-decreasing: {name}[{i}]={vals[i]} > {name}[{i + 1}]={vals[i + 1]}")
-    if isinstance(max_seqlen, bool) or not hasattr(max_seqlen, "__index__"):
+    if as_int(max_seqlen) is None:
         raise TypeError(f"max_seqlen for {name} must be an int >= the longest sequence ({max(lens)} tokens), got "
                         f"{type(max_seqlen).__name__} {max_seqlen!r}; e.g. int(({name}[1:] - {name}[:-1]).max())")
     if max(lens) > max_seqlen:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .layout import BlockLayout
+from .layout import BlockLayout, as_int
 
 ABSENT, FULL, PARTIAL = 0, 1, 2
 COLORS = ("#ffffff", "#2b5c9e", "#f0962e")  # absent, full, partial
@@ -36,11 +35,12 @@ def _pick(name: str, i, n: int) -> int:
     """Index ``i`` into a layout dimension of size ``n``: a size-1 dimension broadcasts (any index
     reads entry 0); otherwise ``0 <= i < n`` or a ValueError (an out-of-range index was clamped and the
     panel labelled with the index asked for, showing another head)."""
-    if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+    v = as_int(i)
+    if v is None:
         raise TypeError(f"{name} must be an int, got {type(i).__name__} {i!r}")
-    if i < 0 or (n > 1 and i >= n):
+    if v < 0 or (n > 1 and v >= n):
         raise ValueError(f"{name}={i}, but the layout has {n} (valid: 0..{n - 1}; a layout of 1 serves any)")
-    return 0 if n == 1 else int(i)
+    return 0 if n == 1 else v
 
 
 def _check_layout(layout, fn: str) -> None:
@@ -77,7 +77,7 @@ def token_region(layout, q0: int, k0: int, rows: int, cols: int | None = None, *
     while r < q1:
         r_end = min(q1, (r // lay.block_q + 1) * lay.block_q)
         m = token_mask_rows(lay, r, r_end)
-        rows.append(m[batch if m.shape[0] > 1 else 0, head if m.shape[1] > 1 else 0, :, k0:k1])
+        rows.append(m[batch, head, :, k0:k1])
         r = r_end
     return torch.cat(rows, 0) if rows else torch.zeros(0, max(k1 - k0, 0), dtype=torch.bool)
 
@@ -96,7 +96,7 @@ def pooled_states(layout, batch: int = 0, head: int = 0, max_cells: int = MAX_CE
     never hidden by pooling. ``fq = fk = 1`` when the grid fits (then it equals :func:`block_states`).
     """
     _check_layout(layout, "pooled_states")
-    if isinstance(max_cells, bool) or not isinstance(max_cells, numbers.Integral) or max_cells < 1:
+    if as_int(max_cells) is None or max_cells < 1:
         raise ValueError(f"max_cells must be an int >= 1, got {max_cells!r}")
     b, h = _pick("batch", batch, layout.batch), _pick("head", head, layout.heads)
     lay = layout.to("cpu")
@@ -167,7 +167,7 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
     if not heads:
         raise ValueError("draw_layout: heads=[] draws nothing; pass at least one head index, or None for up to "
                          "max_heads of them")
-    if any(isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 0 <= h < layout.heads for h in heads):
+    if any(as_int(h) is None or not 0 <= h < layout.heads for h in heads):
         raise ValueError(f"draw_layout: heads={heads}, but the layout has {layout.heads} head(s) "
                          f"(0..{layout.heads - 1})")
     cu_head = None if close_up is None else _pick("close_up.head", close_up.head, layout.heads)

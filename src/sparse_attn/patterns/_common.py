@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 
 import torch
 
-from ..layout import BlockLayout, _Coo, check_block_size
+from ..layout import BlockLayout, _Coo, as_int, check_block_size
 from ..masks import ElementMask, causal_term
 
 CAUSAL = ElementMask((causal_term(),))
@@ -20,12 +19,12 @@ CAUSAL = ElementMask((causal_term(),))
 
 def check_int(name: str, value, minimum: int) -> int:
     """``value`` as an int >= ``minimum``, or a ValueError/TypeError naming it."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    v = as_int(value)  # numpy / torch integer scalars too
+    if v is None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = operator.index(value)  # numpy / torch integer scalars too
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
 
 
 def lengths(seq_len: int, kv_len: int | None) -> tuple[int, int]:
