@@ -129,3 +129,20 @@ def test_attention_comparison_of_given_tensors_matches_their_head():
     torch.testing.assert_close(p, want)
     with pytest.raises(ValueError, match="up to 4096 tokens"):
         accuracy.comparison_inputs(torch.zeros(1, 1, 5000, 8), torch.zeros(1, 1, 5000, 8), None, 0, 0)
+    with pytest.raises(ValueError, match="v must be \\[B, Hkv, Lk, Dv\\]"):
+        accuracy.comparison_inputs(q, k, v[:, :, :50], head=3, batch=1)
+
+
+def test_attention_probs_takes_the_layout_of_the_real_call():
+    """A layout of B batches and Hq heads (what the real call runs) gives the probabilities of its
+    batch 0, head 0 entry; it was refused (the 1-head frame check)."""
+    from sparse_attn import BlockLayout, accuracy
+    q, k, _ = accuracy.structured_qkv(2, 3, 64, 16, seed=2)
+    grid = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(3)) < 0.5
+    grid[..., 0] = True  # every row sees a key
+    many = BlockLayout.from_block_mask(grid, block_q=16, block_k=16)
+    one = BlockLayout.from_block_mask(grid[:1, :1], block_q=16, block_k=16)
+    p = accuracy.attention_probs(q, k, many)
+    torch.testing.assert_close(p, accuracy.attention_probs(q, k, one), rtol=0, atol=0)
+    mask = one.to_token_mask()[0, 0]
+    assert bool((p[~mask] == 0).all()) and bool((p.sum(-1) - 1).abs().max() < 1e-12)

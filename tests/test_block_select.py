@@ -31,7 +31,7 @@ RULES = {  # (simthreshd1, cdfthreshd, topk, attention_sink); lists: per-head va
     "topk-per-head": (0.4, None, [0.1, 0.6], True)}
 
 
-def _both(case, rule, causal, device):
+def _both(case, rule, causal, device, nan_sims=False):
     B, Hq, Hkv, Lq, Lk, bq, bk = case
     sim, cdf, topk, sink = ((v * Hq)[:Hq] if isinstance(v, list) else v for v in RULES[rule])  # per head: cycled
     q, k, _ = structured_qkv(B, Hq, max(Lq, Lk), 32, kv_heads=Hkv, dtype=torch.float32, device=device)
@@ -40,6 +40,8 @@ def _both(case, rule, causal, device):
     mk, sk = block_pool_sim(k, bk, torch.float32)
     raw = torch.einsum("bhgqd,bhkd->bhgqk", mq.view(B, Hkv, Hq // Hkv, mq.shape[2], 32), mk)
     raw = raw.reshape(B, Hq, mq.shape[2], mk.shape[2])
+    if nan_sims:  # what an inf token makes of its block's similarity (its fp32 norms overflow)
+        sq[:, :, 1], sk[:, :, -1] = float("nan"), float("nan")
     sim_t = _per_head("simthreshd1", sim, Hq, device, torch.float32)
     cdf_t = None if cdf is None else _per_head("cdfthreshd", cdf, Hq, device, torch.float32, 0.0, 1.0)
     topk_t = None if topk is None else _per_head("topk", topk, Hq, device, torch.float32, 0.0, 1.0)
@@ -66,6 +68,18 @@ def test_select_pack_kernel_equals_twin(case, rule, causal):
     assert torch.equal(schedule(kernel).n_full.cpu(), built.n_full)
     if rule != "cdf1" and twin.max_k >= 8:  # rows long enough that the rule prunes: the case tests ranking
         assert 0.0 < twin.sparsity < 1.0
+
+
+@pytest.mark.parametrize("rule", ["cdf0.9", "topk0.3"])
+def test_select_pack_nan_similarity_keeps_blocks_as_the_twin(rule):
+    # a NaN self-similarity is not ">= threshold": the twin keeps the query block's whole row and the
+    # key block's column; the kernel once read it as self-similar and pruned the row
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel, twin = _both((2, 4, 2, 200, 333, 32, 16), rule, False, device, nan_sims=True)
+    states = viz.block_states(twin)
+    assert bool((states[:, :, 1] > 0).all()) and bool((states[..., -1] > 0).all())
+    assert torch.equal(viz.block_states(kernel.to("cpu")), states)
+    assert torch.equal(kernel.kv_indices.cpu(), twin.kv_indices)
 
 
 def test_select_pack_rejects_rows_longer_than_it_ranks():

@@ -507,7 +507,8 @@ CORRUPTIONS = {
     "kv_len shrunk": (dict(kv_len=lambda n: 50),
                       r"kv_indices\[0,0,4,3\] = 4 is out of range: valid key-block indices are 0\.\.3 "
                       r"\(kv_len=50, block_k=16\)"),
-    "negative q_len": (dict(q_len=lambda n: -1), r"q_len and kv_len must be >= 0, got -1, 100"),
+    "negative q_len": (dict(q_len=lambda n: -1), r"q_len must be an int >= 0, got int -1"),
+    "float kv_len": (dict(kv_len=lambda n: 100.0), r"kv_len must be an int >= 0, got float 100\.0"),  # it ran
     "bad block": (dict(block_k=lambda n: 24), r"block_k must be a multiple of 16 in \[16, 256\], got 24"),
 }
 

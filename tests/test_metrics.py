@@ -152,6 +152,14 @@ def test_sparsity():
         metrics.sparsity(torch.ones(3))
     with pytest.raises(TypeError, match=r"got list"):
         metrics.sparsity([True])
+    # an empty grid skips nothing, for a layout as for a mask (the layout said 1.0)
+    empty = BlockLayout.from_block_mask(torch.ones(0, 0, dtype=torch.bool), block_q=16, block_k=16)
+    assert empty.sparsity == metrics.sparsity(empty) == metrics.sparsity(torch.zeros(0, dtype=torch.bool)) == 0.0
+
+
+def test_complex_inputs_are_refused():
+    with pytest.raises(TypeError, match="real tensors, got torch.complex64"):  # the imaginary part was dropped
+        metrics.compare(torch.tensor([1 + 1j]), torch.tensor([1 + 0j]))
 
 
 # ----------------------------------------------------------------------------- testing helpers

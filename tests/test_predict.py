@@ -223,6 +223,33 @@ def test_argument_errors():
         level_params("extreme")
 
 
+def test_argument_errors_name_the_argument():
+    # each of these ran (a str causal predicted a causal layout) or failed deep inside (ZeroDivisionError,
+    # "cannot unpack non-iterable float", "must be real number, not NoneType", "'float' is not iterable")
+    q, k = mixed_qk(1, 2, 2, 64, 64, 16, 16, 16)
+    with pytest.raises(TypeError, match="causal must be True or False, got str 'no'"):
+        meansim(q, k, causal="no", block=16)
+    with pytest.raises(TypeError, match="attention_sink must be True or False"):
+        meansim(q, k, attention_sink=1, block=16)
+    with pytest.raises(ValueError, match="head_dim 0"):
+        meansim(q[..., :0], k[..., :0])
+    with pytest.raises(TypeError, match="block must be an int or a \\(block_q, block_k\\) pair, got 16.0"):
+        meansim(q, k, block=16.0)
+    with pytest.raises(TypeError, match="block must be an int or a"):
+        meansim(q, k, block=(16,))
+    assert meansim(q, k, block=(16, 32)).block_k == 32
+    for name in ("simthreshd1", "cdfthreshd"):
+        with pytest.raises(TypeError, match=f"{name} must be a number or 2 per-head numbers, got None"):
+            meansim(q, k, block=16, **{name: None})
+    v = torch.randn_like(k)
+    with pytest.raises(TypeError, match="adaptive= takes a dict of meansim options .* got float 0.5"):
+        sparse_attn.attention(q, k, v, "adaptive", adaptive=0.5)
+    with pytest.raises(ValueError, match="unknown layout 'adaptive:'"):
+        sparse_attn.attention(q, k, v, "adaptive:")  # an empty level ran as "adaptive"
+    with pytest.raises(ValueError, match="kv_heads \\(0\\), which must be >= 1"):
+        structured_qkv(1, 3, 64, 32, kv_heads=0)
+
+
 # ----------------------------------------------------------------------------- adaptive attention
 def test_adaptive_close_to_dense_at_low_level():
     q, k, v = structured_qkv(1, 2, 1024, 64, seed=0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sparse_attn
-from sparse_attn import BlockLayout, patterns, viz
+from sparse_attn import BlockLayout, LayoutError, patterns, viz
 from sparse_attn.ops.block_pool import reference as pool_reference
 from sparse_attn.ops.block_sparse.schedule import _build, schedule, schedule_key
 from sparse_attn.predict.pack import layout_from_keep
@@ -131,3 +131,12 @@ def test_meansim_cuda_path_makes_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert 0.0 < layout.sparsity < 1.0
+
+
+def test_layout_from_keep_checks_its_grid_against_the_lengths():
+    # the result is marked validated, so a grid for other lengths reached the reference (an IndexError)
+    with pytest.raises(LayoutError, match="keep has a 2 x 2 block grid; q_len=100, kv_len=100 .* need 7 x 7"):
+        layout_from_keep(torch.ones(1, 1, 2, 2, dtype=torch.bool), q_len=100, kv_len=100, block_q=16, block_k=16,
+                         causal=False)
+    with pytest.raises(TypeError, match="keep must be a bool"):
+        layout_from_keep(torch.ones(1, 1, 7, 7), q_len=100, kv_len=100, block_q=16, block_k=16, causal=False)

@@ -153,6 +153,18 @@ def test_bad_quant_arguments_are_clear_errors():
         sparse_attn.attention(q, k, v, quant="int4")
     with pytest.raises(ValueError, match="quant_granularity='per_row'.*'per_block', 'per_warp', 'per_thread'"):
         sparse_attn.attention(q, k, v, quant="int8", quant_granularity="per_row")
+    # without quant a typo was ignored, and smooth_k="no" (truthy) smoothed
+    with pytest.raises(ValueError, match="quant_granularity='per_row'"):
+        sparse_attn.attention(q, k, v, quant_granularity="per_row")
+    assert torch.equal(sparse_attn.attention(q, k, v, quant_granularity="per_thread"), sparse_attn.attention(q, k, v))
+    with pytest.raises(TypeError, match="smooth_k must be True or False, got str 'no'"):
+        sparse_attn.attention(q, k, v, quant="int8", smooth_k="no")
+    with pytest.raises(TypeError, match="return_lse must be True or False"):
+        sparse_attn.attention(q, k, v, return_lse="no")
+    cu = torch.tensor([0, 32], dtype=torch.int32)
+    with pytest.raises(ValueError, match="quant_granularity='per_row'"):
+        sparse_attn.varlen_attention(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, 32, 32,
+                                     quant_granularity="per_row")
 
 
 def test_kernel_shape_limits_are_clear_errors():
@@ -186,6 +198,12 @@ def test_the_cpu_twin_refuses_what_the_kernels_cannot_run(d):
     with pytest.raises(ValueError, match="block_k >= 32.*got block_k=16"):
         sparse_attn.attention(q, k, v, patterns.local(32, 4, block_q=16, block_k=16), quant="int8-fp8")
     assert sparse_attn.attention(q, k, v, patterns.local(32, 4, block_q=16, block_k=16), quant="int8").shape == q.shape
+    v48 = torch.randn(1, 1, 32, 48)  # the 8-bit kernels need Dv == D; the twin ran it
+    with pytest.raises(ValueError, match="v's head_dim equal to q/k's, got 48 and 32"):
+        sparse_attn.attention(q, k, v48, quant="int8")
+    with pytest.raises(ValueError, match="v's head_dim equal to q/k's, got 48 and 32"):
+        sparse_attn.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v48[0].transpose(0, 1), cu, cu, 32, 32,
+                                     quant="int8")
 
 
 @pytest.mark.parametrize("gran", GRANS)

@@ -22,6 +22,7 @@ import torch
 
 from . import metrics, patterns
 from .json_io import dumps
+from .layout import BlockLayout
 from .predict import SPARSE_LEVELS, adaptive_attention, level_params
 
 DATA_DOC = """Structured inputs (structured_qkv): for each (batch, kv head) a latent sequence
@@ -46,8 +47,8 @@ def structured_qkv(batch: int, heads: int, seq_len: int, head_dim: int, *, kv_he
     """
     kv_heads = heads if kv_heads is None else kv_heads
     kv_len = seq_len if kv_len is None else kv_len
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}), which must be >= 1")
     g = torch.Generator().manual_seed(seed)
     B, H, D = batch, kv_heads, head_dim
     start = min(0, kv_len - seq_len)                  # first key-frame position any token needs
@@ -254,10 +255,14 @@ def run_sweep(seq_len: int, *, sims=SWEEP_SIM, cdfs=SWEEP_CDF, causal: bool = Fa
 
 # ----------------------------------------------------------------------------- pictures
 def attention_probs(q, k, layout=None, *, causal: bool = False) -> torch.Tensor:
-    """Attention probabilities ``[Lq, Lk]`` of head 0 through the reference (``V = I``): row i of the
-    output is row i of the softmax, masked by ``layout`` / ``causal`` like the real call."""
+    """Attention probabilities ``[Lq, Lk]`` of batch 0, head 0 through the reference (``V = I``): row i
+    of the output is row i of the softmax, masked by ``layout`` / ``causal`` like the real call
+    (``q [B, Hq, Lq, D]``, ``k [B, Hkv, Lk, D]``; the layout's batch 0, head 0 entry when it has more)."""
     from . import reference
     eye = torch.eye(k.shape[2], dtype=torch.float64, device=q.device)[None, None]
+    if layout is not None and (layout.batch > 1 or layout.heads > 1):
+        layout = BlockLayout(layout.block_q, layout.block_k, layout.q_len, layout.kv_len, layout.kv_counts[:1, :1],
+                             layout.kv_indices[:1, :1], layout.kv_mask_ids[:1, :1], layout.masks)
     return reference.attention(q[:1, :1].double(), k[:1, :1].double(), eye, layout, causal=causal)[0, 0]
 
 
@@ -275,6 +280,9 @@ def comparison_inputs(q, k, v, head: int, batch: int) -> tuple[torch.Tensor, tor
     if max(q.shape[2], k.shape[2]) > MAX_MAP_TOKENS:
         raise ValueError(f"attention maps are drawn up to {MAX_MAP_TOKENS} tokens a side (three fp64 maps), got "
                          f"Lq={q.shape[2]}, Lk={k.shape[2]}: pass a slice, e.g. q[..., :{MAX_MAP_TOKENS}, :]")
+    if v is not None and (v.dim() != 4 or v.shape[:3] != k.shape[:3]):
+        raise ValueError(f"v must be [B, Hkv, Lk, Dv] like k {tuple(k.shape[:3])} in its first three dims, got "
+                         f"{tuple(v.shape)}")
     kv_head = head // (q.shape[1] // k.shape[1])
     v = torch.randn_like(k[:, :, :, :1].expand(-1, -1, -1, 64), dtype=torch.float64) if v is None else v
     pick = lambda t, h: t[batch:batch + 1, h:h + 1].double()  # noqa: E731

@@ -11,7 +11,7 @@ from . import patterns, reference
 from .layout import BlockLayout
 from .patterns import causal_cut
 from .plan_cache import PlanCache
-from .validation import check_causal, check_layout, check_packed_qkv, check_qkv, check_scale
+from .validation import check_causal, check_flags, check_layout, check_packed_qkv, check_qkv, check_scale
 
 DEFAULT_BLOCK = 128
 
@@ -85,6 +85,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     """
     check_qkv(q, k, v)
     scale, causal = check_scale(scale), check_causal(causal)
+    check_flags(return_lse=return_lse, return_layout=return_layout, smooth_k=smooth_k)
+    _check_unused_granularity(quant, quant_granularity)
     if pv_threshold is not None:
         _check_pv_threshold(pv_threshold, q, k, v, quant)
     if isinstance(layout, str) or adaptive is not None:
@@ -108,6 +110,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     from .ops.block_sparse import attention_op
     kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)
     return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse, pv_threshold=pv_threshold or 0.0)
+
+
+def _check_unused_granularity(quant, granularity) -> None:
+    """Without quant, a granularity other than the default is still checked, so a typo surfaces before
+    quant= is added (with quant, the 8-bit path checks it). The default skips the import: ops.sage
+    loads Triton, which a CPU-only call does not otherwise need."""
+    if quant is None and granularity != "per_warp":
+        from .ops.sage.granularity import check_granularity
+        check_granularity(granularity)
 
 
 def _check_pv_threshold(value, q, k, v, quant) -> None:
@@ -165,6 +176,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     from . import varlen
     scale, causal = check_scale(scale), check_causal(causal)
+    check_flags(return_lse=return_lse, smooth_k=smooth_k)
+    _check_unused_granularity(quant, quant_granularity)
     check_packed_qkv(q, k, v, "varlen_attention")
     q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
     k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)

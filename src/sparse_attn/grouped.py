@@ -28,7 +28,7 @@ import torch
 from .layout import BlockLayout
 from .plan_cache import PlanCache
 from .reference import graph_anchor
-from .validation import check_causal, check_packed_qkv, check_scale
+from .validation import check_causal, check_flags, check_packed_qkv, check_scale
 
 PatternFn = Callable[[int, int], BlockLayout]
 
@@ -119,6 +119,7 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     from .varlen import check_unit_layout
     check_packed_qkv(q, k, v, "grouped_attention")
     scale, causal = check_scale(scale), check_causal(causal)
+    check_flags(return_lse=return_lse)
     tq, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
     groups = check_groups(groups, tq, k.shape[0])
     _check_layout_args(layouts, pattern, groups, q.shape[1])
@@ -307,6 +308,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
                                       layouts=layouts, pattern=pattern)
     check_packed_qkv(q, k, v, "grouped_attention")
     scale, causal = check_scale(scale), check_causal(causal)
+    check_flags(return_lse=return_lse)
     groups = check_groups(groups, q.shape[0], k.shape[0])
     _check_layout_args(layouts, pattern, groups, q.shape[1])
     return _kernel_path(q, k, v, groups, causal, scale, return_lse, layouts, pattern)

@@ -142,12 +142,17 @@ class BlockLayout:
     @property
     def density(self) -> float:
         """Fraction of the block grid that is visited, counted in whole blocks, over Bl*Hl rows."""
-        total = self.batch * self.heads * self.num_q_blocks * self.num_kv_blocks
+        total = self._grid_blocks()
         return self.num_blocks / total if total else 0.0
 
     @property
     def sparsity(self) -> float:
-        return 1.0 - self.density
+        """Fraction of the block grid skipped; 0.0 for an empty grid (nothing visited, nothing skipped),
+        as ``metrics.sparsity`` of an empty mask and ``accuracy.effective_sparsity`` say."""
+        return 1.0 - self.density if self._grid_blocks() else 0.0
+
+    def _grid_blocks(self) -> int:
+        return self.batch * self.heads * self.num_q_blocks * self.num_kv_blocks
 
     @property
     def nbytes(self) -> int:
@@ -534,8 +539,8 @@ class BlockLayout:
         """Raise LayoutError naming the first inconsistency; return self when consistent."""
         check_block_size("block_q", self.block_q)
         check_block_size("block_k", self.block_k)
-        if self.q_len < 0 or self.kv_len < 0:
-            raise LayoutError(f"q_len and kv_len must be >= 0, got {self.q_len}, {self.kv_len}")
+        check_length("q_len", self.q_len)  # an int >= 0 (a float 64.0 ran, a str failed in a comparison)
+        check_length("kv_len", self.kv_len)
         listed = isinstance(self.masks, (tuple, list))  # checked first: an ElementMask itself is not iterable
         if not listed or any(not isinstance(m, ElementMask) for m in self.masks):
             raise LayoutError(f"masks must be a tuple of ElementMask, got {self.masks!r:.80}")

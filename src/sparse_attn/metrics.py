@@ -24,6 +24,9 @@ def _flat_pair(a, b) -> tuple[torch.Tensor, torch.Tensor]:
     """Both broadcast together and flattened, in their own dtypes (a copy only where a view cannot do)."""
     a = torch.as_tensor(a).detach()
     b = torch.as_tensor(b, device=a.device).detach()
+    if a.is_complex() or b.is_complex():  # float64 conversion would drop the imaginary part, with a warning
+        raise TypeError(f"the metrics compare real tensors, got {a.dtype} and {b.dtype}: compare .real and .imag "
+                        "(or torch.view_as_real) separately")
     a, b = torch.broadcast_tensors(a, b)
     return a.reshape(-1), b.reshape(-1)
 

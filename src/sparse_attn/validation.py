@@ -91,11 +91,21 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
     return layout
 
 
+def check_flag(name: str, value) -> bool:
+    """A True/False argument must be a bool: a string such as ``"no"`` is truthy, and ran as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_causal(causal) -> bool:
-    """``causal`` must be a bool: a string such as ``"no"`` was truthy, and ran causal attention."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {type(causal).__name__} {causal!r}")
-    return causal
+    return check_flag("causal", causal)
+
+
+def check_flags(**flags) -> None:
+    """Each keyword a bool (``return_lse="no"`` would have returned the LSE)."""
+    for name, value in flags.items():
+        check_flag(name, value)
 
 
 def check_scale(scale) -> float | None:

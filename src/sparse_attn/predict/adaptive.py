@@ -1,6 +1,8 @@
 """Adaptive sparse attention: predict a layout with :func:`meansim`, then run it."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .meansim import meansim
@@ -45,10 +47,13 @@ def predicted_layout(spec, q: torch.Tensor, k: torch.Tensor, *, causal: bool = F
     if not isinstance(spec, str):
         raise TypeError(f"adaptive= options apply to layout='adaptive' (or 'adaptive:<level>'), not to a given "
                         f"{type(spec).__name__}: drop adaptive= or pass layout='adaptive'")
-    name, _, level = spec.partition(":")
-    if name != "adaptive" or (level and level not in SPARSE_LEVELS):
+    name, colon, level = spec.partition(":")
+    if name != "adaptive" or ((level or colon) and level not in SPARSE_LEVELS):
         raise ValueError(f"unknown layout {spec!r}: give a BlockLayout, None (dense), or one of "
                          f"{', '.join(repr(c) for c in LAYOUT_CHOICES)}")
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"adaptive= takes a dict of meansim options (e.g. {{'cdfthreshd': 0.9}}), got "
+                        f"{type(options).__name__} {options!r}")
     options = dict(options or {})
     unknown = sorted(set(options) - set(MEANSIM_OPTIONS))
     if unknown:

@@ -52,10 +52,10 @@ from typing import Sequence
 
 import torch
 
-from ..layout import BlockLayout, check_block_size
+from ..layout import BlockLayout, as_int, check_block_size
 from ..ops import block_select
 from ..ops.block_pool import block_pool_sim
-from ..validation import check_scale
+from ..validation import check_causal, check_flag, check_scale
 from .pack import causal_masks, layout_from_keep, layout_from_packed
 
 
@@ -77,13 +77,15 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int,
         raise ValueError(f"k has {Hkv} heads, q has {Hq}: Hq must be a multiple of Hkv (GQA/MQA)")
     if q.device != k.device:
         raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
+    if D == 0:
+        raise ValueError("q and k have head_dim 0: there is nothing to pool")
     return B, Hq, Hkv, Lq, Lk, D
 
 
 def _per_head(name: str, value, heads: int, device, dtype, lo=None, hi=None) -> torch.Tensor:
     """A float or a sequence/tensor of ``heads`` values -> ``[1, heads, 1]`` (checked against (lo, hi]).
     A plain number is checked on the host and filled on the device (no copy, no sync)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or value is None or isinstance(value, str):
         raise TypeError(f"{name} must be a number or {heads} per-head numbers, got {value!r}")
     if isinstance(value, (int, float)):
         if math.isnan(value):
@@ -105,10 +107,12 @@ def _per_head(name: str, value, heads: int, device, dtype, lo=None, hi=None) -> 
 
 def _blocks(block_q: int, block_k: int, block) -> tuple[int, int]:
     if block is not None:
-        if isinstance(block, int):
+        if as_int(block) is not None:
             block_q = block_k = block
-        else:
+        elif isinstance(block, (tuple, list)) and len(block) == 2:
             block_q, block_k = block
+        else:
+            raise TypeError(f"block must be an int or a (block_q, block_k) pair, got {block!r}")
     check_block_size("block_q", block_q)
     check_block_size("block_k", block_k)
     return block_q, block_k
@@ -196,6 +200,7 @@ def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[f
     the docstring of :mod:`sparse_attn.predict.meansim`.
     """
     B, Hq, Hkv, Lq, Lk, D = _check_inputs(q, k)
+    causal, attention_sink = check_causal(causal), check_flag("attention_sink", attention_sink)
     block_q, block_k = _blocks(block_q, block_k, block)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     dev = q.device

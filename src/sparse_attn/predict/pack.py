@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..layout import BlockLayout
+from ..layout import BlockLayout, LayoutError
 from ..masks import mask_table
 from ..patterns._common import CAUSAL, row_positions
 from ..patterns.basic import mark_causal
@@ -69,9 +69,17 @@ def layout_from_keep(keep: torch.Tensor, *, q_len: int, kv_len: int, block_q: in
 
     causal: drop blocks above the diagonal, mask the ones crossing it (see the module docstring).
     schedule: seed the kernels' schedule on the layout (default: when ``keep`` is on CUDA).
-    Nothing here reads a value back to the host.
+    Nothing here reads a value back to the host. The layout is marked validated (sorted, unique and in
+    range by construction), so the grid's shape and dtype are checked here, against the lengths.
     """
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.dim() != 4:
+        raise TypeError(f"keep must be a bool [B, H, Qb, Kb] tensor, got "
+                        f"{getattr(keep, 'dtype', type(keep).__name__)} {tuple(getattr(keep, 'shape', ()))}")
     B, H, nq, nk = keep.shape
+    want = (math.ceil(q_len / block_q), math.ceil(kv_len / block_k))
+    if (nq, nk) != want:
+        raise LayoutError(f"keep has a {nq} x {nk} block grid; q_len={q_len}, kv_len={kv_len} in {block_q} x {block_k} "
+                          f"blocks need {want[0]} x {want[1]}")
     dev = keep.device
     masks: tuple = ()
     partial = None

@@ -52,7 +52,8 @@ def select_pack_kernel(S, SQ, SK, SIM_THR, THR, COUNTS, INDICES, MASK_IDS, N_FUL
     # (scalars are broadcast to the row before a logical op: the interpreter's scalar|vector fails)
     b_qsim = tl.zeros([KB], tl.float32) + tl.load(SQ + i_b.to(tl.int64) * s_qb + i_h * s_qh + i_q)
     b_ksim = tl.load(SK + i_b.to(tl.int64) * s_kb + (i_h // group) * s_kh + o_k, mask=m_k, other=0.0) >= sim_thr
-    b_always = (b_qsim < sim_thr) | (b_ksim == 0)
+    # not (sim >= thr), rather than sim < thr: a NaN similarity (an inf token) keeps the row, as on the CPU
+    b_always = ((b_qsim >= sim_thr) == 0) | (b_ksim == 0)
     if CAUSAL:
         b_always = b_always | ((k_first <= p_last) & (p_last <= k_last))  # the diagonal block
     if SINK:

@@ -26,21 +26,29 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 INT8_MAX = 127.0
 
 
-def check_quant(quant: str, granularity: str) -> int:
-    """The kernels' QUANT flag of ``quant``; clear errors for unknown names."""
-    if quant not in QUANT_MODES:
-        raise ValueError(f"quant={quant!r} is not supported; choose one of {', '.join(map(repr, QUANT_MODES))} "
-                         "(or None for fp16/bf16 attention)")
-    if granularity not in GRANULARITY:
+def check_granularity(granularity: str) -> str:
+    if not isinstance(granularity, str) or granularity not in GRANULARITY:
         raise ValueError(f"quant_granularity={granularity!r} is not supported; choose one of "
                          f"{', '.join(map(repr, GRANULARITY))}")
+    return granularity
+
+
+def check_quant(quant: str, granularity: str) -> int:
+    """The kernels' QUANT flag of ``quant``; clear errors for unknown names."""
+    if not isinstance(quant, str) or quant not in QUANT_MODES:
+        raise ValueError(f"quant={quant!r} is not supported; choose one of {', '.join(map(repr, QUANT_MODES))} "
+                         "(or None for fp16/bf16 attention)")
+    check_granularity(granularity)
     return QUANT_MODES[quant]
 
 
-def check_quant_shapes(mode: int, head_dim: int, block_k: int | None) -> None:
+def check_quant_shapes(mode: int, head_dim: int, block_k: int | None, v_head_dim: int | None = None) -> None:
     """What the 8-bit kernels can run, checked on every device (the CPU twin too, so code tried on a
-    CPU does not fail on the GPU): head_dim a multiple of 16 and >= 32; for int8-fp8 ``block_k`` >= 32
-    (None: no layout, the kernels' own dense tiles)."""
+    CPU does not fail on the GPU): head_dim a multiple of 16 and >= 32; v's head dim equal to it
+    (None: not checked); for int8-fp8 ``block_k`` >= 32 (None: no layout, the kernels' own dense tiles)."""
+    if v_head_dim is not None and v_head_dim != head_dim:
+        raise ValueError(f"the 8-bit kernels need v's head_dim equal to q/k's, got {v_head_dim} and {head_dim}: "
+                         "pad v, or use quant=None (the fp16/bf16 reference path takes any v head_dim on the CPU)")
     if head_dim % 16 or head_dim < 32:
         raise ValueError(f"the 8-bit kernels need head_dim a multiple of 16 and at least 32 (int8 rows in 16-byte "
                          f"units; an int8 MMA takes 32 channels at a time), got {head_dim}: pad q/k/v, or use "

@@ -29,8 +29,9 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     if mean is not None:
         xf = xf - mean[..., None, :]
     # a NaN or inf once went silently into its group's scale (NaN -> scale 1; inf -> every value 0);
-    # now the group's scale is NaN, so what the group touches comes out NaN, as without quantization,
-    # and the scale of the other groups comes from finite values only (as quant_rows_kernel does)
+    # now the group's scale is NaN, so what the group touches comes out NaN (the whole group, so more rows
+    # than without quantization: README), and the other groups' scales come from finite values only (as
+    # quant_rows_kernel does)
     finite = torch.isfinite(xf)
     xf = torch.where(finite, xf, 0.0)
     amax = group_amax(xf.abs().amax(-1) if xf.shape[-1] else xf.new_zeros(xf.shape[:-1]), span, period)
