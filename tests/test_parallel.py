@@ -158,6 +158,23 @@ def _case_other_call_or_scale(rank, world):
     _compare(rank, world, 2, 2, causal=True, scale=0.3)  # the group is still usable afterwards
 
 
+def _case_bad_option_on_one_rank(rank, world):
+    """An option that fails its own check on one rank only raised there at once, while its peers
+    waited in their first collective until the timeout (kv_head_chunk=True vs 1 compared equal, and
+    causal='no' went through int()). Now every rank raises at once: the bad one its own error."""
+    q, k, v, _ = _inputs(world, 2, 2)
+    q, k, v = (zigzag_split(t, world, rank) for t in (q, k, v))
+    bad = rank == world - 1
+    for kwargs, own, kind in ((dict(kv_head_chunk=True if bad else 1), "kv_head_chunk must be a positive", ValueError),
+                              (dict(causal="no" if bad else True), "causal must be True or False, got str", TypeError)):
+        with pytest.raises(kind if bad else ValueError,
+                           match=own if bad else rf"ranks \[{world - 1}\] disagree.*options_valid"):
+            zigzag_llama3_attention(q, k, v, **kwargs)
+    with pytest.raises(TypeError, match="causal must be True or False"):  # on every rank alike
+        zigzag_llama3_attention(q, k, v, causal="no")
+    _compare(rank, world, 2, 2, causal=True)  # the group is still usable afterwards
+
+
 # ---- packed varlen batches ---------------------------------------------------------------------
 
 def _varlen_cu(world, units=(3, 0, 5, 1)):
@@ -293,7 +310,7 @@ def _case_varlen_mismatch(rank, world):
 
 CASES = {f.__name__.removeprefix("_case_"): f for f in
          (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_unchecked,
-          _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
+          _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_bad_option_on_one_rank, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
           _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense, _case_host_check_group,
           _case_varlen_mismatch)}
 
@@ -495,3 +512,15 @@ def test_plan_rejects_bad_offsets():
         zigzag_split_varlen(torch.zeros(0), [0], 2, 0)
     with pytest.raises(ValueError, match="got none"):
         zigzag_merge([])
+    # inconsistent inputs that dropped tokens without a word
+    x = torch.arange(20.0)[:, None]
+    with pytest.raises(ValueError, match="x has 20 tokens along dim 0, cu_seqlens ends at 16"):
+        zigzag_split_varlen(x, [0, 8, 16], 2, 0)
+    with pytest.raises(ValueError, match="the same shape, got \\[\\(1, 1, 4, 1\\), \\(1, 1, 6, 1\\)\\]"):
+        zigzag_merge([torch.zeros(1, 1, 4, 1), torch.ones(1, 1, 6, 1)])
+    with pytest.raises(ValueError, match="each of the 2 parts holds 8 along dim 0, got \\[8, 10\\]"):
+        zigzag_merge_varlen([torch.zeros(8, 1), torch.zeros(10, 1)], [0, 8, 16])
+    with pytest.raises(TypeError, match="integer offsets, got \\[0, 8.5, 16\\]"):
+        zigzag_plan([0, 8.5, 16], 2, 0)  # was cut to 8
+    with pytest.raises(TypeError, match="integer offsets, got a torch.float32 tensor"):
+        zigzag_cu_seqlens(torch.tensor([0.0, 8.0]), 2)

@@ -444,6 +444,18 @@ def test_config_errors():
         model(ids(length=8))
 
 
+def test_additive_position_bias_is_refused_not_dropped():
+    """T5 hands its relative-position bias to the attention function as position_bias=; it was ignored
+    (logits 0.28 off eager's, no warning)."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                decoder_start_token_id=0, attn_implementation="eager")
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    enable(model, SparseAttnConfig())
+    with pytest.raises(NotImplementedError, match="position_bias is not supported .* relative-position bias"):
+        model(input_ids=ids(length=9), decoder_input_ids=ids(length=5))
+
+
 def test_random_pattern_per_head_runs():
     model = tiny_llama(layers=2)
     cfg = enable(model, SparseAttnConfig("local|random", {"window": 16, "density": 0.3, "heads": HQ, **BLOCK}))

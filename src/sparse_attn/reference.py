@@ -15,6 +15,7 @@ import torch
 
 from .layout import BlockLayout, LayoutError
 from .masks import allowed
+from .validation import check_qkv
 
 
 def visited_keys(layout: BlockLayout, qb: int) -> tuple[int, int, torch.Tensor | None]:
@@ -98,6 +99,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     inputs: its explicit backward recomputes P from that LSE, and an fp32 one cost float64 gradients
     about 1e-5 of their size.
     """
+    check_qkv(q, k, v)  # public as the oracle: a GQA mismatch failed in a view() deep inside
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if layout is not None:

@@ -190,6 +190,20 @@ def config_for(module) -> SparseAttnConfig:
     return cfg
 
 
+# keyword arguments of transformers' attention functions that change the scores or the key sets: each
+# would be dropped without a word (T5's position_bias cost its logits 0.28)
+UNSUPPORTED_KWARGS = {
+    "softcap": "tanh soft-capping of the scores",
+    "s_aux": "learned attention sinks",
+    "sinks": "learned attention sinks",
+    "position_bias": "an additive relative-position bias (T5 family)",
+    "cu_seq_lens_q": "packed sequences",
+    "cu_seq_lens_k": "packed sequences",
+    "indices": "unpadded token indices",
+    "block_indices": "a model-side block selection",
+}
+
+
 def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
@@ -198,9 +212,10 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     if dropout:
         raise NotImplementedError(f"sparse_attn: attention dropout ({dropout}) is not supported; call model.eval() "
                                   "or set attention_dropout=0")
-    for name in ("softcap", "s_aux"):
+    for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"sparse_attn: {name} is not supported (this model passes {name}=...)")
+            raise NotImplementedError(f"sparse_attn: {name} is not supported (this model passes {name}=...: "
+                                      f"{UNSUPPORTED_KWARGS[name]}); use attn_implementation='sdpa' or 'eager'")
     if kwargs.get("output_attentions"):
         _warn_once("sparse_attn does not return attention weights (output_attentions=True): the model's "
                    "attentions come back empty; use attn_implementation='eager' for them")

@@ -10,12 +10,26 @@ import itertools
 
 import torch
 
+from ..layout import as_int
+
 
 def zigzag_chunk_ids(world_size: int, rank: int) -> tuple[int, int]:
     """The two chunk indices (of 2 * world_size) that ``rank`` holds, in local order."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return rank, 2 * world_size - 1 - rank
+
+
+def offsets(cu_seqlens) -> list[int]:
+    """``cu_seqlens`` (an int tensor or a sequence of ints) as a list of Python ints; a float (8.5 was
+    cut to 8) or a float tensor is an error."""
+    if torch.is_tensor(cu_seqlens) and (cu_seqlens.is_floating_point() or cu_seqlens.is_complex()):
+        raise TypeError(f"cu_seqlens must hold integer offsets, got a {cu_seqlens.dtype} tensor")
+    vals = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    ints = [as_int(x) for x in vals]
+    if any(i is None for i in ints):
+        raise TypeError(f"cu_seqlens must hold integer offsets, got {vals}")
+    return ints
 
 
 def _check_world(world_size) -> None:
@@ -46,6 +60,9 @@ def zigzag_merge(parts, dim: int = 2) -> torch.Tensor:
     world_size = len(parts)
     if not world_size:
         raise ValueError("zigzag_merge needs every rank's local tensor (parts in rank order), got none")
+    shapes = [tuple(p.shape) for p in parts]
+    if len(set(shapes)) > 1:  # only parts[0] was measured: longer parts lost their tail
+        raise ValueError(f"zigzag_merge: every rank's local tensor has the same shape, got {shapes}")
     c = _chunk_len(parts[0].shape[dim], 1, f"dim {dim} of the local tensor {tuple(parts[0].shape)}")
     chunks = [None] * (2 * world_size)
     for r, p in enumerate(parts):
@@ -55,7 +72,7 @@ def zigzag_merge(parts, dim: int = 2) -> torch.Tensor:
 
 
 def _seq_bounds(cu_seqlens, world_size: int) -> list[tuple[int, int]]:
-    cu = [int(t) for t in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    cu = offsets(cu_seqlens)
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
         raise ValueError(f"cu_seqlens must have at least 2 entries, start at 0 and be non-decreasing, got {cu}")
     for i, (a, b) in enumerate(itertools.pairwise(cu)):
@@ -74,17 +91,27 @@ def zigzag_cu_seqlens(cu_seqlens: torch.Tensor, world_size: int) -> torch.Tensor
 
 def zigzag_split_varlen(x: torch.Tensor, cu_seqlens, world_size: int, rank: int, dim: int = 0) -> torch.Tensor:
     """Zigzag-split every sequence of a packed batch (``x`` packed along ``dim``, e.g. ``[T, H, D]``)
-    and concatenate the local shares; offsets are :func:`zigzag_cu_seqlens`."""
-    return torch.cat([zigzag_split(x.narrow(dim, a, b - a), world_size, rank, dim)
-                      for a, b in _seq_bounds(cu_seqlens, world_size)], dim)
+    and concatenate the local shares; offsets are :func:`zigzag_cu_seqlens`. ``x`` holds exactly
+    ``cu_seqlens[-1]`` tokens along ``dim``."""
+    bounds = _seq_bounds(cu_seqlens, world_size)
+    if x.shape[dim] != bounds[-1][1]:  # tokens past the last offset were dropped
+        raise ValueError(f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens ends at {bounds[-1][1]}: they must "
+                         "match")
+    return torch.cat([zigzag_split(x.narrow(dim, a, b - a), world_size, rank, dim) for a, b in bounds], dim)
 
 
 def zigzag_merge_varlen(parts, cu_seqlens, dim: int = 0) -> torch.Tensor:
     """Inverse of :func:`zigzag_split_varlen`: ``parts[r]`` is rank r's packed local tensor
     (``[T / W, H, D]`` with ``dim=0``); returns the packed batch ``[T, H, D]`` in sequence order."""
     world_size = len(parts)
+    bounds = _seq_bounds(cu_seqlens, world_size)
+    local = bounds[-1][1] // world_size
+    sizes = [p.shape[dim] for p in parts]
+    if any(n != local for n in sizes):
+        raise ValueError(f"zigzag_merge_varlen: cu_seqlens holds {bounds[-1][1]} tokens, so each of the {world_size} "
+                         f"parts holds {local} along dim {dim}, got {sizes}")
     full = []
-    for a, b in _seq_bounds(cu_seqlens, world_size):
+    for a, b in bounds:
         la, n = a // world_size, (b - a) // world_size
         full.append(zigzag_merge([p.narrow(dim, la, n) for p in parts], dim))
     return torch.cat(full, dim)

@@ -15,12 +15,11 @@ import itertools
 import torch
 
 from ..grouped import Group
-from .chunks import zigzag_chunk_ids
+from .chunks import offsets, zigzag_chunk_ids
 
 
 def _as_list(cu_seqlens) -> list[int]:
-    vals = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
-    return [int(x) for x in vals]
+    return offsets(cu_seqlens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..validation import check_causal, check_scale
 from . import local
 from .comm import GradReduceScatter, HeadChunkGather, check_consistent_shapes
 from .plan import ZigzagPlan, _as_list, dense_plan, zigzag_plan
@@ -108,13 +109,43 @@ def _validate_common(q, k, v):
                          f"{q.device}/{k.device}/{v.device}")
 
 
-def _check_across_ranks(q, k, v, group, causal: bool, scale, kv_head_chunk, grouped, fn: str, **extras) -> None:
-    """Both entries' cross-rank input check: shapes and dtypes of q/k/v, the options, and ``extras``
-    (name -> int), compared on every rank before any collective (:func:`check_consistent_shapes`)."""
-    options = {"causal": int(causal), "scale": None if scale is None else float(scale),
+def _check_option_types(causal, scale, kv_head_chunk, grouped):
+    """The options' own checks (no collective): ``(causal, scale)`` normalised, or TypeError/ValueError."""
+    causal, scale = check_causal(causal), check_scale(scale)
+    _check_options(kv_head_chunk, 1)
+    _check_grouped(grouped)
+    return causal, scale
+
+
+def _check_across_ranks(q, k, v, group, causal: bool, scale, kv_head_chunk, grouped, fn: str, check: bool,
+                        **extras):
+    """Both entries' input check: the options' own checks, then (``check``) shapes and dtypes of q/k/v,
+    the options and ``extras`` (name -> int) compared on every rank before any collective
+    (:func:`check_consistent_shapes`). Returns ``(causal, scale)`` normalised.
+
+    A bad option on one rank only must not raise there alone (its peers would wait in their first
+    collective until the timeout): whether the options passed their own checks is compared across
+    ranks too, and the rank whose options failed raises its own error only after that comparison."""
+    if not check:
+        return _check_option_types(causal, scale, kv_head_chunk, grouped)
+    try:
+        causal, scale = _check_option_types(causal, scale, kv_head_chunk, grouped)
+        own_error = None
+    except (TypeError, ValueError) as e:  # compared as "options_valid" = 0; the values are not encodable
+        own_error, causal, scale, kv_head_chunk, grouped = e, False, None, None, None
+    options = {"options_valid": int(own_error is None), "causal": int(causal),
+               "scale": None if scale is None else float(scale),
                "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk,
                "use_grouped_attention": -1 if grouped is None else int(grouped)}
-    check_consistent_shapes({"q": q, "k": k, "v": v}, group, {**options, **extras}, what=f"{fn}: ")
+    try:
+        check_consistent_shapes({"q": q, "k": k, "v": v}, group, {**options, **extras}, what=f"{fn}: ")
+    except ValueError as mismatch:
+        if own_error is not None:  # this rank's own message says what is wrong with its arguments
+            raise own_error from mismatch
+        raise
+    if own_error is not None:  # every rank's options failed: each raises its own error
+        raise own_error
+    return causal, scale
 
 
 def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *,
@@ -154,10 +185,8 @@ def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_loca
     ranks. A peer that never calls in blocks the others until the process group's ``timeout`` (see
     :mod:`sparse_attn.parallel.comm`).
     """
-    _check_grouped(use_grouped_attention)
-    if check_inputs:
-        _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk, use_grouped_attention,
-                            "zigzag_llama3_attention")
+    causal, scale = _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk,
+                                        use_grouped_attention, "zigzag_llama3_attention", check_inputs)
     _validate_dense(q_local, k_local, v_local)
     step = _check_options(kv_head_chunk, k_local.shape[1])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -198,12 +227,10 @@ def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor,
     on every rank), unless ``check_inputs=False``.
     """
     cu = _as_list(cu_seqlens)
-    _check_grouped(use_grouped_attention)
-    if check_inputs:
-        _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk, use_grouped_attention,
-                            "zigzag_llama3_varlen_attention",
-                            num_seqs=len(cu) - 1, total_tokens=cu[-1] if cu else -1,
-                            cu_seqlens_digest=_cu_fingerprint(cu))
+    causal, scale = _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk,
+                                        use_grouped_attention, "zigzag_llama3_varlen_attention", check_inputs,
+                                        num_seqs=len(cu) - 1, total_tokens=cu[-1] if cu else -1,
+                                        cu_seqlens_digest=_cu_fingerprint(cu))
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     plan = zigzag_plan(cu, world, rank)
     if q_local.dim() != 3 or k_local.dim() != 3 or v_local.dim() != 3:
