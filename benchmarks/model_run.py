@@ -39,7 +39,7 @@ import torch
 from sparse_attn.json_io import dumps
 from sparse_attn import model_eval as me
 from sparse_attn.cli._common import tokens
-from sparse_attn.cli.eval_model import pattern_options
+from sparse_attn.cli.eval_model import pattern_options, patterns_by_length
 from sparse_attn.integrations.transformers import SparseAttnConfig
 
 TARGETS = {"cosine": 0.99, "top1": 0.95, "top5": 0.95, "causal_sparsity": 0.50}
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     result = me.evaluate(model, tokenizer, evaluation_runs, lengths, texts, args.new_tokens, on_step=lambda m: None)
     head.update(texts=texts, lengths=lengths, eval_s=round(time.time() - t0, 1))
-    head["patterns"] = {s["pattern"]: s["config"] for s in result["summary"]}
+    head["patterns"] = patterns_by_length(result["summary"])  # {pattern: {"L": config}}: options vary with L
     head["text_files"] = result["texts"]
     payload.update(summary=result["summary"], rows=result["rows"])
     longest = [s for s in result["summary"] if s["pattern"] == "adaptive" and s["length"] == args.sweep_length]

@@ -65,9 +65,9 @@ def test_quick_causal_gqa_benchmark(capsys):
 
 def test_quick_bad_arguments_exit_2(capsys):
     assert run_cli(quick_cli, TINY + ["--device", "cpu", "--cdfthreshd", "1.5"]) == 2
-    assert "cdfthreshd" in capsys.readouterr().out
+    assert "cdfthreshd" in capsys.readouterr().err
     assert run_cli(quick_cli, TINY + ["--device", "cpu", "--cdfthreshd", "0.5", "--topk", "0.3"]) == 2
-    assert "not both" in capsys.readouterr().out  # --cdfthreshd was dropped silently
+    assert "not both" in capsys.readouterr().err  # --cdfthreshd was dropped silently
     with pytest.raises(SystemExit):
         run_cli(quick_cli, ["quick", "--sparse-level", "extreme"])
 
@@ -112,10 +112,10 @@ def test_quick_on_your_own_qkv_file_with_a_plot(tmp_path, capsys):
     torch.save({"q": q}, tmp_path / "dict.pt")
     for name, words in (("two.pt", "tuple (q, k, v)"), ("dict.pt", "keys q, k, v"), ("none.pt", "no such file")):
         assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / name)]) == 2
-        assert words in capsys.readouterr().out
+        assert words in capsys.readouterr().err
     assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "mine.pt"), "--plot",
                                str(png), "--head", "9"]) == 2
-    assert "head 9 out of range" in capsys.readouterr().out
+    assert "head 9 out of range" in capsys.readouterr().err
 
 
 def test_attention_comparison_of_given_tensors_matches_their_head():
@@ -146,3 +146,42 @@ def test_attention_probs_takes_the_layout_of_the_real_call():
     torch.testing.assert_close(p, accuracy.attention_probs(q, k, one), rtol=0, atol=0)
     mask = one.to_token_mask()[0, 0]
     assert bool((p[~mask] == 0).all()) and bool((p.sum(-1) - 1).abs().max() < 1e-12)
+
+
+def test_quick_plot_path_is_checked_first_and_reported_as_written(tmp_path, capsys):
+    """--plot noext wrote noext.png and said "wrote noext"; a file in place of its folder was a
+    FileExistsError traceback after the whole run."""
+    rc = run_cli(quick_cli, TINY + ["--device", "cpu", "--plot", str(tmp_path / "noext"), "--min-sparsity", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"wrote {tmp_path / 'noext.png'}" in " ".join(out.split()) and (tmp_path / "noext.png").is_file()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit) as e:
+        run_cli(quick_cli, TINY + ["--device", "cpu", "--plot", str(afile / "p.png")])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and f"--plot {afile}" in captured.err and "Cossim" not in captured.out
+
+
+def test_thresholds_print_with_the_digits_they_have(tmp_path, capsys):
+    """--min-sparsity 0.005 read "> 0%" (quick's check line and the accuracy report)."""
+    run_cli(quick_cli, TINY + ["--device", "cpu", "--min-sparsity", "0.005"])
+    assert "> 0.5%" in capsys.readouterr().out
+    from sparse_attn import accuracy
+    header = {"device": "cpu", "dtype": "fp32", "torch": torch.__version__, "seconds": 0.0, "quick": True,
+              "head_dim": 32, "block": 128, "thresholds": {"min_cosine": 0.95, "max_l1": 0.1, "min_sparsity": 0.005},
+              "levels": {}, "data": ""}
+    md = accuracy.write_markdown(tmp_path / "r.md", header, [], images={}).read_text()
+    assert "`sparsity` > 0.5%" in md
+
+
+@pytest.mark.parametrize("shape_q, shape_kv, what", [((1, 2, 0, 32), (1, 2, 64, 32), "q has shape [1, 2, 0, 32], empty in L"),
+                                                     ((1, 2, 64, 32), (1, 2, 0, 32), "k has shape [1, 2, 0, 32], empty in L"),
+                                                     ((0, 2, 64, 32), (0, 2, 64, 32), "empty in B"),
+                                                     ((1, 2, 64, 0), (1, 2, 64, 0), "empty in D")])
+def test_quick_refuses_empty_qkv(tmp_path, capsys, shape_q, shape_kv, what):
+    """An empty q or k passed every check on "0 of 0 blocks" (as --seq-len 0 is refused)."""
+    torch.save({"q": torch.zeros(shape_q), "k": torch.zeros(shape_kv), "v": torch.zeros(shape_kv)}, tmp_path / "e.pt")
+    assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "e.pt")]) == 2
+    captured = capsys.readouterr()
+    assert what in captured.err and "Cossim" not in captured.out

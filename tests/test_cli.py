@@ -90,7 +90,7 @@ def test_bench_interleave_flag_is_recorded(tmp_path, capsys):
 
 def test_bench_rejects_unknown_provider(tmp_path, capsys):
     rc = main(["bench", "--device", "cpu", "--providers", "nope", "--out-dir", str(tmp_path), "--no-progress"])
-    assert rc == 2 and "unknown provider" in capsys.readouterr().out
+    assert rc == 2 and "unknown provider" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 
@@ -115,7 +115,8 @@ def test_bench_list(capsys):
 @pytest.mark.parametrize("pattern", viz.pattern_names() + ["local|random", "bigbird&causal"])
 def test_viz_writes_png(tmp_path, pattern, capsys):
     out = tmp_path / "p.png"
-    assert main(["viz", pattern, "--seq-len", "1024", "--heads", "2", "--out", str(out)]) == 0
+    heads = ["--heads", "2"] if "random" in pattern or "bigbird" in pattern else []  # only they take it
+    assert main(["viz", pattern, "--seq-len", "1024", *heads, "--out", str(out)]) == 0
     assert_png(out)
     assert "density" in capsys.readouterr().out
 
@@ -138,7 +139,7 @@ def test_viz_options_reach_the_builder(tmp_path, capsys):
 
 def test_viz_bad_pattern(capsys, tmp_path):
     assert main(["viz", "nonsense", "--out", str(tmp_path / "n.png")]) == 2
-    assert "unknown pattern 'nonsense'" in capsys.readouterr().out
+    assert "unknown pattern 'nonsense'" in capsys.readouterr().err
     assert main(["viz"]) == 2
 
 
@@ -200,10 +201,10 @@ def test_bench_slice_runs_its_rows_only(tmp_path, capsys):
     # running the same slice again with --skip-done over its results runs nothing
     capsys.readouterr()
     assert main(args + ["--slice", "2/3", "--skip-done", str(tmp_path), "--name", "again"]) == 1
-    out = capsys.readouterr().out
-    assert f"skipping {len(want)} rows" in out and "nothing to run" in out
+    captured = capsys.readouterr()
+    assert f"skipping {len(want)} rows" in captured.out and "nothing to run" in captured.err
     assert main(args + ["--slice", "4/3"]) == 2
-    assert "1 <= K <= N" in capsys.readouterr().out
+    assert "1 <= K <= N" in capsys.readouterr().err
 
 
 def test_bench_plan_prints_slices(capsys):
@@ -333,7 +334,7 @@ def test_viz_output_format_and_close_up_are_checked(tmp_path, capsys):
     for close_up, why in ((["2000", "0", "64"], "outside the 1024 x 1024"), (["0", "0", "0"], "must be positive")):
         assert main(["viz", "streaming", "--seq-len", "1k", "--close-up", *close_up,
                      "--out", str(tmp_path / "c.png")]) == 2
-        assert why in capsys.readouterr().out
+        assert why in capsys.readouterr().err
 
 
 def test_bench_gpu_suites_refuse_the_cpu(tmp_path, capsys):
@@ -369,7 +370,7 @@ def test_bench_exits_1_when_every_row_failed(tmp_path, capsys, broken_provider):
     argv = ["bench", "--device", "cpu", "--patterns", "local", "--seq-lens", "128", "--modes", "fwd",
             "--head-dim", "16", "--reps", "1", "--out-dir", str(tmp_path), "--no-progress", "--providers"]
     assert main(argv + [broken_provider]) == 1
-    assert "all 1 rows failed, e.g. RuntimeError: this provider always fails" in capsys.readouterr().out
+    assert "all 1 rows failed, e.g. RuntimeError: this provider always fails" in capsys.readouterr().err
     assert main(argv + [broken_provider, "reference"]) == 0  # one row measured: not a failed run
     assert "1 of 2 rows failed" in capsys.readouterr().out
 
@@ -381,7 +382,7 @@ def test_demo_exits_1_when_every_row_failed(tmp_path, capsys, monkeypatch, broke
         get_suite("small"), patterns=["local"], seq_lens=[128], modes=["fwd"], providers=[broken_provider]))
     monkeypatch.setattr(viz, "write_gallery", lambda *a, **k: [])
     assert main(["demo", "--quick", "--device", "cpu", "--out-dir", str(tmp_path), "--no-progress"]) == 1
-    assert "every benchmark row failed" in capsys.readouterr().out
+    assert "every benchmark row failed" in capsys.readouterr().err
     assert not (tmp_path / "report.md").exists()
 
 
@@ -456,12 +457,135 @@ def test_bench_pattern_options_reparameterise_the_selected_patterns(tmp_path, ca
     # an option none of the selected patterns takes is an error, not silently ignored
     assert main(["bench", "--device", "cpu", "--patterns", "causal", "--window", "64", "--out-dir",
                  str(tmp_path), "--no-progress"]) == 2
-    assert "apply to none of the selected patterns (causal)" in capsys.readouterr().out
+    assert "apply to none of the selected patterns (causal)" in capsys.readouterr().err
 
 
 def test_bench_patterns_selecting_nothing_is_an_error_listing_the_cases(capsys):
     """--plan crashed with an IndexError on such a selection; a run said only "nothing to run"."""
     for extra in (["--plan"], []):
         assert main(["bench", "--suite", "report-gpu", "--patterns", "nosuch*", "--device", "cpu"] + extra) == 2
-        out = capsys.readouterr().out
-        assert "selects no case of suite report-gpu" in out and "local-4096" in out
+        err = capsys.readouterr().err
+        assert "selects no case of suite report-gpu" in err and "local-4096" in err
+
+
+# ----------------------------------------------------------------------------- second adversarial pass (CLI audit)
+def test_bench_skip_done_over_another_folder_does_not_duplicate_the_rows_run_again(tmp_path, capsys):
+    """--skip-done DIR beside an --out-dir that already held the result: the rows run again were also
+    kept from the old file (Point.key() ends with the provider; it was appended a second time)."""
+    out, empty = tmp_path / "out", tmp_path / "empty"
+    empty.mkdir()
+    assert main(_tiny_bench(out)) == 0
+    assert main(_tiny_bench(out, "--skip-done", str(empty))) == 0
+    rows = json.loads((out / "small-cpu.json").read_text())["rows"]
+    assert len(rows) == 4 and len({(r["seq_len"], r["provider"]) for r in rows}) == 4  # was 8
+    assert len((out / "small-cpu.csv").read_text().strip().splitlines()) == 5
+    assert "earlier rows" not in capsys.readouterr().out
+
+
+def test_bench_plan_names_the_suite_given(capsys):
+    """On a CPU --suite sage runs its stand-in sage-tiny: the plan told to run --suite sage-tiny, no choice."""
+    assert main(["bench", "--suite", "sage", "--device", "cpu", "--plan", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "`sparse-attn bench --suite sage --slice K/2`" in out and "--suite sage-tiny" not in out
+    assert main(["bench", "--suite", "small", "--device", "cpu", "--patterns", "local", "--plan", "1"]) == 0
+    assert "--suite small --slice K/1` with this plan's other options" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--heads", "4", "--kv-heads", "2", "3"], ["--heads 4 and --kv-heads 2 3", "4 query heads with 3 key/value"]),
+    (["--heads", "3"], ["--heads 3 and the suite's key/value heads", "3 query heads with 2 key/value heads"]),
+])
+def test_bench_refuses_query_heads_that_are_no_multiple_of_kv_heads(tmp_path, capsys, extra, words):
+    """They ran, every such row failed with an internal error, and the command exited 0."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--device", "cpu", "--patterns", "local", "--seq-lens", "128", "--modes", "fwd",
+              "--out-dir", str(tmp_path), "--no-progress", *extra])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and all(w in err for w in words), err
+    assert not list(tmp_path.iterdir())
+
+
+def test_builtin_suites_pair_heads_that_divide():
+    from sparse_attn.bench import SUITES
+    for name, make in SUITES.items():
+        assert all(c.heads % hkv == 0 for c in make().cases for hkv in c.kv_heads), name
+
+
+def test_bench_help_names_both_row_renamings(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps (and may break at a comma)
+    assert "NAME[option=value,...]" in text and "NAME<block_k=K,block_q=Q>" in text
+    assert "local[window=64]<block_k=64,block_q=64>" in text
+
+
+@pytest.mark.parametrize("argv", [["bench", "--name", "sub/x"], ["eval-model", "--name", "sub/x"],
+                                  ["report", "--from", "x", "--name", "sub/merged.json"], ["bench", "--name", ""]])
+def test_name_is_a_file_name_not_a_path(argv, capsys):
+    """--name sub/x ended in FileNotFoundError after the whole run (eval-model, report) or the first row."""
+    from sparse_attn.cli.main import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --name" in err and "without a folder" in err and "--out-dir" in err
+
+
+def test_errors_go_to_stderr(tmp_path, capsys):
+    """`sparse-attn viz foo >/dev/null` printed nothing: the error went to stdout with the results."""
+    assert main(["viz", "foo", "--out", str(tmp_path / "f.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "unknown pattern 'foo'" in captured.err
+    assert main(["bench", "--device", "cpu", "--providers", "nosuch", "--out-dir", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "unknown provider(s) nosuch" in captured.err and "nosuch" not in captured.out
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["dense", "--window", "5"], "--window"),
+    (["local", "--density", "0.5"], "--density"),
+    (["dense", "--causal"], "--causal"),
+    (["local", "--exponential"], "--exponential"),
+    (["local", "--heads", "4"], "--heads"),
+    (["local|dense", "--top-k", "2", "--num-sink", "4"], "--num-sink, --top-k"),
+])
+def test_viz_refuses_pattern_options_no_builder_takes(tmp_path, capsys, argv, flags):
+    """Each was dropped without a word: `viz dense --window 5` drew plain dense, exit 0."""
+    out = tmp_path / "x.png"
+    with pytest.raises(SystemExit) as e:
+        main(["viz", *argv, "--seq-len", "512", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"pattern option(s) {flags} apply to no builder of {argv[0]!r}" in err
+    assert not out.exists()
+
+
+def test_viz_options_a_builder_takes_still_work(tmp_path, capsys):
+    for argv in (["local|random", "--window", "64", "--density", "0.3", "--heads", "2"],
+                 ["local", "--no-causal", "--window-right", "64"], ["random", "--top-k", "2", "--seed", "3"]):
+        assert main(["viz", *argv, "--seq-len", "512", "--out", str(tmp_path / "ok.png")]) == 0, argv
+    assert "blocks 128x128" in capsys.readouterr().out  # the builders' default blocks when not given
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--block-q", "100"], "--block-q must be a multiple of 16"),  # a LayoutError traceback, exit 1
+    (["--block-q", "64", "--block-k", "32"], "does not use --block-k"),  # the page said 64x64 blocks
+    (["--kv-len", "512", "--window", "64", "--out", "x.png", "--close-up", "0", "0", "64", "--show-heads", "2"],
+     "does not use --kv-len, --window, --out, --close-up, --show-heads"),
+])
+def test_viz_gallery_refuses_what_it_does_not_use(tmp_path, capsys, extra, words):
+    gallery = tmp_path / "g"
+    with pytest.raises(SystemExit) as e:
+        main(["viz", "--gallery", str(gallery), "--seq-len", "256", *extra])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and words in err, err
+    assert not gallery.exists()
+
+
+def test_viz_gallery_takes_square_blocks_and_markdown_needs_it(tmp_path, capsys):
+    md = tmp_path / "g.md"
+    assert main(["viz", "--gallery", str(tmp_path / "g"), "--seq-len", "256", "--block-q", "64", "--block-k", "64",
+                 "--markdown", str(md)]) == 0
+    assert "with 64x64 blocks" in md.read_text()
+    with pytest.raises(SystemExit) as e:  # exited 0 without writing m.md
+        main(["viz", "local", "--markdown", str(tmp_path / "m.md"), "--out", str(tmp_path / "m.png")])
+    assert e.value.code == 2 and "give it with --gallery DIR" in capsys.readouterr().err
+    assert not (tmp_path / "m.md").exists() and not (tmp_path / "m.png").exists()

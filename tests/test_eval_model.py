@@ -219,9 +219,9 @@ def test_bar_flags_parse_and_are_documented(capsys):
 
 def test_eval_model_rejects_bad_input(tiny_model_dir, tmp_path, capsys):
     assert cli(["--model", str(tmp_path / "missing"), "--lengths", "64", "--out-dir", str(tmp_path)]) == 2
-    assert "not a local model directory" in capsys.readouterr().out
+    assert "not a local model directory" in capsys.readouterr().err
     assert cli(["--model", str(tiny_model_dir), "--patterns", "nope", "--out-dir", str(tmp_path)]) == 2
-    assert "unknown pattern" in capsys.readouterr().out
+    assert "unknown pattern" in capsys.readouterr().err
 
 
 def test_eval_model_checks_the_out_dir_before_evaluating(tiny_model_dir, tmp_path, capsys):
@@ -315,7 +315,7 @@ def test_smollm2_eval_512(tmp_path, capsys):
 
 def test_eval_model_gguf_option(tmp_path, capsys):
     assert cli(["--gguf", str(tmp_path / "none.gguf"), "--lengths", "64", "--out-dir", str(tmp_path)]) == 2
-    assert "no GGUF file at" in capsys.readouterr().out
+    assert "no GGUF file at" in capsys.readouterr().err
 
 
 def test_model_run_sweep_then_eval_on_tiny_model(tiny_model_dir, tmp_path, capsys):
@@ -343,3 +343,64 @@ def test_model_run_sweep_then_eval_on_tiny_model(tiny_model_dir, tmp_path, capsy
     assert patterns == {(p, L) for p in ("adaptive", "streaming", "dense (ours)") for L in (64, 128)}
     assert (tmp_path / "tiny.png").is_file() and (tmp_path / "tiny-sweep.png").is_file()
     assert "selected block=16" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- second adversarial pass (CLI audit)
+def _tiny_args(model_dir, out_dir, *extra):
+    return ["--model", str(model_dir), "--lengths", "64", "--texts", "1", "--new-tokens", "0", "--device", "cpu",
+            "--no-plot", "--no-verdict", "--out-dir", str(out_dir), *extra]
+
+
+def test_no_greedy_tokens_means_no_greedy_agreement(tiny_model_dir, tmp_path, capsys):
+    """--new-tokens 0 reported greedy agreement 1.000 (and greedy_match 1.0) for text never generated;
+    the options' defaults per length were recorded once per pattern (the last length's)."""
+    assert me.greedy_metrics([], []) == {"greedy_match": None, "greedy_prefix": None}
+    assert cli(_tiny_args(tiny_model_dir, tmp_path, "--lengths", "64", "80", "--patterns", "local",
+                          "--block-q", "16", "--block-k", "16")) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("│ local") and "│ 64 │" in line)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert cells[7:9] == ["-", "-"]  # greedy, greedy prefix
+    data = json.loads((tmp_path / "eval-model.json").read_text())
+    for s in data["summary"]:
+        assert s["greedy_match"] is None and s["greedy_prefix"] is None and s["greedy_match_std"] is None
+        assert s["cosine"] is not None
+    assert all(r["greedy_match"] is None for r in data["rows"])
+    # per length: local's window defaults to L/4 (16 at 64, 20 at 80)
+    assert data["header"]["patterns"] == {"local": {"64": "local(block_k=16, block_q=16, window=16)",
+                                                    "80": "local(block_k=16, block_q=16, window=20)"}}
+    assert me.with_verdicts(data["summary"], me.Bars(min_cosine=0.1, max_l1=5, min_top1=0.1, min_top5=0.1))[0][
+        "passed"] is True  # no greedy bar: None never reaches the verdict
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--patterns", "adaptive", "--topk", "0.5", "--cdfthreshd", "0.9"], "give --topk (0.5) or --cdfthreshd (0.9), not both"),
+    (["--patterns", "local", "--topk", "0.5"], "--topk apply to none of the selected patterns (local)"),
+    (["--patterns", "local", "--density", "0.5"], "--density apply to none of the selected patterns (local)"),
+    (["--patterns", "local", "dense", "--heads", "2"], "--heads apply to none of the selected patterns (local, dense)"),
+    (["--patterns", "adaptive", "--window", "16"], "--window apply to none of the selected patterns (adaptive)"),
+    (["--patterns", "local", "--block-q", "100"], "--patterns local: block_q must be a multiple of 16"),
+    (["--patterns", "adaptive", "--topk", "1.5"], "--patterns adaptive: topk must be in (0.0, 1.0], got 1.5"),
+])
+def test_eval_model_checks_pattern_options_before_loading_the_model(tiny_model_dir, tmp_path, capsys, extra, words):
+    """Each was a traceback after the model loaded, or (the first five) dropped without a word."""
+    assert cli(_tiny_args(tiny_model_dir, tmp_path, *extra)) == 2
+    captured = capsys.readouterr()
+    assert words in " ".join(captured.err.split()) and "model" not in captured.out
+    assert not (tmp_path / "eval-model.json").exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--layers", "0,5"], "--layers 0,5: layer indices [5] are out of range: the model has 2 attention layers"),
+    (["--patterns", "random", "--heads", "3", "--block-q", "16", "--block-k", "16"],
+     "--heads 3: random's layout has 3 heads and the model 4 query heads"),
+])
+def test_eval_model_checks_the_model_fits_before_evaluating(tiny_model_dir, tmp_path, capsys, extra, words):
+    """--layers past the last layer and per-head layouts for a 4-head model ended in tracebacks."""
+    with pytest.raises(SystemExit) as e:
+        cli(_tiny_args(tiny_model_dir, tmp_path, *extra))
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and words in err, err
+    assert not (tmp_path / "eval-model.json").exists()
+    assert cli(_tiny_args(tiny_model_dir, tmp_path, "--patterns", "random", "--heads", "4", "--density", "0.5",
+                          "--block-q", "16", "--block-k", "16", "--layers", "1")) == 0  # what fits still runs

@@ -292,7 +292,7 @@ def test_report_lists_missing_slices(tmp_path, capsys):
 def test_report_without_rows_is_an_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", "--from", str(tmp_path / "empty"), "--out-dir", str(tmp_path / "out")]) == 2
-    assert "no benchmark rows" in capsys.readouterr().out
+    assert "no benchmark rows" in capsys.readouterr().err
 
 
 def test_not_run_note_extrapolates_and_says_so():

@@ -429,7 +429,7 @@ def write_markdown(path, header: dict, rows: list[dict], *, images: dict[str, Pa
              "Checks: `finite` (no NaN/inf), `numerics` (sparse output vs the fp64 reference on the same "
              "layout: relative L1 within the dtype's tolerance), `cosine` > "
              f"{th['min_cosine']}, `l1` (relative L1 vs dense) < {th['max_l1']}, `sparsity` > "
-             f"{th['min_sparsity']:.0%}. Stability cases check only `finite` and `numerics`: scaling q and k "
+             f"{100 * th['min_sparsity']:g}%. Stability cases check only `finite` and `numerics`: scaling q and k "
              "by s scales the logits by s^2, which changes the attention itself (x100 is near-argmax "
              "attention, which pooled block prediction cannot follow token by token), so their accuracy "
              "against dense is reported, not judged. Edge cases do not require sparsity.", "",

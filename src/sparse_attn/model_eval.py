@@ -207,12 +207,13 @@ def logits_metrics(sparse: torch.Tensor, dense: torch.Tensor, chunk: int = 256) 
     return {"cosine": cosine, "cosine_min": cos_min, "relative_l1": rel, "top1": top1 / rows, "top5": top5 / rows}
 
 
-def greedy_metrics(sparse: list[int], dense: list[int]) -> dict[str, float]:
+def greedy_metrics(sparse: list[int], dense: list[int]) -> dict[str, float | None]:
     """``greedy_match``: fraction of positions with the same token; ``greedy_prefix``: fraction
-    before the first difference."""
+    before the first difference. Both None when nothing was generated (``new_tokens=0``): 1.0 read
+    as full agreement on text that was never generated."""
     n = len(dense)
     if n == 0:
-        return {"greedy_match": 1.0, "greedy_prefix": 1.0}
+        return {"greedy_match": None, "greedy_prefix": None}
     # positions the sparse run did not produce count as different (zip would drop them)
     same = [i < len(sparse) and sparse[i] == dense[i] for i in range(n)]
     prefix = same.index(False) if False in same else n
@@ -340,7 +341,7 @@ def sample_std(values: Sequence[float]) -> float | None:
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (pattern, length), first-seen order: each of :data:`METRIC_KEYS` as its mean over texts
     and, as ``<key>_std``, its :func:`sample_std` (None with one text); per-layer lists averaged
-    elementwise."""
+    elementwise. A metric that is None in a row (greedy ones without generation) is None, std too."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["pattern"], r["length"]), []).append(r)
@@ -348,8 +349,12 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (pattern, length), rs in groups.items():
         s = {"pattern": pattern, "config": rs[0]["config"], "length": length, "texts": len(rs)}
         for key in METRIC_KEYS:
-            s[key] = sum(r[key] for r in rs) / len(rs)
-            s[f"{key}_std"] = sample_std([r[key] for r in rs])
+            values = [r[key] for r in rs]
+            if any(v is None for v in values):  # not measured (no greedy tokens): no mean to take
+                s[key] = s[f"{key}_std"] = None
+                continue
+            s[key] = sum(values) / len(rs)
+            s[f"{key}_std"] = sample_std(values)
         for key in ("layer_sparsity", "layer_causal_sparsity"):
             s[key] = [sum(v) / len(rs) for v in zip(*(r[key] for r in rs))]
         out.append(s)
@@ -424,6 +429,11 @@ def _mean_std(s: dict, key: str, digits: int) -> str:
     return mean if std is None else f"{mean}\n±{std:.{digits}f}"
 
 
+def _fixed(value, digits: int) -> str:
+    """``value`` to ``digits`` decimals, "-" for None (not measured: greedy metrics without generation)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def summary_table(summary: list[dict], title: str = "dense vs sparse"):
     """The summary as a rich Table: cosine, rel L1, top-1 and top-5 as mean and ±std over texts (the
     seed's four summary metrics), the rest as means; a verdict column when the rows have one
@@ -440,7 +450,7 @@ def summary_table(summary: list[dict], title: str = "dense vs sparse"):
         span = f"{min(lc):.2f}-{max(lc):.2f}" if lc else "-"
         cells = [s["pattern"], str(s["length"]), _mean_std(s, "cosine", 4), f"{s['cosine_min']:.4f}",
                  _mean_std(s, "relative_l1", 4), _mean_std(s, "top1", 3), _mean_std(s, "top5", 3),
-                 f"{s['greedy_match']:.3f}", f"{s['greedy_prefix']:.3f}", f"{s['sparsity']:.3f}",
+                 _fixed(s["greedy_match"], 3), _fixed(s["greedy_prefix"], 3), f"{s['sparsity']:.3f}",
                  f"{s['causal_sparsity']:.3f}", span, f"{s['time_dense_s']:.2f}s", f"{s['time_sparse_s']:.2f}s"]
         if verdicts:
             cells.append("" if "passed" not in s else "[green]PASS[/green]" if s["passed"] else "[red]FAIL[/red]")
@@ -460,7 +470,8 @@ def plot_summary(summary: list[dict], path: Path, title: str = "") -> Path:
     patterns = list(dict.fromkeys(s["pattern"] for s in summary))
     for ax, (key, label) in zip(axes.flat, PLOTS):
         for p in patterns:
-            pts = sorted((s["length"], s[key]) for s in summary if s["pattern"] == p)
+            pts = sorted((s["length"], math.nan if s[key] is None else s[key])  # None: not measured, a gap
+                         for s in summary if s["pattern"] == p)
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")

@@ -118,6 +118,26 @@ def usage_error(message: str):
     raise SystemExit(2)
 
 
+def error(message: str, code: int = 2) -> int:
+    """Print ``message`` (rich markup; escape what it quotes) in red on stderr and return ``code`` for the
+    command to return. Errors printed through the stdout console vanished with ``>/dev/null`` or into the
+    results of ``> out.txt``, while argparse's and :func:`usage_error`'s went to stderr."""
+    from rich.console import Console
+    Console(stderr=True, width=None if sys.stderr.isatty() else 160, highlight=False).print(f"[red]{message}[/red]")
+    return code
+
+
+def file_stem(text: str) -> str:
+    """An argparse type for ``--name``: a file name in the output folder, not a path. ``--name sub/x``
+    failed with FileNotFoundError after the whole run (the subfolder was never created)."""
+    import os
+    seps = {os.sep, "/"} | ({os.altsep} if os.altsep else set())
+    if not text.strip() or text in (".", "..") or any(s in text for s in seps):
+        raise argparse.ArgumentTypeError(f"expected a file name without a folder, got {text!r}; "
+                                         "choose the folder with --out-dir")
+    return text
+
+
 def writable_dir(path, flag: str) -> Path:
     """Create the output folder ``path`` now and check that a file can be written in it, so that a bad
     ``flag`` fails before the work starts (it failed with a traceback after it, e.g. after a whole

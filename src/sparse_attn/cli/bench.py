@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import (CPU_TIMING_NOTE, Once, add_pattern_options, console, default_device, device_arg, nonneg_int,
-                      positive_int, positive_tokens, cpu_threads, split_list, usage_error, writable_dir)
+from ._common import (CPU_TIMING_NOTE, Once, add_pattern_options, console, default_device, device_arg, error,
+                      file_stem, nonneg_int, positive_int, positive_tokens, cpu_threads, split_list, usage_error,
+                      writable_dir)
 
 DESCRIPTION = """Time attention providers on a suite of sparse patterns.
 
@@ -67,7 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-heads", nargs="+", type=positive_int, metavar="HKV", help="key/value heads (GQA when < Hq)")
     p.add_argument("--head-dim", type=positive_int, help="head dim D")
     g = p.add_argument_group("pattern options: replace the selected patterns' own values where their builder takes "
-                             "them (the rows are then named NAME[option=value,...])")
+                             "them (the rows are then named NAME[option=value,...] for builder options and "
+                             "NAME<block_k=K,block_q=Q> for --block-q/--block-k, e.g. "
+                             "local[window=64]<block_k=64,block_q=64>)")
     g.add_argument("--block-q", type=positive_int, action=Once, help="layout query block size (16..256)")
     g.add_argument("--block-k", type=positive_int, action=Once, help="layout key block size (16..256)")
     g.add_argument("--seed", type=int, action=Once, help="random/bigbird: RNG seed")
@@ -86,7 +89,7 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline", help="provider the speedup column compares with "
                    "(default: first of sdpa-cudnn, sdpa-flash, sdpa-math, reference present)")
     p.add_argument("--out-dir", default="out/bench", type=Path, help="where JSON and CSV go (default: out/bench)")
-    p.add_argument("--name", help="file stem of the results (default: the suite run and the device, e.g. small-cpu, "
+    p.add_argument("--name", type=file_stem, help="file stem of the results (default: the suite run and the device, e.g. small-cpu, "
                                   "sage-tiny-cpu; with --slice K/N, then -K-of-N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--list", action="store_true", help="list suites and providers (with availability) and exit")
@@ -124,8 +127,11 @@ def selected_suite(args, device: str = "cpu"):
     return suite
 
 
-def print_plan(suite, n: int, limit_s: float, con) -> int:
-    """The suite's slices (rows, first and last row, estimated seconds); n=0: the fewest within limit_s."""
+def print_plan(suite, n: int, limit_s: float, con, suite_arg: str | None = None, restricted: bool = False) -> int:
+    """The suite's slices (rows, first and last row, estimated seconds); n=0: the fewest within limit_s.
+    ``suite_arg``: the --suite given, for the command line printed (on a CPU ``sage`` runs as its stand-in
+    ``sage-tiny``, which is no --suite choice); ``restricted``: options cut the suite (a slice needs them too)."""
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
     from ..bench.runner import expand
@@ -134,8 +140,7 @@ def print_plan(suite, n: int, limit_s: float, con) -> int:
         n = n or slices_needed(suite, limit_s)
         parts = plan(suite, n)
     except ValueError as e:
-        con.print(f"[red]{e}[/red]")
-        return 2
+        return error(escape(str(e)))
     t = Table(title=f"suite {suite.name}: {len(expand(suite))} rows in {n} slices "
                     f"(estimated for an H100; compiles charged per slice)")
     for col in ("slice", "rows", "est. s", "first row", "last row"):
@@ -148,7 +153,8 @@ def print_plan(suite, n: int, limit_s: float, con) -> int:
         t.add_row(f"{i}/{n}", str(len(pts)), f"{est:.0f}", Text(pts[0].label()), Text(pts[-1].label()))
     con.print(t)
     con.print(f"total estimate {total:.0f} s ({total / 60:.1f} min); run one with "
-              f"`sparse-attn bench --suite {suite.name} --slice K/{n}`")
+              f"`sparse-attn bench --suite {suite_arg or suite.name} --slice K/{n}`"
+              + (" with this plan's other options" if restricted else ""))
     return 0
 
 
@@ -197,7 +203,7 @@ def earlier_rows(json_path: Path, suite) -> list:
         _, old, _ = read_result(json_path)
     except ValueError as e:
         usage_error(f"--skip-done: cannot keep the earlier rows ({e}); move the file away")
-    again = {p.key() + (p.provider,) for p in expand(suite)}
+    again = {p.key() for p in expand(suite)}  # Point.key() ends with the provider already (Row.key() does not)
     return [r for r in old if r.key() + (r.provider,) not in again]
 
 
@@ -222,7 +228,7 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
                          timing="interleaved" if interleave else "blocks", **(header_extra or {}))
     n = len(expand(suite))
     if n == 0:
-        con.print("[red]nothing to run: no rows left after filtering and dropping unavailable providers[/red]")
+        error("nothing to run: no rows left after filtering and dropping unavailable providers")
         return [], None, None
     if header["gpu"] == "cpu":
         import torch
@@ -257,11 +263,24 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
                                                          f"(effective TFLOP/s; SDPA rows are dense baselines)"))
     failed = [r for r in new if r.error]
     if failed and len(failed) == len(new):
-        con.print(f"[red]all {len(new)} rows failed, e.g. {escape(failed[0].error or '')}[/red]")
+        error(f"all {len(new)} rows failed, e.g. {escape(failed[0].error or '')}")
     elif failed:
         con.print(f"[yellow]{len(failed)} of {len(new)} rows failed (see the error column)[/yellow]")
     con.print(f"wrote {json_path} and {csv_path}")
     return new, json_path, csv_path
+
+
+def check_gqa(suite, args) -> None:
+    """Exit 2 unless every (Hq, Hkv) the suite will run has Hq a multiple of Hkv (grouped-query attention):
+    ``--heads 4 --kv-heads 3`` (or ``--heads 3`` against a suite's Hkv 2) ran and failed every such row
+    with an internal error, exit 0."""
+    bad = sorted({(c.heads, hkv) for c in suite.cases for hkv in c.kv_heads if c.heads % hkv})
+    if bad:
+        pairs = ", ".join(f"{hq} query heads with {hkv} key/value heads" for hq, hkv in bad)
+        heads = f"--heads {args.heads}" if args.heads else "the suite's query heads"
+        kv = f"--kv-heads {' '.join(map(str, args.kv_heads))}" if args.kv_heads else "the suite's key/value heads"
+        usage_error(f"{heads} and {kv}: query heads must be a multiple of key/value heads (grouped-query "
+                    f"attention), not {pairs}; give --heads and --kv-heads that divide")
 
 
 def gpu_only_suites() -> list[str]:
@@ -280,17 +299,17 @@ def run(args) -> int:
     try:
         suite = selected_suite(args, device)
     except KeyError as e:
-        con.print(f"[red]{escape(str(e.args[0]))}[/red]")
-        return 2
+        return error(escape(str(e.args[0])))
     if not suite.cases:  # (--plan crashed on it, a run said only "nothing to run")
         from ..bench.suites import ALL, suite_all, suite_for_device
         base = suite_all(device) if args.suite == ALL else suite_for_device(args.suite, device)
         names = ", ".join(dict.fromkeys(c.pattern.name for c in base.cases))
-        con.print(f"[red]--patterns {escape(' '.join(args.patterns or []))} selects no case of suite {base.name}; "
-                  f"its cases: {escape(names)}[/red]")
-        return 2
+        return error(f"--patterns {escape(' '.join(args.patterns or []))} selects no case of suite {base.name}; "
+                     f"its cases: {escape(names)}")
+    check_gqa(suite, args)
     if args.plan is not None:
-        return print_plan(suite, args.plan, args.slice_limit, con)
+        return print_plan(suite, args.plan, args.slice_limit, con, suite_arg=args.suite,
+                          restricted=bool(restriction(args)))
     if not device.startswith("cuda") and args.suite in gpu_only_suites():
         # its rows reach 128K tokens: on the CPU reference path that is hours, not a benchmark
         usage_error(f"--suite {args.suite} is a GPU suite (up to 128K tokens) and --device is {device}; on a CPU "
@@ -315,8 +334,7 @@ def run(args) -> int:
     from ..bench import provider_names
     unknown = sorted({p for c in suite.cases for p in c.providers} - set(provider_names()))
     if unknown:
-        con.print(f"[red]unknown provider(s) {', '.join(unknown)}; known: {', '.join(provider_names())}[/red]")
-        return 2
+        return error(f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(provider_names())}")
     name, extra = args.name, {}
     restricted = restriction(args)
     if restricted:  # the report then compares against the restricted suite, not all of it

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import console, default_device, device_arg, nonneg_int, cpu_threads, writable_dir
+from ._common import console, default_device, device_arg, error, nonneg_int, cpu_threads, writable_dir
 
 DESCRIPTION = """Run the benchmark suite sized for this machine and draw the pattern gallery.
 
@@ -108,5 +108,5 @@ def run_demo(args, device: str) -> int:
     con.print(f"done in {time.perf_counter() - t0:.1f} s")
     if all_failed:
         from rich.markup import escape
-        con.print(f"[red]every benchmark row failed (no report written), e.g. {escape(rows[0].error)}[/red]")
+        error(f"every benchmark row failed (no report written), e.g. {escape(rows[0].error)}")
     return 0 if json_path is not None and not all_failed else 1

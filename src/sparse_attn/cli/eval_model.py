@@ -8,15 +8,16 @@ import re
 from pathlib import Path
 
 from ..json_io import dumps
-from ._common import (PATTERN_OPTION_DESTS, Once, add_pattern_options, console, default_device, device_arg,
-                      nonneg_int, positive_int, positive_tokens, split_list, writable_dir)
+from ._common import (PATTERN_OPTION_DESTS, Once, add_pattern_options, console, default_device, device_arg, error,
+                      file_stem, nonneg_int, positive_int, positive_tokens, split_list, usage_error, writable_dir)
 
 DESCRIPTION = """Run a causal LM twice on the same text, once with its own (dense) attention and once
 per PATTERN through the sparse_attn transformers integration, and compare: logits cosine
 (flattened; 'cos min' = worst position), relative L1, top-1 agreement, top-5 overlap, greedy
 continuation agreement (--new-tokens tokens from each; 'greedy' = matching positions, 'greedy
-prefix' = identical prefix), per-layer sparsity in whole blocks ('sparsity' of the full block
-grid, 'vs causal' of the blocks causal-dense attention visits), prefill wall times.
+prefix' = identical prefix; '-', and null in the JSON, with --new-tokens 0), per-layer sparsity in
+whole blocks ('sparsity' of the full block grid, 'vs causal' of the blocks causal-dense attention
+visits), prefill wall times.
 
 Texts are the first L tokens of large Python standard-library source files (the same real text
 on every machine). Writes OUT_DIR/NAME.json and OUT_DIR/NAME.png (metrics vs length) and prints
@@ -41,7 +42,9 @@ PATTERN is a builder of sparse_attn.patterns (local, streaming, random, bigbird,
 an expression ('local|random'), 'dense' (a sanity check: should match to rounding), or 'adaptive'
 (sparse_attn.predict.meansim, when installed). Options a builder needs and that are not given
 default per length L: window = block_size = L/4, num_sink = 64, density = 0.2, stride = 4,
-window_blocks = 3, dilation = 2."""
+window_blocks = 3, dilation = 2. An option that no selected pattern takes is refused, as are --topk
+and --cdfthreshd together; each pattern is built once before the model loads, so bad values fail
+first."""
 
 # the pass bars' defaults (model_eval.Bars() has the same; a test holds them equal): kept here so
 # that building the parser does not import torch
@@ -75,7 +78,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--out-dir", type=Path, default=Path("out/eval"), help="output folder (default out/eval)")
-    p.add_argument("--name", default="eval-model", help="output file stem (default eval-model)")
+    p.add_argument("--name", type=file_stem, default="eval-model", help="output file stem (default eval-model)")
     p.add_argument("--cache-dir", type=Path, help="where the converted SmolLM2 lives (default ~/.cache/sparse_attn)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     t = p.add_argument_group("pass/fail bars (on each pattern and length's mean over texts; 'off' = not checked)")
@@ -99,7 +102,8 @@ def add_parser(sub) -> None:
     a = p.add_argument_group("adaptive options (passed to sparse_attn.predict.meansim)")
     a.add_argument("--simthreshd1", type=float)
     a.add_argument("--cdfthreshd", type=float)
-    a.add_argument("--topk", type=float)
+    a.add_argument("--topk", type=float, help="keep this fraction of key blocks per row instead of the "
+                   "--cdfthreshd rule (give one of the two)")
     p.set_defaults(func=run)
 
 
@@ -175,14 +179,59 @@ def pattern_options(pattern: str, given: dict, length: int) -> dict:
     return opts
 
 
-def make_runs(args) -> list:
+def _flags(names) -> str:
+    return ", ".join("--" + n.replace("_", "-") for n in names)
+
+
+def check_options(patterns: list[str], adaptive: dict, given: dict) -> None:
+    """ValueError for options no selected pattern uses (each was dropped without a word: ``--patterns local
+    --density 0.5`` ran plain local), as ``bench`` refuses them, and for --topk with --cdfthreshd (top-k
+    replaces the CDF rule: --cdfthreshd was ignored but recorded), as ``quick`` refuses them."""
+    from ..patterns.expr import unused_options
+    fixed = [p for p in patterns if p != "adaptive"]
+    unused = unused_options(fixed, given) if fixed else sorted(given)
+    if adaptive and "adaptive" not in patterns:
+        unused += sorted(adaptive)
+    if unused:
+        raise ValueError(f"pattern option(s) {_flags(unused)} apply to none of the selected patterns "
+                         f"({', '.join(patterns)}); select a pattern that takes them with --patterns")
+    if "topk" in adaptive and "cdfthreshd" in adaptive:
+        raise ValueError(f"give --topk ({adaptive['topk']}) or --cdfthreshd ({adaptive['cdfthreshd']}), not both: "
+                         "top-k keeps a fraction of key blocks instead of the CDF rule")
+
+
+def probe(config, length: int) -> int:
+    """Build what ``config`` runs at ``length`` once on the CPU (adaptive: predict on small random q/k), so
+    that a bad option (``--block-q 100``, ``--topk 1.5``) fails before the model is loaded: building the
+    config only checked the names. Returns the layout's heads (checked against the model's later)."""
+    import torch
+    spec = config.spec_for(None)
+    if spec.is_adaptive:
+        from ..predict import meansim
+        g = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(1, 1, 256, 64, generator=g) for _ in range(2))
+        return meansim(q, k, causal=True, **spec.options).heads
+    return spec.layout(length, length, torch.device("cpu"), causal=True).heads
+
+
+def probe_length(lengths) -> int:
+    """Where :func:`probe` builds: the shortest length, at most 4096 (the layout grid stays small)."""
+    return min(min(lengths or [1024]), 4096)
+
+
+def make_runs(args, lengths: list[int] | None = None) -> list:
+    """The PatternRuns of the command line, each checked by building it (:func:`probe`) at
+    :func:`probe_length` of ``lengths``."""
     from ..integrations.transformers import SparseAttnConfig
     from ..model_eval import PatternRun
     layers = parse_layers(args.layers)
     adaptive = {k: getattr(args, k) for k in ADAPTIVE_OPTIONS if getattr(args, k) is not None}
     given = {k: getattr(args, k) for k in OPTION_NAMES if getattr(args, k) is not None}
+    patterns = split_list(args.patterns) or ["local", "streaming"]
+    check_options(patterns, adaptive, given)
+    at = probe_length(lengths)
     runs, seen = [], {}
-    for pattern in split_list(args.patterns) or ["local", "streaming"]:
+    for pattern in patterns:
         opts = adaptive if pattern == "adaptive" else given
         label = pattern if pattern not in seen else f"{pattern}#{seen[pattern] + 1}"
         seen[pattern] = seen.get(pattern, 0) + 1
@@ -190,9 +239,30 @@ def make_runs(args) -> list:
         def factory(length, pattern=pattern, opts=opts):
             return SparseAttnConfig(pattern, pattern_options(pattern, opts, length), layers=layers)
 
-        factory(1024)  # fail now on bad patterns / options, not after loading the model
+        try:  # now, not after loading the model
+            probe(factory(at), at)
+        except ValueError as e:
+            raise ValueError(f"--patterns {pattern}: {e}") from None
         runs.append(PatternRun(label, factory))
     return runs
+
+
+def check_model(runs, model, args, lengths) -> None:
+    """Exit 2 when the loaded model cannot run ``runs``: --layers past its last layer, or per-head layouts
+    (--heads) for other than 1 or its query heads. Both ended in a traceback from inside the evaluation."""
+    at = probe_length(lengths)
+    n_layers = getattr(model.config, "num_hidden_layers", None)
+    if n_layers and runs:
+        try:
+            runs[0].config(at).check_layers(n_layers)
+        except ValueError as e:
+            usage_error(f"--layers {args.layers}: {e} (0..{n_layers - 1})")
+    n_heads = getattr(model.config, "num_attention_heads", None)
+    for run in runs:
+        heads = probe(run.config(at), at)
+        if n_heads and heads not in (1, n_heads):
+            usage_error(f"--heads {args.heads}: {run.label}'s layout has {heads} heads and the model {n_heads} query "
+                        f"heads; give --heads 1 (one layout shared) or {n_heads} (one per query head)")
 
 
 def bars_of(args):
@@ -248,6 +318,14 @@ def compare_random(con, model, tokenizer, runs, lengths, args, summary: list[dic
     json_path.write_text(dumps(data))
 
 
+def patterns_by_length(summary: list[dict]) -> dict:
+    """``{pattern: {"L": config}}`` (JSON object keys are strings) from the summary rows."""
+    out: dict = {}
+    for s in summary:
+        out.setdefault(s["pattern"], {})[str(s["length"])] = s["config"]
+    return out
+
+
 def run(args) -> int:
     import torch
     from rich.markup import escape
@@ -260,17 +338,16 @@ def run(args) -> int:
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     lengths = args.lengths or ([1024, 2048, 4096, 8192] if on_cuda else [512, 1024])
     try:
-        runs = make_runs(args)
+        runs = make_runs(args, lengths)
     except (ValueError, TypeError, ImportError, argparse.ArgumentTypeError) as e:
-        con.print(f"[red]{escape(str(e))}[/red]")
-        return 2
+        return error(escape(str(e)))
     writable_dir(args.out_dir, "--out-dir")  # now, not after the whole evaluation
     try:
         model, tokenizer, path = me.load_model(args.model, device, dtype, args.cache_dir,
                                                log=lambda m: con.print(escape(m)), gguf=args.gguf)
     except me.ModelUnavailable as e:
-        con.print(f"[red]{escape(str(e))}[/red]")
-        return 2
+        return error(escape(str(e)))
+    check_model(runs, model, args, lengths)  # before the evaluation, not a traceback inside it
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and max(lengths) + args.new_tokens > max_pos:
         con.print(f"[yellow]warning: L + new tokens = {max(lengths) + args.new_tokens} exceeds the model's "
@@ -283,7 +360,8 @@ def run(args) -> int:
     with con.status("evaluating") as status:
         result = me.evaluate(model, tokenizer, runs, lengths, args.texts, args.new_tokens,
                              on_step=lambda m: status.update(escape(m)))
-    head["patterns"] = {s["pattern"]: s["config"] for s in result["summary"]}
+    # per length: options default per L (window = L/4), so one config per pattern kept only the last length's
+    head["patterns"] = patterns_by_length(result["summary"])
     head["text_files"] = result["texts"]
     bars = bars_of(args)
     head["thresholds"] = bars.active() if bars else None  # null: no verdict asked for

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import (add_accuracy_options, console, default_device, nonneg_int, positive_int, positive_tokens,
-                      cpu_threads)
+from ._common import (add_accuracy_options, console, default_device, error, nonneg_int, positive_int,
+                      positive_tokens, cpu_threads)
 
 DESCRIPTION = """Quick accuracy check of adaptive sparse attention (sparse_attn.predict.adaptive_attention:
 meansim block prediction from pooled Q/K, then the block-sparse call) against dense attention on
@@ -101,6 +101,11 @@ def load_qkv(path: Path, device, dtype):
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         raise ValueError(f"--qkv {path}: q, k, v must be 4-D [B, H, L, D] tensors, got "
                          f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (q, k, v)]}")
+    for name, t in zip("qkv", (q, k, v)):  # an empty L passed every check on "0 of 0 blocks", as --seq-len 0 may not
+        empty = [dim for dim, n in zip(("B", "H", "L", "D"), t.shape) if n == 0]
+        if empty:
+            raise ValueError(f"--qkv {path}: {name} has shape {list(t.shape)}, empty in {', '.join(empty)}; every size "
+                             "of [B, H, L, D] must be at least 1 (as --seq-len, --batch, --heads, --head-dim)")
     return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
 
@@ -142,6 +147,9 @@ def benchmark(q, k, v, kw: dict, causal: bool, device: str, con) -> dict:
 def run(args) -> int:
     con = console()
     device = args.device or default_device()
+    if args.plot is not None:  # its folder and format now, not after the run (a file as folder: a traceback)
+        from .viz import output_path
+        args.plot = output_path(args.plot, "--plot")  # noext -> noext.png, the file that is written
     with cpu_threads(device, args.threads):
         return check(args, device, con)
 
@@ -158,8 +166,7 @@ def check(args, device: str, con) -> int:
         kw = predictor_kwargs(args)
         q, k, v = make_inputs(args, device, dtype)
     except (ValueError, TypeError) as e:
-        con.print(f"[red]{escape(str(e))}[/red]")
-        return 2
+        return error(escape(str(e)))
     settings = ", ".join(f"{key}={val}" for key, val in kw.items() if key not in ("block", "attention_sink"))
     con.rule(f"quick test: sparse level {args.sparse_level} ({settings})")
     con.print(f"L={q.shape[2]}{'' if k.shape[2] == q.shape[2] else f', Lk={k.shape[2]}'}, causal={args.causal}, "
@@ -170,8 +177,7 @@ def check(args, device: str, con) -> int:
         dense = sparse_attn.attention(q, k, v, causal=args.causal)
         out, layout = adaptive_attention(q, k, v, causal=args.causal, **kw)
     except (ValueError, TypeError) as e:
-        con.print(f"[red]{escape(str(e))}[/red]")
-        return 2
+        return error(escape(str(e)))
     m = accuracy.metrics.compare(out, dense)
     sparsity = accuracy.effective_sparsity(layout, args.causal)
     con.print(f"\nCossim: {m['cosine']:.4f}, L1: {m['relative_l1']:.4f}, RMSE: {m['rmse']:.4f}")
@@ -180,7 +186,7 @@ def check(args, device: str, con) -> int:
               f"{layout.num_blocks} of {accuracy.baseline_blocks(layout, args.causal)} blocks computed")
     checks = [(m["cosine"] > args.min_cosine, f"cosine {m['cosine']:.4f} > {args.min_cosine}"),
               (m["relative_l1"] < args.max_l1, f"relative L1 {m['relative_l1']:.4f} < {args.max_l1}"),
-              (sparsity > args.min_sparsity, f"sparsity {sparsity:.2%} > {args.min_sparsity:.0%}")]
+              (sparsity > args.min_sparsity, f"sparsity {sparsity:.2%} > {100 * args.min_sparsity:g}%")]
     con.print("\nchecks:")
     for ok, text in checks:
         con.print(f"  {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'} {text}")
@@ -189,8 +195,7 @@ def check(args, device: str, con) -> int:
             path = accuracy.plot_attention_comparison(args.plot, q=q, k=k, v=v, head=args.head, causal=args.causal,
                                                       params=kw)
         except ValueError as e:
-            con.print(f"[red]--plot: {escape(str(e))}[/red]")
-            return 2
+            return error(f"--plot: {escape(str(e))}")
         con.print(f"wrote {path} (head {args.head})")
     if args.benchmark:
         con.print()

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..json_io import dumps
-from ._common import console, positive_tokens, usage_error, writable_dir
+from ._common import console, error, file_stem, positive_tokens, usage_error, writable_dir
 
 DESCRIPTION = """Merge the JSON files of a suite run in slices (`sparse-attn bench --slice K/N`) and write
 OUT/report.md with its plots, plus OUT/NAME (the merged rows, header and accuracy).
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--from", dest="inputs", nargs="+", type=Path, required=True, metavar="PATH",
                    help="result JSON files, or folders whose *.json are read")
     p.add_argument("--out-dir", type=Path, default=Path("out/report"), help="where report.md goes (default out/report)")
-    p.add_argument("--name", default="results.json", help="file name of the merged JSON (default results.json)")
+    p.add_argument("--name", type=file_stem, default="results.json", help="file name of the merged JSON (default results.json)")
     p.add_argument("--accuracy-len", type=positive_tokens, default=8192, metavar="L",
                    help="sequence length of the accuracy rows computed here (default 8k)")
     p.add_argument("--no-accuracy", action="store_true", help="do not compute missing accuracy rows")
@@ -127,8 +127,7 @@ def run(args) -> int:
                                                  accuracy_len=None if args.no_accuracy else args.accuracy_len,
                                                  gallery=args.gallery, con=con)
     except ValueError as e:
-        con.print(f"[red]{escape(str(e))}[/red]")
-        return 2
+        return error(escape(str(e)))
     header, rows, acc = report.load_results([merged])
     report.print_tables(rows, acc, con=con, header=header)
     if missing:

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, nonneg_int, positive_int,
+from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, error, nonneg_int, positive_int,
                       positive_tokens, cpu_threads, usage_error, writable_dir)
 
 DESCRIPTION = """Sparse SageAttention test suite: sparse_attn.attention(..., quant="int8" | "int8-fp8") on
@@ -200,8 +200,8 @@ def run(args) -> int:
     quant = args.quant or ss.default_quant(device)
     err = _check_options(args, device, quant)
     if err:
-        con.print(f"[red]{err}[/red]")
-        return 2
+        from rich.markup import escape
+        return error(escape(err))
     short = [n for n in (args.seq_lens or ()) if n <= 128]
     if short and _sections(args)[0]:  # block_index validation needs two key blocks, the odd length L - 37 > 0
         usage_error(f"--seq-lens {' '.join(map(str, short))}: the correctness checks need L > 128 (two key "

@@ -48,6 +48,22 @@ def _build_one(name: str, seq_len: int, options: dict):
     return fn(seq_len, **kw)
 
 
+def unused_options(exprs, options: dict) -> list[str]:
+    """The names in ``options`` (None values left out) that no builder of any expression in ``exprs``
+    takes. :func:`build_pattern` gives each builder only the options its signature accepts, so such an
+    option (``viz dense --window 5``, ``eval-model --patterns local --density 0.5``) was dropped without
+    a word; the CLI refuses it, as ``bench`` does. [] when a name is not a builder (build_pattern says so)."""
+    from .. import patterns
+    taken: set[str] = set()
+    for expr in [exprs] if isinstance(exprs, str) else exprs:
+        for name in re.split(r"\s*[|&]\s*", expr.strip()):
+            fn = getattr(patterns, name, None) if not name.startswith("_") else None
+            if not callable(fn) or name in NOT_BUILDERS:
+                return []  # build_pattern's "unknown pattern" error says more
+            taken |= set(inspect.signature(fn).parameters)
+    return sorted(k for k, v in options.items() if v is not None and k not in taken)
+
+
 NOT_BUILDERS = {"causal_cut", "causal_block_count", "to_flex", "from_block_index", "from_block_mask", "from_csr", "to_csr", "to_block_index",
                 "from_flex", "topk"}
 
