@@ -61,6 +61,15 @@ def token_mask_rows(layout: BlockLayout, r0: int, r1: int, j0: int = 0, j1: int 
     return out
 
 
+def row_chunks(q_len: int, chunk: int) -> range:
+    """First rows of the query chunks, LAST chunk first. Under causal masking each chunk sees more keys
+    than the one before, so its temporaries are larger. Walked in order, every allocation outgrew the
+    blocks glibc had kept from the last, and the process grew with the sum of all chunks: 1.8 GiB of
+    peak RSS for a 16K causal forward (4 heads, D=16) whose live tensors are about 0.2 GiB. Walked
+    largest first, later chunks reuse the freed memory: 0.24 GiB, and 4x faster (fewer page faults)."""
+    return reversed(range(0, q_len, chunk))
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The reference's accumulation dtype: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -111,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     kf, vf = k.to(mm), v.to(mm)
     chunk = layout.block_q if layout is not None else 128
     outs, lses = [], []
-    for r0 in range(0, Lq, chunk):
+    for r0 in row_chunks(Lq, chunk):
         r1 = min(r0 + chunk, Lq)
         keys = chunk_keys(layout, r0, r1, Lq, Lk, causal, q.device)
         if keys is None:  # no key visible to any row of this chunk
@@ -134,6 +143,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))
     if not outs:  # no query rows: an empty output, still in the graph (as SDPA's), so backward() runs
         outs.append(q.new_zeros(B, Hq, 0, Dv, dtype=acc) + graph_anchor(q, k, v, acc))
+    outs.reverse()  # row_chunks runs last rows first
+    lses.reverse()
     out = torch.cat(outs, 2).to(q.dtype)
     if not return_lse:
         return out
@@ -208,7 +219,7 @@ def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Ten
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     chunk = layout.block_q if layout is not None else 128
-    for r0 in range(0, Lq, chunk):
+    for r0 in row_chunks(Lq, chunk):
         r1 = min(r0 + chunk, Lq)
         keys = chunk_keys(layout, r0, r1, Lq, Lk, causal, q.device)
         if keys is None:  # no key: zero gradients
