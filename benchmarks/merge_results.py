@@ -105,6 +105,8 @@ def table(merged: dict) -> str:
         ratio = f"{ours['tflops'] / flex['tflops']:.2f}x" if flex and flex.get("tflops") else "-"
         c_ms = f"{cudnn['ms']:.2f}" if cudnn and cudnn.get("ms") else "-"
         c_sp = f"{cudnn['ms'] / ours['ms']:.2f}x" if cudnn and cudnn.get("ms") else "-"
+        if cudnn and cudnn.get("ms") and cudnn["slice"] != ours["slice"]:  # a later slice re-ran ours only
+            c_sp += "²"
         lines.append(f"| {key[0]} | {key[1] // 1024}K | {key[2]} | {key[3]} | {key[4]} | {ours['density']:.3f} | "
                      f"{ours['ms']:.2f} | {ours['tflops']:.0f} | {f_tf} | {ratio} | {c_ms} | {c_sp} |")
     h = merged["header"]
@@ -119,7 +121,10 @@ def table(merged: dict) -> str:
                  "TFLOP/s are effective (blocks visited x 4·B·H·block²·D, fwd+bwd counted x3.5); "
                  "cuDNN rows are dense (causal-dense for causal patterns) attention. "
                  "¹ Flex failed in that run: at D=64 its compiled kernel needs 245,760 B of shared memory "
-                 "(limit 232,448)." + _flex_d64_note())
+                 "(limit 232,448)." + _flex_d64_note() + " ² ours from a later run than cuDNN's (a slice that "
+                 "re-ran our kernels after a change, and Flex with them, not cuDNN): that ratio also carries the "
+                 "board's run-to-run spread (the same dense cuDNN case measured 106.6 and 110.8 ms in two runs); "
+                 "ours / Flex always comes from one run.")
     if "one_million_tokens" in h:
         r = h["one_million_tokens"]["rows"][0]
         lines.append(f"1M tokens, sliding window 4096, B=1, H=32, D=128, forward: {r['ms']:.0f} ms "

@@ -2,6 +2,7 @@
 import csv
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -205,10 +206,26 @@ def test_time_interleaved_alternates_repetitions_and_resets_each_fns_grads():
     ms = time_interleaved([make(0), make(1)], "cpu", reps=4, warmup=1, grad_to_none=[(xs[0],), (xs[1],)])
     assert len(ms) == 2 and all(m > 0 for m in ms)
     # estimate (two calls each, one fn after the other), then one warm-up round and four timed rounds
-    # that interleave the fns, the order rotating every round
-    assert log[:4] == [0, 0, 1, 1] and log[4:] == [0, 1] + [0, 1, 1, 0] * 2
+    # that interleave the fns
+    assert log[:4] == [0, 0, 1, 1] and log[4:] == [0, 1] + [0, 1] * 4
     with pytest.raises(ValueError, match="grad_to_none has 1 entries for 2 functions"):
         time_interleaved([make(0), make(1)], "cpu", grad_to_none=[()])
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_time_interleaved_gives_every_fn_each_other_as_predecessor_equally_often(n):
+    """With the order rotated a place per round, four fns A B C D had A follow D in most rounds and
+    never B: the power state a kernel inherits was not spread evenly."""
+    log = []
+    fns = [lambda i=i: log.append(i) for i in range(n)]
+    ms = time_interleaved(fns, "cpu", reps=5, warmup=0)
+    assert len(ms) == n
+    timed = log[2 * n:]  # after the estimate (two calls each)
+    counts = Counter(timed)
+    assert len(set(counts.values())) == 1 and counts[0] >= 5 and counts[0] % (n - 1) == 0
+    pairs = Counter(zip(timed, timed[1:] + timed[:1]))  # cyclic: the order repeats whole
+    assert not any(a == b for a, b in pairs)
+    assert len(set(pairs.values())) == 1 and len(pairs) == n * (n - 1)
 
 
 # ----------------------------------------------------------------------------- runner
@@ -521,7 +538,19 @@ def test_summary_table_speedups():
     con = Console(record=True, width=200)
     con.print(summary_table(rows))
     text = con.export_text()
-    assert "vs sdpa-math" in text and "2.00x" in text and "1.00x" in text
+    assert "vs sdpa-math" in text and "2.00x" in text and "1.00x" in text and "TOPS" not in text
+    rows.append(Row("sparse_attn-int8", "local", 512, 1, 2, 2, 16, "fp32", "fwd", True, 0.5, 1.0, 0.4))
+    con = Console(record=True, width=200)
+    con.print(summary_table(rows))  # 8-bit rows' effective operations are TOPS (they sat under TFLOP/s)
+    assert "TFLOP/s (TOPS 8-bit)" in con.export_text()
+
+
+def test_time_interleaved_caps_default_warmup_on_the_cpu():
+    """--warmup's help says at most 2 default warm-up calls on a CPU; interleaved timing made up to 10."""
+    calls = []
+    fns = [lambda: calls.append(0), lambda: calls.append(1)]
+    time_interleaved(fns, "cpu", reps=4)
+    assert len(calls) == 2 * 2 + 2 * 2 + 4 * 2  # the estimate (two each), two warm-up rounds, four timed
 
 
 def test_peak_memory_cuda_only():

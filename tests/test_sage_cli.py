@@ -364,3 +364,10 @@ def test_bench_suite_sage_on_cpu_runs_its_tiny_stand_in(tmp_path, capsys, one_th
     assert int8["error"] is None and int8["ms"] > 0
     # one FLOP count for both: effective TOPS ratios are time ratios
     assert int8["tflops"] * int8["ms"] == pytest.approx(bf16["tflops"] * bf16["ms"])
+
+
+def test_benchmark_columns_name_the_16bit_dtype_that_ran():
+    """With --dtype fp16 the comparison columns still said bf16."""
+    row = {"seq_len": 256, "ratio": 0.5, "top_k": 1, "error": "x"}
+    assert "| fp16 sparse ms | 8-bit vs fp16 |" in sage_suite.bench_table([row], "fp16")[0]
+    assert "| bf16 sparse ms | 8-bit vs bf16 |" in sage_suite.bench_table([row])[0]

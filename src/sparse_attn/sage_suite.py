@@ -521,9 +521,11 @@ def bench_top_k(row: dict) -> str:
     return f"{row['ratio']:g} ({blocks}/{row['k_blocks']} per row, {row['kept']:.1%} kept)"
 
 
-def bench_table(rows: list[dict]) -> list[str]:
+def bench_table(rows: list[dict], dtype: str = "bf16") -> list[str]:
+    """Markdown rows; ``dtype``: the inputs' (``bf16`` / ``fp16``), which the 16-bit comparison ran in (the
+    JSON keys say bf16 whatever it was: ``bf16_sparse_ms``, ``speedup_vs_bf16``)."""
     lines = ["| L | top-k | dense ms | sparse ms | speedup | blocks skipped | dense / sparse peak MiB | sparse TOPS "
-             "| bf16 sparse ms | 8-bit vs bf16 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"| {dtype} sparse ms | 8-bit vs {dtype} |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     mib = 1 << 20
     for r in rows:
         if r.get("error"):
@@ -562,12 +564,13 @@ def write_markdown(path, header: dict, checks: list[Check], bench: list[dict]) -
         lines += [f"## Checks: {tally(checks)}", ""] + checks_table(checks) + [""]
     if bench:
         s = header["sizes"]
-        lines += [f"## Benchmark: dense vs random top-k block indices (B={s['bench_batch']}, H={s['bench_heads']}, "
+        lines += ([f"## Benchmark: dense vs random top-k block indices (B={s['bench_batch']}, H={s['bench_heads']}, "
                   f"D={s['head_dim']}, forward)", "",
                   "dense and sparse ms: the 8-bit attention; speedup = dense / sparse; blocks skipped = 1 - "
                   "density (key/value blocks neither loaded nor computed); peak MiB: extra memory one call "
-                  "allocates (CUDA); TOPS: effective, 4*B*H*D*64*128 per visited block; bf16 sparse ms: the "
-                  f"{header['dtype']} attention on the same layout.", ""] + bench_table(bench) + [""]
+                  "allocates (CUDA); TOPS: effective, 4*B*H*D*64*128 per visited block; "
+                  f"{header['dtype']} sparse ms: the {header['dtype']} attention on the same layout.", ""]
+                  + bench_table(bench, header["dtype"]) + [""])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     return path

@@ -17,6 +17,7 @@ beyond the saved forward graph that is alive throughout).
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import Callable, Sequence
@@ -88,9 +89,9 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
     states. The lent H100 sits at its power cap under attention kernels and its SM clock moved between
     1.4 and 2.0 GHz within seconds (benchmarks/results/gqa-spread-power-h100.json): timed back to back
     in blocks, two providers' ratio picked up whatever the board did in between. A kernel also inherits
-    its predecessor's power state, so the order rotates every round and each fn follows every other
-    equally often. Every fn gets the same number of repetitions, chosen from the slowest one's
-    estimate. CUDA: events and an L2 flush before each call, as :func:`time_cuda`; CPU:
+    its predecessor's power state, so the calls follow :func:`balanced_order`: each fn follows every
+    other exactly equally often, and never itself. Every fn gets the same number of repetitions, chosen
+    from the slowest one's estimate (rounded up to whole cycles of that order: multiples of n - 1). CUDA: events and an L2 flush before each call, as :func:`time_cuda`; CPU:
     ``time.perf_counter``."""
     grads = list(grad_to_none) if grad_to_none is not None else [()] * len(fns)
     if len(grads) != len(fns):
@@ -112,33 +113,54 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
 
     n = len(fns)
     est = max(max(once(i), once(i)) for i in range(n))
+    asked = warmup
     reps, warmup = _counts(est, reps, warmup, target_ms, 100 if cuda else 20)
-
-    def order(r: int) -> list[int]:  # round r starts at fn r mod n: each fn follows each other equally often
-        return [(r + j) % n for j in range(n)]
-
-    for w in range(warmup):
-        for i in order(w):
-            reset_grads(grads[i])
-            fns[i]()
+    if not cuda and asked is None:  # as time_cpu: the CPU reference is slow (--warmup's help says so)
+        warmup = min(warmup, 2)
+    cycle = balanced_order(n)
+    per_cycle = len(cycle) // n  # calls of each fn in one cycle
+    reps = -(-reps // per_cycle) * per_cycle
+    for i in itertools.islice(itertools.cycle(cycle), warmup * n):
+        reset_grads(grads[i])
+        fns[i]()
+    calls = cycle * (reps // per_cycle)
     if not cuda:
         times = [[] for _ in fns]
-        for r in range(reps):
-            for i in order(r):
-                times[i].append(once(i))
+        for i in calls:
+            times[i].append(once(i))
         return [statistics.median(t) for t in times]
     flush = _flush()
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-              for _ in fns]
-    for r in range(reps):
-        for i in order(r):
-            reset_grads(grads[i])
-            flush.zero_()
-            events[i][r][0].record()
-            fns[i]()
-            events[i][r][1].record()
+    events = [[] for _ in fns]
+    for i in calls:
+        reset_grads(grads[i])
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fns[i]()
+        end.record()
+        events[i].append((start, end))
     torch.cuda.synchronize()
     return [statistics.median(s.elapsed_time(e) for s, e in ev) for ev in events]
+
+
+def balanced_order(n: int) -> list[int]:
+    """A cyclic call order of ``n`` fns in which every ordered pair of different fns is adjacent exactly
+    once (an Eulerian circuit of the complete directed graph, so also across the wrap from the last
+    call back to the first) and no fn follows itself: ``n * (n - 1)`` calls, each fn ``n - 1`` times
+    (``[0]`` for one fn). Rotating one order by a place per round (the earlier scheme) left each fn the
+    same predecessor in most rounds with three or more fns: with four, one fn never ran after another."""
+    if n <= 1:
+        return [0] * n
+    unused = {a: [b for b in range(n) if b != a] for a in range(n)}  # edges a -> b not yet walked
+    stack, circuit = [0], []
+    while stack:  # Hierholzer
+        a = stack[-1]
+        if unused[a]:
+            stack.append(unused[a].pop())
+        else:
+            circuit.append(stack.pop())
+    circuit.reverse()
+    return circuit[:-1]  # the circuit returns to its start: that last edge is the wrap
 
 
 def time_cpu(fn: Callable[[], object], *, reps: int | None = None, warmup: int | None = None,

@@ -154,13 +154,19 @@ def writable_dir(path, flag: str) -> Path:
 
 
 @contextlib.contextmanager
-def cpu_threads(device: str, threads: int | None, default: int = 1):
-    """On a CPU run the block with torch's intra-op threads at ``threads`` (None: ``default``; 0:
-    torch's own), restoring the count after. One thread by default: on a busy shared machine torch's
-    spinning OpenMP threads made CPU timings noise (dense SDPA 48 ms instead of 0.7 ms)."""
+def device_scope(device: str, threads: int | None, default: int = 1):
+    """Run the block on ``device``. On a CPU with torch's intra-op threads at ``threads`` (None:
+    ``default``; 0: torch's own), restoring the count after. One thread by default: on a busy shared
+    machine torch's spinning OpenMP threads made CPU timings noise (dense SDPA 48 ms instead of 0.7 ms).
+    On CUDA with ``device`` (e.g. ``cuda:1``) as the current device: CUDA events, the L2 flush buffer
+    and the memory counters the timing uses follow the current device, which stayed cuda:0."""
     import torch
+    if str(device).startswith("cuda"):
+        with torch.cuda.device(torch.device(device)):
+            yield
+        return
     n = default if threads is None else threads
-    if not str(device).startswith("cpu") or n <= 0:
+    if n <= 0:
         yield
         return
     before = torch.get_num_threads()

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import add_accuracy_options, console, default_device, nonneg_int, cpu_threads, writable_dir
+from ._common import add_accuracy_options, console, default_device, nonneg_int, device_scope, writable_dir
 
 DESCRIPTION = """Accuracy suite of adaptive sparse attention (sparse_attn.predict: meansim prediction, then
 the block-sparse call) against dense attention on structured inputs (see `sparse-attn quick --help`):
@@ -73,7 +73,7 @@ def write_sweep_csv(path: Path, rows: list[dict]) -> Path:
 def run(args) -> int:
     device = args.device or default_device()
     writable_dir(args.out_dir, "--out-dir")
-    with cpu_threads(device, args.threads):
+    with device_scope(device, args.threads):
         return run_suite(args, device)
 
 

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from ._common import (CPU_TIMING_NOTE, Once, add_pattern_options, console, default_device, device_arg, error,
-                      file_stem, nonneg_int, positive_int, positive_tokens, cpu_threads, split_list, usage_error,
+                      file_stem, nonneg_int, positive_int, positive_tokens, device_scope, split_list, usage_error,
                       writable_dir)
 
 DESCRIPTION = """Time attention providers on a suite of sparse patterns.
@@ -218,6 +218,7 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
     Returns (the rows run now, json_path, csv_path)."""
     from rich.markup import escape
     from ..bench import make_header, run_suite, summary_table, write_csv, write_json
+    from ..bench.results import eight_bit
     from ..bench.runner import expand
     from ..ops.block_sparse.launch import autotune_picks
     con = con or console()
@@ -259,8 +260,9 @@ def run_suite_to_files(suite, device, *, out_dir: Path, name: str | None, reps=N
 
     run_suite(suite, device, reps=reps, warmup=warmup, progress=progress, on_row=save, interleave=interleave)
     write_csv(csv_path, rows)
+    ops = "TFLOP/s, TOPS for 8-bit rows" if any(eight_bit(r.provider) for r in rows) else "TFLOP/s"
     con.print(summary_table(rows, baseline=baseline, title=f"{suite.name} on {header['gpu']} "
-                                                         f"(effective TFLOP/s; SDPA rows are dense baselines)"))
+                                                         f"(effective {ops}; SDPA rows are dense baselines)"))
     failed = [r for r in new if r.error]
     if failed and len(failed) == len(new):
         error(f"all {len(new)} rows failed, e.g. {escape(failed[0].error or '')}")
@@ -343,7 +345,7 @@ def run(args) -> int:
         extra["slice"] = args.slice
         name = name or f"{suite.name}-{device.split(':')[0]}-{args.slice.replace('/', '-of-')}"
     writable_dir(args.out_dir, "--out-dir")
-    with cpu_threads(device, args.threads):
+    with device_scope(device, args.threads):
         rows, json_path, _ = run_suite_to_files(suite, device, out_dir=args.out_dir, name=name, reps=args.reps,
                                                 warmup=args.warmup, baseline=args.baseline,
                                                 progress=not args.no_progress, con=con, header_extra=extra,

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import console, default_device, device_arg, error, nonneg_int, cpu_threads, writable_dir
+from ._common import console, default_device, device_arg, error, nonneg_int, device_scope, writable_dir
 
 DESCRIPTION = """Run the benchmark suite sized for this machine and draw the pattern gallery.
 
@@ -63,7 +63,7 @@ def demo_suite(device: str, quick: bool):
 def run(args) -> int:
     device = args.device or default_device()
     writable_dir(args.out_dir, "--out-dir")
-    with cpu_threads(device, args.threads):
+    with device_scope(device, args.threads):
         return run_demo(args, device)
 
 

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from ._common import (add_accuracy_options, console, default_device, error, nonneg_int, positive_int,
-                      positive_tokens, cpu_threads)
+                      positive_tokens, device_scope)
 
 DESCRIPTION = """Quick accuracy check of adaptive sparse attention (sparse_attn.predict.adaptive_attention:
 meansim block prediction from pooled Q/K, then the block-sparse call) against dense attention on
@@ -150,7 +150,7 @@ def run(args) -> int:
     if args.plot is not None:  # its folder and format now, not after the run (a file as folder: a traceback)
         from .viz import output_path
         args.plot = output_path(args.plot, "--plot")  # noext -> noext.png, the file that is written
-    with cpu_threads(device, args.threads):
+    with device_scope(device, args.threads):
         return check(args, device, con)
 
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, error, nonneg_int, positive_int,
-                      positive_tokens, cpu_threads, usage_error, writable_dir)
+                      positive_tokens, device_scope, usage_error, writable_dir)
 
 DESCRIPTION = """Sparse SageAttention test suite: sparse_attn.attention(..., quant="int8" | "int8-fp8") on
 block-sparse layouts given as SageAttention block indices [B, H, q_blocks, top_k] (q block 64, k block
@@ -148,7 +148,7 @@ def make_header(args, device: str, quant: str, sizes, dtype_name: str) -> dict:
     return header
 
 
-def summary_tables(checks, bench, con) -> None:
+def summary_tables(checks, bench, con, dtype: str = "bf16") -> None:
     from rich.table import Table
     from rich.text import Text
     from ..sage_suite import bench_top_k, status
@@ -165,7 +165,7 @@ def summary_tables(checks, bench, con) -> None:
     if bench:
         t = Table(title="benchmark: 8-bit attention, dense vs random top-k block indices (median ms)")
         cols = ("L", "top-k", "dense ms", "sparse ms", "speedup", "blocks skipped", "peak MiB d/s", "sparse TOPS",
-                "bf16 sparse ms", "8-bit vs bf16")
+                f"{dtype} sparse ms", f"8-bit vs {dtype}")  # the 16-bit run is in the inputs' dtype
         for col in cols:
             t.add_column(col, justify="right")
         for r in bench:
@@ -207,7 +207,7 @@ def run(args) -> int:
         usage_error(f"--seq-lens {' '.join(map(str, short))}: the correctness checks need L > 128 (two key "
                     f"blocks of 128); give longer lengths, or run only --test-patterns / --benchmark-perf")
     writable_dir(args.out, "--out")
-    with cpu_threads(device, args.threads):
+    with device_scope(device, args.threads):
         return run_suite(args, device, quant, con)
 
 
@@ -248,7 +248,7 @@ def run_suite(args, device: str, quant: str, con) -> int:
     out = Path(args.out)
     json_path = ss.write_json(out / "sage_test.json", header, checks, bench)
     md_path = ss.write_markdown(out / "sage_test.md", header, checks, bench)
-    summary_tables(checks, bench, con)
+    summary_tables(checks, bench, con, args.dtype)
     failed = [c for c in checks if c.passed is False]
     bench_errors = [r for r in bench if r.get("error")]
     if bench_errors:
