@@ -612,3 +612,23 @@ def test_pattern_expression_rejects_unknown_options():
     with pytest.raises(ValueError, match=r"unknown pattern option\(s\) \['windw'\]"):
         build_pattern("local", 1000, windw=100)
     assert build_pattern("local", 1000, window=100, density=None).num_blocks > 0
+
+
+def test_expand_refuses_a_batch_it_does_not_broadcast():
+    """expand() materialises only dims of size 1: a batch-2 layout cannot become batch 3 (nor heads 2 -> 3)."""
+    lay = patterns.random(64, density=0.5, batch=2, heads=2, block_q=16, block_k=16)
+    assert lay.expand(2, 2).kv_counts.shape[:2] == (2, 2)
+    with pytest.raises(LayoutError, match="expands only where it has 1"):
+        lay.expand(3, 2)
+    with pytest.raises(LayoutError, match="expands only where it has 1"):
+        lay.expand(2, 3)
+
+
+def test_mask_term_refuses_a_negative_document_size():
+    """doc=0 means no documents; any negative size (-1 included) is an error, not a term whose
+    p // doc blocks run backwards."""
+    from sparse_attn.masks import MaskTerm
+    assert MaskTerm(doc=0).doc == 0
+    for bad in (-1, -16):
+        with pytest.raises(ValueError, match="doc must be >= 0"):
+            MaskTerm(doc=bad)

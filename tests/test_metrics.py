@@ -267,3 +267,25 @@ def test_assert_close_shape_mismatch():
     ref, oracle = _triple()
     with pytest.raises(AssertionError, match=r"shape mismatch"):
         assert_close_to_oracle(ref[..., :8], ref, oracle)
+
+
+def test_cosine_similarity_stays_within_minus_one_and_one():
+    """The cosine of a vector with itself (or its negative) rounds to 1 +- an ulp; the metric is
+    clamped to [-1, 1], so ``cos <= 1`` holds and a self-comparison never reads above a perfect match."""
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 60):
+        a = torch.randn(n, dtype=torch.float64, generator=g)
+        same, opposite = metrics.cosine_similarity(a, a), metrics.cosine_similarity(a, -2.5 * a)
+        assert -1.0 <= same <= 1.0 and same == pytest.approx(1.0, abs=1e-15), (n, same)
+        assert -1.0 <= opposite <= 1.0 and opposite == pytest.approx(-1.0, abs=1e-15), (n, opposite)
+
+
+def test_cosine_similarity_of_inputs_of_very_different_magnitude():
+    """Each side is scaled by its own largest magnitude: a reference 1e-170 times smaller than the
+    output (its squares underflow at the output's scale) still gives the true cosine, not +-1."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, dtype=torch.float64, generator=g), torch.randn(64, dtype=torch.float64, generator=g)
+    want = float(a @ b / (a.norm() * b.norm()))
+    assert abs(want) < 0.9
+    assert metrics.cosine_similarity(a, b * 1e-170) == pytest.approx(want, abs=1e-12)
+    assert metrics.cosine_similarity(a * 1e-170, b) == pytest.approx(want, abs=1e-12)

@@ -524,3 +524,20 @@ def test_plan_rejects_bad_offsets():
         zigzag_plan([0, 8.5, 16], 2, 0)  # was cut to 8
     with pytest.raises(TypeError, match="integer offsets, got a torch.float32 tensor"):
         zigzag_cu_seqlens(torch.tensor([0.0, 8.0]), 2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_plan_pairs_count_the_attended_query_key_pairs(causal):
+    """pairs() (the FLOP count: 4 * B * Hq * D * pairs) equals the (query, key) pairs of the rank's
+    groups counted on a token mask: bottom-right causal, so a group of lq queries over lk keys sees
+    lq * lk - lq * (lq - 1) / 2 pairs (each query sees itself)."""
+    cu = [0, 16, 48, 48, 72]
+    for world in (1, 2):
+        for rank in range(world):
+            plan = zigzag_plan(cu, world, rank)
+            want = 0
+            for g in plan.groups(causal):
+                i = torch.arange(g.q_len)[:, None]
+                j = torch.arange(g.k_len)[None, :]
+                want += int((j <= i + g.k_len - g.q_len).sum()) if causal else g.q_len * g.k_len
+            assert plan.pairs(causal) == want, (world, rank)

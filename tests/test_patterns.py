@@ -594,3 +594,37 @@ def test_random_sampling_in_row_chunks_is_the_one_draw_and_bounded(monkeypatch):
     monkeypatch.setattr(torch, "rand", spy)
     P.random(64 * 1024, top_k=4, block_q=64, block_k=64)  # Qb = Kb = 1024
     assert seen and max(seen) <= 1 << 16
+
+
+def test_random_density_count_is_exact_where_float_products_round_up():
+    """k = ceil(density * n) of the row's n candidates: 0.28 * 25 is 7.000000000000001 in floating
+    point and must keep 7 key blocks per row, not 8 (likewise 0.14 * 50 -> 7)."""
+    for density, n, want in ((0.28, 25, 7), (0.14, 50, 7)):
+        lay = P.random(16 * n, density=density, block_q=16, block_k=16, heads=2, seed=3)
+        assert torch.all(lay.kv_counts == want), (density, n, lay.kv_counts.unique().tolist())
+
+
+def test_block_index_refuses_the_first_index_past_the_grid():
+    """Key-block indices run 0 .. Kb - 1: Kb itself (one past the last block) is out of range."""
+    ok = torch.tensor([[[[0, 1], [2, -1]]]])  # 2 query blocks, Kb = 3 (kv_len 48, block_k 16)
+    lay = P.from_block_index(ok, seq_len=32, kv_len=48, block_q=16, block_k=16)
+    assert lay.to_block_mask()[0, 0].tolist() == [[True, True, False], [False, False, True]]
+    with pytest.raises(LayoutError, match=r"block_index\[0,0,1,0\] = 3 is out of range"):
+        P.from_block_index(torch.tensor([[[[0, 1], [3, -1]]]]), seq_len=32, kv_len=48, block_q=16,
+                                  block_k=16)
+
+
+def test_csr_refuses_offsets_that_end_past_col():
+    """crow[..., -1] may be at most col.shape[2]: one past it must be a LayoutError, not an IndexError."""
+    col = torch.tensor([[[0, 1]]])
+    lay = P.from_csr(torch.tensor([[[0, 1, 2]]]), col, seq_len=32, block_q=16, block_k=16)
+    assert lay.to_block_mask()[0, 0].tolist() == [[True, False], [False, True]]
+    with pytest.raises(LayoutError, match="not a valid offset array"):
+        P.from_csr(torch.tensor([[[0, 1, 3]]]), col, seq_len=32, block_q=16, block_k=16)
+
+
+def test_csr_refuses_decreasing_offsets():
+    """crow must never decrease: [0, 2, 1, 2] (a row of -1 blocks) is an error, not a silently skipped row."""
+    col = torch.tensor([[[0, 1]]])
+    with pytest.raises(LayoutError, match="not a valid offset array"):
+        P.from_csr(torch.tensor([[[0, 2, 1, 2]]]), col, seq_len=48, block_q=16, block_k=16)

@@ -347,3 +347,24 @@ def test_topk_keeps_ceil_of_topk_times_visible_in_any_dtype(dtype):
         keep = select_ranked(scores, cand, cdfthreshd=None, topk=torch.tensor([[[topk]]], dtype=dtype),
                              n_visible=torch.tensor([25]))
         assert int(keep.sum()) == n, (topk, int(keep.sum()))
+
+
+def test_meansim_self_similarity_threshold_is_inclusive():
+    """A block is self-similar iff sim >= simthreshd1 (equality counts). All-zero queries have sim 0
+    (cos = 0 for a zero norm): with simthreshd1=0 they are self-similar, so their rows are ranked
+    (uniform pooled scores over 4 key blocks, cdfthreshd 0.5 keeps 2), not kept whole."""
+    q = torch.zeros(1, 1, 64, 16)
+    k = torch.randn(1, 1, 4, 16).repeat_interleave(16, 2)  # identical tokens per key block: sim 1
+    lay = meansim(q, k, simthreshd1=0.0, cdfthreshd=0.5, block=16)
+    assert lay.kv_counts.tolist() == [[[2, 2, 2, 2]]]
+
+
+def test_meansim_cdfthreshd_one_keeps_every_candidate_even_when_its_mass_underflows():
+    """cdfthreshd >= 1 keeps every candidate: also those whose pooled softmax mass is 0 in fp32 (the
+    cumulative mass of the higher ranks already reads 1.0), not only those before the mass reaches 1."""
+    q = torch.full((1, 1, 32, 16), 10.0)
+    c = torch.tensor([3.0, 2.0, 1.0, -1.0])  # pooled scores 0.25 * 160 * c: 120, 80, 40, -40
+    k = (c[:, None, None] * torch.ones(4, 16, 16)).reshape(1, 1, 64, 16)
+    lay = meansim(q, k, simthreshd1=0.5, cdfthreshd=1.0, block=16)
+    assert lay.kv_counts.tolist() == [[[4, 4]]]
+    assert meansim(q, k, simthreshd1=0.5, cdfthreshd=0.999, block=16).kv_counts.tolist() == [[[1, 1]]]

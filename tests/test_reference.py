@@ -23,6 +23,7 @@ from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
 from sparse_attn.testing import (ZERO_LENGTH_CASES, assert_close_to_oracle, causal_token_mask, check_zero_length_case,
                                  naive_masked_attention, oracle_attention, random_qkv)
+from sparse_attn import patterns
 
 F64 = torch.float64
 TOL = 1e-12
@@ -420,3 +421,20 @@ def test_causal_forward_peak_memory_stays_near_its_live_tensors():
     grown_mib = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                    timeout=300).stdout.split()[-1])
     assert grown_mib < 600, f"peak RSS grew by {grown_mib} MiB"
+
+
+def test_self_only_window_survives_intersection_with_causal():
+    """A window of one key (j == p: MaskTerm(left=0, right=0), left + right == 0) is not empty: cut with
+    causal (``&`` of two partial masks, and what attention(causal=True) runs) each query still sees
+    itself, so the output is v row for row."""
+    L = 48
+    a = ElementMask((MaskTerm(left=0, right=0),))
+    b = ElementMask((MaskTerm(right=0),))
+    assert (a & b).terms == (MaskTerm(left=0, right=0),)
+    lay = patterns.local(L, 1, block_q=16, block_k=16)
+    eye = torch.eye(L, dtype=torch.bool)
+    assert torch.equal(lay.to_token_mask()[0, 0], eye)
+    assert torch.equal((lay & patterns.causal(L, block_q=16, block_k=16)).to_token_mask()[0, 0], eye)
+    q, k, v = (torch.randn(1, 2, L, 16, dtype=torch.float64) for _ in range(3))
+    out = sparse_attn.attention(q, k, v, lay, causal=True)
+    torch.testing.assert_close(out, v, rtol=0, atol=1e-12)

@@ -480,3 +480,79 @@ def test_row_quantization_kernel_flags_non_finite_groups_as_the_twin_does(bad, o
     fin = ~tscale.isnan()
     torch.testing.assert_close(scale[fin], tscale[fin])
     assert torch.equal(xq[fin], tq[fin])
+
+
+def test_lse_is_that_of_the_unsmoothed_scores_with_gqa():
+    """The smoothing shift added back to the LSE uses each query head's own kv head (h // group):
+    with 2 kv heads whose K carry different large offsets, every query head's 8-bit LSE stays close to
+    the full-precision one (dense, padded and varlen calls alike)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 100, 32, generator=g)
+    k = torch.randn(1, 2, 130, 32, generator=g)
+    v = torch.randn(1, 2, 130, 32, generator=g)
+    k = k + torch.stack([4.0 * torch.randn(32, generator=g), -6.0 * torch.randn(32, generator=g)])[None, :, None]
+    lay = patterns.local(100, 48, kv_len=130, block_q=32, block_k=32)
+    _, lse_ref = reference.attention(q, k, v, lay, return_lse=True)
+    _, lse = sparse_attn.attention(q, k, v, lay, quant="int8", return_lse=True)
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - lse_ref[fin]).abs().max() < 0.05
+    # packed: [T, H, D], one sequence of 100 queries over 130 keys
+    cu_q, cu_k = torch.tensor([0, 100], dtype=torch.int32), torch.tensor([0, 130], dtype=torch.int32)
+    pq, pk, pv = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    _, lse_v = sparse_attn.varlen_attention(pq, pk, pv, cu_q, cu_k, 100, 130, layouts=[lay], quant="int8",
+                                            return_lse=True)
+    assert (lse_v[fin[0]] - lse_ref[0][fin[0]]).abs().max() < 0.05
+
+
+def test_int8_fp8_twin_rounds_the_probabilities_of_pv_to_e4m3():
+    """The int8-fp8 twin (what the FP8 P.V kernel is held to) rounds P = exp(s - rowmax), times 448, to
+    e4m3 in P.V, but normalises with the unrounded row sum: a dense case computed step by step."""
+    from sparse_attn.ops.sage import reference as twin
+    from sparse_attn.ops.sage.granularity import FP8_MAX, GRANULARITY
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    (qs, qp), (ks, kp) = GRANULARITY["per_warp"]
+    mean = k.mean(-2)
+    q8, q_scale = twin.quantize_rows(q, qs, qp)
+    k8, k_scale = twin.quantize_rows(k, ks, kp, mean)
+    qd, kd = q8.float() * q_scale[..., None], k8.float() * k_scale[..., None]
+    vd = twin.quantize_v_fp8(v)[0]
+    s = qd @ kd.transpose(-1, -2) / 32 ** 0.5
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    want = (twin.fp8_round(e * FP8_MAX) / FP8_MAX) @ vd / e.sum(-1, keepdim=True)
+    got = twin.attention(q, k, v, quant="int8-fp8")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_packed_lse_shift_uses_each_query_heads_own_kv_head_and_sequence():
+    """packed_lse_shift (what the packed 8-bit kernels add back to the LSE): for token t of sequence s
+    and query head h, scale * q[t, h] . mean[s, h // group], here with GQA (4 query heads, 2 kv heads)."""
+    from sparse_attn.ops.sage import reference as twin
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    q = torch.randn(12, 4, 32, generator=g)
+    mean = torch.randn(3, 2, 32, generator=g)
+    got = twin.packed_lse_shift(q, mean, cu, None)
+    want = torch.empty(4, 12)
+    for s, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for t in range(a, e):
+            for h in range(4):
+                want[h, t] = (q[t, h] @ mean[s, h // 2]) / 32 ** 0.5
+    torch.testing.assert_close(got, want)
+
+
+def test_int8_varlen_with_other_key_lengths_equals_per_sequence_calls():
+    """Packed 8-bit attention on the CPU, sequences whose key lengths differ from their query lengths:
+    each sequence equals its own sparse_attn.attention(quant='int8') call (its own K/V slice)."""
+    g = torch.Generator().manual_seed(0)
+    cu_q = torch.tensor([0, 20, 50], dtype=torch.int32)
+    cu_k = torch.tensor([0, 40, 110], dtype=torch.int32)
+    q = torch.randn(50, 4, 32, generator=g)
+    k, v = torch.randn(110, 2, 32, generator=g), torch.randn(110, 2, 32, generator=g)
+    out, lse = sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 30, 70, causal=True, quant="int8", return_lse=True)
+    for (a, e), (c, f) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        o1, l1 = sparse_attn.attention(q[a:e].transpose(0, 1)[None], k[c:f].transpose(0, 1)[None],
+                                       v[c:f].transpose(0, 1)[None], causal=True, quant="int8", return_lse=True)
+        torch.testing.assert_close(out[a:e], o1[0].transpose(0, 1))
+        torch.testing.assert_close(lse[:, a:e], l1[0])

@@ -537,3 +537,71 @@ def check_low_precision(device, length=1024):
 @pytest.mark.gpu
 def test_bf16_on_cuda_kernels():
     check_low_precision("cuda")
+
+
+def _band(lq, lk, keys):
+    """bool [1, 1, lq, lk]: bottom-right causal within the last ``keys`` keys (self included)."""
+    p = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    return ((j <= p) & (j > p - keys))[None, None]
+
+
+def test_materialised_sliding_window_mask_must_match_the_layers_window_exactly():
+    """A materialised mask (bool, or additive 0 / min) equal to the layer's causal sliding window of W keys
+    (transformers' sliding_window: W keys, self included) is accepted; one key more or fewer is refused,
+    since sparse_attn would apply its own W-key window instead."""
+    for lq, lk in ((40, 40), (12, 40)):
+        good = _band(lq, lk, 10)
+        sat.check_mask(good, lq, lk, True, 10)
+        additive = torch.zeros(good.shape).masked_fill(~good, torch.finfo(torch.float32).min)
+        sat.check_mask(additive, lq, lk, True, 10)
+        for keys in (9, 11):
+            with pytest.raises(NotImplementedError, match="padded or custom mask"):
+                sat.check_mask(_band(lq, lk, keys), lq, lk, True, 10)
+
+
+def test_additive_mask_with_finite_bias_values_is_refused():
+    """An additive mask is accepted only as 0 (allowed) / a huge negative number (masked). A small
+    negative bias where the causal mask would mask (-1.0: the model still attends there, a little) or
+    any non-zero value on an allowed key is a bias sparse_attn cannot apply, even when its zero/non-zero
+    pattern equals the causal one."""
+    band = _band(24, 24, 24)
+    soft = torch.zeros(band.shape).masked_fill(~band, -1.0)
+    with pytest.raises(NotImplementedError, match="additive attention biases"):
+        sat.check_mask(soft, 24, 24, True, None)
+    biased = torch.zeros(band.shape).masked_fill(~band, torch.finfo(torch.float32).min)
+    biased[..., 5, 2] = 0.5
+    with pytest.raises(NotImplementedError, match="additive attention biases"):
+        sat.check_mask(biased, 24, 24, True, None)
+
+
+def test_two_dim_padding_mask_is_refused_unless_all_ones():
+    """A raw [B, Lk] attention_mask with a 0 (a padded token) is refused; all ones is plain attention."""
+    ones = torch.ones(2, 16, dtype=torch.long)
+    sat.check_mask(ones, 16, 16, True, None)
+    padded = ones.clone()
+    padded[1, :3] = 0
+    with pytest.raises(NotImplementedError, match="padded batches are not supported"):
+        sat.check_mask(padded, 16, 16, True, None)
+
+
+def test_mask_interface_refuses_keys_that_do_not_end_at_the_last_query():
+    """A static cache's key buffer runs past the last query (q at 0..7 of 64 key slots): bottom-right
+    causal would be wrong, so the mask interface raises; keys ending at the last query give None
+    (sparse_attn applies causal itself), and a bidirectional mask has no alignment to keep."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    with pytest.raises(NotImplementedError, match="static / pre-allocated caches"):
+        sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=causal_mask_function)
+    assert sat.sparse_attn_mask(1, 8, 64, q_offset=56, kv_offset=0, mask_function=causal_mask_function) is None
+    assert sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=bidirectional_mask_function) is None
+
+
+def test_a_mask_changed_in_place_is_checked_again():
+    """check_mask remembers the last mask it accepted (not re-checked in every layer), but a mask
+    written in place afterwards (padding added to the same tensor) must be checked again."""
+    mask = _band(16, 16, 16).clone()
+    sat.check_mask(mask, 16, 16, True, None)
+    sat.check_mask(mask, 16, 16, True, None)
+    mask[..., 2] = False  # key 2 now padded
+    with pytest.raises(NotImplementedError, match="padded or custom mask"):
+        sat.check_mask(mask, 16, 16, True, None)

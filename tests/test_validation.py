@@ -10,6 +10,7 @@ import torch
 import sparse_attn
 from sparse_attn.layout import BlockLayout, LayoutError
 from sparse_attn.masks import ElementMask, causal_term, window_term
+from sparse_attn import patterns, reference
 
 
 def qkv(B=2, Hq=4, Hkv=2, Lq=40, Lk=48, D=16, Dv=None, dtype=torch.float32, device="cpu"):
@@ -334,3 +335,15 @@ def test_reference_oracle_refuses_a_layout_for_other_lengths_and_csr_errors_poin
     with pytest.raises(LayoutError, match="first problem at 2\\)"):  # crow has offsets 0..2; it said 3
         patterns.from_csr(torch.tensor([[[0, 1, 5]]]), torch.tensor([[[0, 1, 1]]]), seq_len=32, block_q=16,
                           block_k=16)
+
+
+def test_reference_oracle_refuses_a_layout_for_another_batch_or_head_count():
+    """_check_frame also pins batch and heads (1 or the tensors' own): a per-batch layout for B=2 used
+    on B=3 must be a LayoutError naming the frame, not a broadcast RuntimeError deep inside."""
+    q = torch.randn(3, 2, 32, 16)
+    per_batch = patterns.random(32, density=0.5, batch=2, heads=1, block_q=16, block_k=16)
+    with pytest.raises(LayoutError, match="batch=2, heads=1 but q/k have .* B=3, Hq=2"):
+        reference.attention(q, q, q, per_batch)
+    per_head = patterns.random(32, density=0.5, batch=1, heads=3, block_q=16, block_k=16)
+    with pytest.raises(LayoutError, match="heads=3 but q/k have .* Hq=2"):
+        reference.attention(q, q, q, per_head)

@@ -408,3 +408,23 @@ def test_prepare_forward_only_skips_the_transpose():
     assert sparse_attn.prepare(layout, backward=False) is layout
     assert ("schedule", True, None) in layout._derived
     assert layout._transpose is None
+
+
+def test_stack_keeps_each_sequences_blocks_and_masks():
+    """varlen.stack (the layout the varlen/grouped kernels run) keeps, per batch row, the sequence's own
+    blocks and, for each partial block, that sequence's own element mask (mask ids offset past the
+    earlier sequences' masks), with rows past the sequence's length empty."""
+    lays = [patterns.local(40, 7, block_q=16, block_k=16),
+            patterns.streaming(70, 9, 3, kv_len=90, block_q=16, block_k=16),
+            patterns.causal(33, block_q=16, block_k=16)]
+    st = varlen.stack(lays, 70, 90, heads=1)
+    smap = st._block_map()
+    for b, lay in enumerate(lays):
+        own = lay._block_map()[0, 0]
+        nq, nk = own.shape
+        got = smap[b, 0]
+        assert (got[nq:] == -2).all() and (got[:, nk:] == -2).all()
+        got = got[:nq, :nk]
+        assert torch.equal(got < 0, own < 0) and torch.equal(got == -1, own == -1)
+        for m_st, m_own in zip(got[own >= 0].tolist(), own[own >= 0].tolist()):
+            assert st.masks[m_st] == lay.masks[m_own], (b, m_st, m_own)
