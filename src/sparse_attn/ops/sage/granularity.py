@@ -27,6 +27,7 @@ INT8_MAX = 127.0
 
 
 def check_granularity(granularity: str) -> str:
+    """``granularity`` when it names a scale grouping of :data:`GRANULARITY`, else a ValueError listing them."""
     if not isinstance(granularity, str) or granularity not in GRANULARITY:
         raise ValueError(f"quant_granularity={granularity!r} is not supported; choose one of "
                          f"{', '.join(map(repr, GRANULARITY))}")
