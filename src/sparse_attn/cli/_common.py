@@ -102,6 +102,11 @@ PATTERN_OPTIONS = (
 PATTERN_OPTION_DESTS = tuple(flag[2:].replace("-", "_") for flag, _, _ in PATTERN_OPTIONS) + ("exponential",)
 
 
+def flag_of(dest: str) -> str:
+    """An argparse destination as its command-line flag: ``block_k`` -> ``--block-k``."""
+    return "--" + dest.replace("_", "-")
+
+
 def add_pattern_options(group) -> tuple[str, ...]:
     """Add :data:`PATTERN_OPTIONS` (each at most once per command line, :class:`Once`) and
     ``--exponential`` to ``group``; returns their argparse dests."""

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..json_io import dumps
 from ._common import (PATTERN_OPTION_DESTS, Once, add_pattern_options, console, default_device, device_arg, error,
-                      file_stem, nonneg_int, positive_int, positive_tokens, split_list, usage_error, writable_dir)
+                      file_stem, flag_of, nonneg_int, positive_int, positive_tokens, split_list, usage_error,
+                      writable_dir)
 
 DESCRIPTION = """Run a causal LM twice on the same text, once with its own (dense) attention and once
 per PATTERN through the sparse_attn transformers integration, and compare: logits cosine
@@ -179,10 +180,6 @@ def pattern_options(pattern: str, given: dict, length: int) -> dict:
     return opts
 
 
-def _flags(names) -> str:
-    return ", ".join("--" + n.replace("_", "-") for n in names)
-
-
 def check_options(patterns: list[str], adaptive: dict, given: dict) -> None:
     """ValueError for options no selected pattern uses (each was dropped without a word: ``--patterns local
     --density 0.5`` ran plain local), as ``bench`` refuses them, and for --topk with --cdfthreshd (top-k
@@ -193,7 +190,7 @@ def check_options(patterns: list[str], adaptive: dict, given: dict) -> None:
     if adaptive and "adaptive" not in patterns:
         unused += sorted(adaptive)
     if unused:
-        raise ValueError(f"pattern option(s) {_flags(unused)} apply to none of the selected patterns "
+        raise ValueError(f"pattern option(s) {', '.join(map(flag_of, unused))} apply to none of the selected patterns "
                          f"({', '.join(patterns)}); select a pattern that takes them with --patterns")
     if "topk" in adaptive and "cdfthreshd" in adaptive:
         raise ValueError(f"give --topk ({adaptive['topk']}) or --cdfthreshd ({adaptive['cdfthreshd']}), not both: "

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import (Once, add_pattern_options, console, error, nonneg_tokens, positive_int, positive_tokens,
-                      usage_error, writable_dir)
+from ._common import (PATTERN_OPTION_DESTS, Once, add_pattern_options, console, error, flag_of, nonneg_tokens,
+                      positive_int, positive_tokens, usage_error, writable_dir)
 
 DESCRIPTION = """Draw the block grid of a pattern: full blocks blue, partial blocks (element mask
 applied inside) orange, skipped blocks white; the title gives the layout's density (whole
@@ -50,9 +50,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-OPTION_NAMES = ("kv_len", "block_q", "block_k", "window", "window_right", "num_sink", "block_size", "stride",
-                "local_blocks", "window_blocks", "dilation", "num_global_blocks", "num_random_blocks", "density",
-                "top_k", "heads", "seed", "causal", "exponential")
+OPTION_NAMES = ("kv_len", "block_q", "block_k", "heads", "seed", "causal") + PATTERN_OPTION_DESTS
 # what --gallery draws with (write_gallery's seq_len, block, markdown, dpi): anything else given is refused
 GALLERY_IGNORES = tuple(n for n in OPTION_NAMES if n not in ("block_q", "block_k")) + ("out", "close_up",
                                                                                        "show_heads")
@@ -61,11 +59,6 @@ GALLERY_IGNORES = tuple(n for n in OPTION_NAMES if n not in ("block_q", "block_k
 def pattern_options(args) -> dict:
     """The options the user gave (None: not given; the builders' own defaults apply)."""
     return {n: getattr(args, n) for n in OPTION_NAMES if getattr(args, n, None) is not None}
-
-
-def option_flag(dest: str) -> str:
-    """``block_k`` -> ``--block-k``."""
-    return "--" + dest.replace("_", "-")
 
 
 def default_out(pattern: str) -> Path:
@@ -94,9 +87,9 @@ def gallery(args, con) -> int:
     if args.pattern:  # the gallery draws its own families: PATTERN was ignored without a word
         usage_error(f"give a PATTERN ({args.pattern}) or --gallery DIR (every family), not both")
     block = args.block_q if args.block_q is not None else 128
-    ignored = [option_flag(n) for n in GALLERY_IGNORES if getattr(args, n, None) is not None]
+    ignored = [flag_of(n) for n in GALLERY_IGNORES if getattr(args, n, None) is not None]
     if args.block_k is not None and args.block_k != block:  # the gallery draws square blocks
-        ignored.insert(0, option_flag("block_k"))
+        ignored.insert(0, flag_of("block_k"))
     if ignored:  # each was dropped without a word (the page even said 64x64 blocks for --block-k 32)
         usage_error(f"--gallery draws every family with its own options at --seq-len with square --block-q "
                     f"blocks and does not use {', '.join(ignored)} (draw one pattern with them: "
@@ -136,7 +129,7 @@ def run(args) -> int:
         close_up = viz.CloseUp(*args.close_up)
     from ..patterns.expr import unused_options
     given = pattern_options(args)
-    unused = [option_flag(n) for n in unused_options(args.pattern, given)]
+    unused = [flag_of(n) for n in unused_options(args.pattern, given)]
     if unused:  # build_pattern drops what no builder takes: `viz dense --window 5` drew plain dense
         usage_error(f"pattern option(s) {', '.join(unused)} apply to no builder of {args.pattern!r}; give them "
                     f"to a pattern that takes them (see sparse-attn viz --help)")

@@ -18,10 +18,6 @@ from ..grouped import Group
 from .chunks import offsets, zigzag_chunk_ids
 
 
-def _as_list(cu_seqlens) -> list[int]:
-    return offsets(cu_seqlens)
-
-
 @dataclasses.dataclass(frozen=True)
 class ZigzagPlan:
     """Zigzag bookkeeping for one batch shape on one rank (build it with :func:`zigzag_plan`)."""
@@ -149,7 +145,7 @@ def zigzag_plan(cu_seqlens, world_size: int, rank: int) -> ZigzagPlan:
     The helpers a training step needs: ``plan.cu_seqlens_local()`` (this rank's offsets, for other
     varlen ops), ``plan.max_seqlen_local``, ``plan.position_ids()`` (RoPE positions of the local
     tokens); shard the packed inputs with :func:`sparse_attn.parallel.zigzag_split_varlen`."""
-    return _plan(tuple(_as_list(cu_seqlens)), int(world_size), int(rank))
+    return _plan(tuple(offsets(cu_seqlens)), int(world_size), int(rank))
 
 
 def dense_plan(seq_len: int, world_size: int, rank: int) -> ZigzagPlan:

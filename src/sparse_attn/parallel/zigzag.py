@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from ..validation import check_causal, check_scale
 from . import local
+from .chunks import offsets
 from .comm import GradReduceScatter, HeadChunkGather, check_consistent_shapes
-from .plan import ZigzagPlan, _as_list, dense_plan, zigzag_plan
+from .plan import ZigzagPlan, dense_plan, zigzag_plan
 
 
 def _head_ranges(hkv: int, step: int):
@@ -226,7 +227,7 @@ def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor,
     Shapes, dtypes, options and cu_seqlens are compared across ranks first (mismatch: ``ValueError``
     on every rank), unless ``check_inputs=False``.
     """
-    cu = _as_list(cu_seqlens)
+    cu = offsets(cu_seqlens)
     causal, scale = _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk,
                                         use_grouped_attention, "zigzag_llama3_varlen_attention", check_inputs,
                                         num_seqs=len(cu) - 1, total_tokens=cu[-1] if cu else -1,
