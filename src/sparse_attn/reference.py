@@ -2,9 +2,13 @@
 
 Runs on any device, accumulates in fp32 (fp64 for fp64 inputs, which makes it the test oracle),
 processes one query block at a time over only the keys its layout row visits, so memory stays
-O(B * H * block_q * visited keys) (also under autograd), and handles GQA by
-viewing query heads as ``[Hkv, group]`` instead of repeating K/V. A query row with no allowed key
-gets output 0 and LSE -inf, never NaN.
+O(B * H * block_q * visited keys), and handles GQA by viewing query heads as ``[Hkv, group]``
+instead of repeating K/V. A query row with no allowed key gets output 0 and LSE -inf, never NaN.
+
+Under autograd the forward keeps only q, k, v and the LSE (:class:`_RecomputingAttention`): the
+backward recomputes each block's probabilities, so training memory is linear in the length too
+(autograd over the chunk loop kept every chunk's scores, O(L^2 H) under causal masking). The
+backward is written in differentiable ops, so double backward still works.
 """
 from __future__ import annotations
 
@@ -109,14 +113,60 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     about 1e-5 of their size.
     """
     check_qkv(q, k, v)  # public as the oracle: a GQA mismatch failed in a view() deep inside
+    if layout is not None:
+        _check_frame(layout, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if _recomputes(q, k, v, _lowp, _round_p):
+        out, lse = _RecomputingAttention.apply(q, k, v, layout, causal, scale)
+    else:
+        out, lse = _forward(q, k, v, layout, causal, scale, _lowp, _round_p)
+    if not return_lse:
+        return out
+    return out, lse if _acc_lse else lse.to(torch.float32)
+
+
+def _recomputes(q, k, v, lowp: bool, round_p) -> bool:
+    """Whether autograd records this call through :class:`_RecomputingAttention` rather than op by op:
+    whenever it records at all, except for the tests' rounding variants (whose gradients nobody takes
+    through the explicit formula) and while torch.compile traces (it traces the plain ops)."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and not lowp and round_p is None
+            and not torch.compiler.is_compiling())
+
+
+class _RecomputingAttention(torch.autograd.Function):
+    """The reference under autograd with linear memory: the forward saves q, k, v and the LSE (in the
+    accumulation dtype: the backward recomputes P = exp(s - lse) from it, and an fp32 LSE would cost
+    float64 gradients about 1e-5 of their size), the backward is :func:`attention_backward`.
+
+    Recording the chunk loop op by op kept every chunk's masked scores and probabilities: for a causal
+    8K forward with 2 heads and D=16, 880 MiB of saved tensors against 3 MiB of inputs. The backward's ops
+    are differentiable, so under ``create_graph=True`` autograd records them and double backward works
+    (with the quadratic memory that recording costs)."""
+
+    @staticmethod
+    def forward(q, k, v, layout, causal, scale):
+        return _forward(q, k, v, layout, causal, scale, False, None)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, layout, causal, scale = inputs
+        ctx.save_for_backward(q, k, v, output[1])
+        ctx.layout, ctx.causal, ctx.scale = layout, causal, scale
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, lse = ctx.saved_tensors
+        grads = attention_backward(do, dlse, q, k, v, lse, ctx.layout, causal=ctx.causal, scale=ctx.scale)
+        return (*grads, None, None, None)
+
+
+def _forward(q, k, v, layout, causal, scale, lowp, round_p):
+    """The chunk loop of :func:`attention`: ``(out in q's dtype, lse in the accumulation dtype)``."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    if layout is not None:
-        _check_frame(layout, B, Hq, Lq, Lk)
     group = Hq // Hkv
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
     acc = acc_dtype(q.dtype)
-    mm = q.dtype if _lowp else acc  # dtype the two products run in
+    mm = q.dtype if lowp else acc  # dtype the two products run in
     kf, vf = k.to(mm), v.to(mm)
     chunk = layout.block_q if layout is not None else 128
     outs, lses = [], []
@@ -136,7 +186,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: avoid inf - inf
         e = torch.exp(s - m)
         denom = e.sum(-1, keepdim=True)
-        e_pv = e if _round_p is None else _round_p(e)
+        e_pv = e if round_p is None else round_p(e)
         o = torch.einsum("bhgqk,bhkd->bhgqd", e_pv.to(mm), vc).to(acc)
         o = o / torch.where(denom > 0, denom, torch.ones_like(denom))
         outs.append(o.reshape(B, Hq, r1 - r0, Dv))
@@ -146,11 +196,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     outs.reverse()  # row_chunks runs last rows first
     lses.reverse()
     out = torch.cat(outs, 2).to(q.dtype)
-    if not return_lse:
-        return out
-    lse_dtype = acc if _acc_lse else torch.float32
-    lse = torch.cat(lses, 2).to(lse_dtype) if lses else q.new_zeros(B, Hq, 0, dtype=lse_dtype) + graph_anchor(
-        q, k, v, lse_dtype)
+    lse = torch.cat(lses, 2) if lses else q.new_zeros(B, Hq, 0, dtype=acc) + graph_anchor(q, k, v, acc)
     return out, lse
 
 
