@@ -260,6 +260,8 @@ def test_groups_from_cu_seqlens():
         groups_from_cu_seqlens(torch.tensor([0, 4, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="groups"):
         groups_from_cu_seqlens(cu_q, torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must start at 0, got cu_seqlens_k\[0\]=-3"):
+        groups_from_cu_seqlens(cu_q, torch.tensor([-3, 5, 9, 20], dtype=torch.int32))
 
 
 # ----------------------------------------------------------------------------- backward
@@ -342,3 +344,59 @@ def test_validation_errors():
          ok, layouts=[sparse_attn.patterns.dense(10, 10)])
     if torch.device("meta") != q.device:
         _err(ValueError, "one device", q, k.to("meta"), v, ok)
+
+
+@pytest.mark.parametrize("fn", [sparse_attn.grouped_attention, grouped_attention_loop])
+def test_lse_alone_has_a_backward_when_no_group_runs(fn):
+    """Groups with queries but no keys: nothing runs, yet a loss on the LSE alone must backward() (the
+    LSE came back outside the graph), with zero gradients, as sparse_attn.attention with Lk = 0."""
+    q, k, v = _qkv(5, 4, grad=True)
+    out, lse = fn(q, k, v, [Group(0, 5, 3, 3)], return_lse=True)
+    assert torch.isneginf(lse).all()
+    torch.where(torch.isfinite(lse), lse, 0.0).sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
+
+def test_every_group_layout_is_checked_before_any_group_runs(monkeypatch):
+    """A bad layout (or a pattern that fails) for the last group is reported before the first group is
+    computed: the CPU loop used to run the groups before it first (seconds at 8K)."""
+    def no_compute(*a, **kw):
+        raise AssertionError("a group was computed before every layout was checked")
+    monkeypatch.setattr(sparse_attn.api, "attention", no_compute)
+    q, k, v = _qkv(40, 40)
+    groups = [Group(0, 20, 0, 20), Group(20, 40, 0, 40)]
+    bad_heads = patterns.random(20, kv_len=40, heads=3, density=1.0, block_q=16, block_k=16)
+    _err(LayoutError, "layout 1 has 3 heads; q has 2", q, k, v, groups,
+         layouts=[patterns.dense(20, 20, block_q=16, block_k=16), bad_heads])
+
+    def fails_on_the_second_shape(lq, lk):
+        if lk == 40:
+            raise ValueError("pattern refused (20, 40)")
+        return patterns.dense(lq, lk, block_q=16, block_k=16)
+    _err(ValueError, r"pattern refused \(20, 40\)", q, k, v, groups, pattern=fails_on_the_second_shape)
+
+
+def test_mixed_block_sizes_from_a_pattern_are_refused_as_on_the_kernels():
+    """A pattern giving other block sizes per length ran on the CPU (one call per group / sequence) and
+    failed only on a GPU, where one launch runs every layout."""
+    def pat(lq, lk):
+        return patterns.local(lq, 8, kv_len=lk, block_q=16 if lq < 30 else 32, block_k=16)
+    q, k, v = _qkv(50, 50)
+    with pytest.raises(LayoutError, match=r"every group's layout \(from pattern=\) must have the same block_q x "
+                                          r"block_k .*got 16x16 and 32x16"):
+        sparse_attn.grouped_attention(q, k, v, [Group(0, 20, 0, 20), Group(20, 50, 20, 50)], pattern=pat)
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    with pytest.raises(LayoutError, match=r"every sequence's layout \(from pattern=\) .*16x16 and 32x16"):
+        sparse_attn.varlen_attention(q, k, v, cu, cu, 30, 30, pattern=pat)
+
+
+def test_none_layout_only_for_an_empty_group():
+    """layouts=[..., None]: None is for groups with no queries or no keys. For a group that runs, the
+    CPU loop ran it dense while the kernels raised a bare TypeError."""
+    q, k, v = _qkv(40, 40)
+    lay = patterns.local(20, 4, kv_len=20, block_q=16, block_k=16)
+    _err(TypeError, r"layouts\[1\] is None but group 1 has 20 query and 40 key tokens", q, k, v,
+         [Group(0, 20, 0, 20), Group(20, 40, 0, 40)], layouts=[lay, None])
+    out = sparse_attn.grouped_attention(q, k, v, [Group(0, 20, 0, 20), Group(20, 40, 5, 5)], layouts=[lay, None])
+    assert torch.equal(out[20:], torch.zeros_like(out[20:]))

@@ -252,3 +252,17 @@ def test_kernel_path_layout_errors():
                                                                 patterns.dense(10, 15, block_q=32, block_k=16)])
     with pytest.raises(TypeError, match="one BlockLayout per group"):
         sparse_attn.grouped_attention(q, k, v, groups, layouts=patterns.dense(10, 30))
+
+
+@interpreted
+def test_kernel_path_lse_alone_backward_and_none_layouts():
+    """The kernel path's twins of two CPU-loop checks (no launch happens in either): an LSE from a call
+    where no group runs is in the graph, and None is refused for a group that runs."""
+    q, k, v = _qkv(5, 4, 2, 2)
+    out, lse = sparse_attn.grouped_attention(q, k, v, [Group(0, 5, 3, 3)], return_lse=True)
+    torch.where(torch.isfinite(lse), lse, 0.0).sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in (q, k, v))
+    q, k, v = _qkv(40, 40, 2, 2)
+    lay = patterns.local(20, 4, kv_len=20, block_q=16, block_k=16)
+    with pytest.raises(TypeError, match=r"layouts\[1\] is None but group 1 has 20 query and 40 key tokens"):
+        sparse_attn.grouped_attention(q, k, v, [Group(0, 20, 0, 20), Group(20, 40, 0, 40)], layouts=[lay, None])

@@ -614,6 +614,14 @@ def test_pattern_expression_rejects_unknown_options():
     assert build_pattern("local", 1000, window=100, density=None).num_blocks > 0
 
 
+@pytest.mark.parametrize("expr", ["local|", "|local", "local||random", "local & "])
+def test_pattern_expression_with_an_empty_name_says_so(expr):
+    """It reported "unknown pattern ''", which names no mistake the caller can see."""
+    from sparse_attn.patterns.expr import build_pattern
+    with pytest.raises(ValueError, match="has an empty name"):
+        build_pattern(expr, 1000)
+
+
 def test_expand_refuses_a_batch_it_does_not_broadcast():
     """expand() materialises only dims of size 1: a batch-2 layout cannot become batch 3 (nor heads 2 -> 3)."""
     lay = patterns.random(64, density=0.5, batch=2, heads=2, block_q=16, block_k=16)

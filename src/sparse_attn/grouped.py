@@ -63,6 +63,8 @@ def groups_from_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tenso
             got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
             raise ValueError(f"{name} must be a 1-D int32 tensor [num_groups + 1] (at least 2 entries), got {got}")
         v = cu.tolist()
+        if v[0] != 0:  # as varlen_attention's offsets; a negative start was reported later, as groups[0]'s
+            raise ValueError(f"{name} must start at 0, got {name}[0]={v[0]}")
         for i in range(len(v) - 1):
             if v[i + 1] < v[i]:
                 raise ValueError(f"{name} must be non-decreasing: {name}[{i}]={v[i]} > {name}[{i + 1}]={v[i + 1]}")
@@ -116,39 +118,53 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     result as :func:`grouped_attention`). Outputs are assembled out of place (``torch.cat``), so
     autograd reaches q, k and v, and gradients of overlapping K/V slices add up."""
     from .api import attention
-    from .varlen import check_unit_layout
     check_packed_qkv(q, k, v, "grouped_attention")
     scale, causal = check_scale(scale), check_causal(causal)
     check_flags(return_lse=return_lse)
     tq, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
     groups = check_groups(groups, tq, k.shape[0])
     _check_layout_args(layouts, pattern, groups, q.shape[1])
-    shapes: dict = {}  # (q_len, kv_len) -> layout, one pattern call per distinct shape
+    run = [i for i, g in enumerate(groups) if g.q_len > 0 and g.k_len > 0]
+    per_group = _loop_layouts(groups, run, layouts, pattern, hq)
     pieces: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (q_start, out [L, Hq, Dv], lse [Hq, L])
-    for i, g in enumerate(groups):
-        if g.q_len == 0:
-            continue
-        if g.k_len == 0:  # nothing to see: zeros that keep q/k/v in the graph (zero grads)
+    for g in groups:
+        if g.q_len > 0 and g.k_len == 0:  # nothing to see: zeros that keep q/k/v in the graph (zero grads)
             pieces.append((g.q_start, q.new_zeros(g.q_len, hq, dv) + graph_anchor(q, k, v, q.dtype),
                            torch.full((hq, g.q_len), float("-inf"), device=q.device)))
-            continue
-        layout = None if layouts is None else layouts[i]
-        if pattern is not None:
-            key = (g.q_len, g.k_len)
-            if key not in shapes:
-                shapes[key] = pattern(g.q_len, g.k_len)
-            layout = shapes[key]
-        if layout is not None:  # the kernel path's checks and messages (group i, its own lengths)
-            check_unit_layout(layout, g.q_len, g.k_len, hq, "group", i)
+    for i in run:
+        g = groups[i]
         qs = q[g.q_start:g.q_end].transpose(0, 1)[None]
         ks = k[g.k_start:g.k_end].transpose(0, 1)[None]
         vs = v[g.k_start:g.k_end].transpose(0, 1)[None]
-        o, lse = attention(qs, ks, vs, layout, causal=causal, scale=scale, return_lse=True)
+        o, lse = attention(qs, ks, vs, per_group.get(i), causal=causal, scale=scale, return_lse=True)
         pieces.append((g.q_start, o[0].transpose(0, 1), lse[0].float()))
     out, lse = _assemble(pieces, q, tq, hq, dv)
     if not pieces:  # no group has queries: all zeros, still in the graph (as the kernel path's)
         out = out + graph_anchor(q, k, v, q.dtype)
+    if not run:  # no attention ran: a loss on the LSE alone must still backward()
+        lse = lse + graph_anchor(q, k, v, lse.dtype)
     return (out, lse) if return_lse else out
+
+
+def _loop_layouts(groups, run, layouts, pattern, heads) -> dict:
+    """The layouts of the groups that run (group index -> layout; empty for dense), all built and
+    checked before any group is computed: a bad one for the last group used to surface only after
+    the others had run, and mixed block sizes, which the kernels refuse, passed. The pattern is called
+    once per distinct group shape."""
+    if layouts is None and pattern is None:
+        return {}
+    from .varlen import build_layouts
+    if pattern is not None:
+        shapes: dict = {}  # (q_len, kv_len) -> layout
+
+        def once_per_shape(lq, lk):
+            if (lq, lk) not in shapes:
+                shapes[lq, lk] = pattern(lq, lk)
+            return shapes[lq, lk]
+    built = build_layouts([groups[i].q_len for i in run], [groups[i].k_len for i in run],
+                          None if layouts is None else [layouts[i] for i in run],
+                          None if pattern is None else once_per_shape, False, heads=heads, unit="group", names=run)
+    return dict(zip(run, built))
 
 
 def _assemble(pieces, q, tq, hq, dv):
@@ -173,7 +189,12 @@ def _check_layout_args(layouts, pattern, groups: Sequence[Group], heads: int) ->
     from .varlen import check_layout_args, check_unit_layout
     check_layout_args(layouts, pattern, len(groups), "group")
     for i, g in enumerate(groups):
-        if layouts is not None and layouts[i] is not None and (g.q_len == 0 or g.k_len == 0):
+        if layouts is None:
+            break
+        if layouts[i] is None and g.q_len > 0 and g.k_len > 0:  # the CPU loop ran it dense, the kernels refused
+            raise TypeError(f"layouts[{i}] is None but group {i} has {g.q_len} query and {g.k_len} key tokens: None "
+                            "is only for an empty group; give its layout (patterns.dense(q_len, k_len) for every key)")
+        if layouts[i] is not None and (g.q_len == 0 or g.k_len == 0):
             check_unit_layout(layouts[i], g.q_len, g.k_len, heads, "group", i)
 
 
@@ -261,7 +282,8 @@ def _kernel_path(q, k, v, groups, causal, scale, return_lse, layouts, pattern):
                         heads=q.shape[1], device=q.device)
     if plan.stacked is None:  # no group has both queries and keys: zeros that keep q/k/v in the graph
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + graph_anchor(q, k, v, q.dtype)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device) + graph_anchor(q, k, v,
+                                                                                                  torch.float32)
         return (out, lse) if return_lse else out
     return grouped_attention_op(q, k, v, plan.stacked, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, plan.kv_lens,
                                 cu_dk=plan.cu_dk, dk_rows=plan.dk_rows, free_rows=plan.free_rows, scale=scale,

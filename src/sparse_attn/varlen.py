@@ -27,8 +27,8 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
     if len(vals) < 2:
         raise ValueError(f"{name} must hold num_seqs + 1 >= 2 offsets (start 0, end {total}), got {vals}")
     if vals[0] != 0 or vals[-1] != total:
-        raise ValueError(f"{name} must start at 0 and end at the number of packed tokens ({total}), got "
-                         f"{vals[:3]}...{vals[-2:]}")
+        shown = vals if len(vals) <= 6 else f"{vals[:3]}...{vals[-2:]}"
+        raise ValueError(f"{name} must start at 0 and end at the number of packed tokens ({total}), got {shown}")
     lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
     if min(lens) < 0:
         i = min(range(len(lens)), key=lens.__getitem__)
@@ -59,11 +59,17 @@ def check_layout_args(layouts, pattern, n: int, unit: str = "sequence") -> None:
         if len(layouts) != n:
             raise LayoutError(f"got {len(layouts)} layouts for {n} {unit}s: give one per {unit}"
                               + (" (None for an empty group)" if unit == "group" else ""))
-        blocks = sorted({(lay.block_q, lay.block_k) for lay in layouts if isinstance(lay, BlockLayout)})
-        if len(blocks) > 1:  # the CPU path ran them one by one and accepted this; the kernels cannot
-            raise LayoutError(f"every {unit}'s layout must have the same block_q x block_k (one launch runs them "
-                              f"all), got {' and '.join(f'{q}x{k}' for q, k in blocks)}: build them with the same "
-                              "block_q=, block_k=")
+        check_same_blocks(layouts, unit)
+
+
+def check_same_blocks(layouts, unit: str, source: str = "layout") -> None:
+    """Every BlockLayout among ``layouts`` has the same block_q x block_k. The CPU path runs them one by
+    one and would accept mixed sizes; the kernels cannot, so code tried on the CPU would fail on a GPU."""
+    blocks = sorted({(lay.block_q, lay.block_k) for lay in layouts if isinstance(lay, BlockLayout)})
+    if len(blocks) > 1:
+        raise LayoutError(f"every {unit}'s {source} must have the same block_q x block_k (one launch runs them "
+                          f"all), got {' and '.join(f'{q}x{k}' for q, k in blocks)}: build them with the same "
+                          "block_q=, block_k=")
 
 
 def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequence[BlockLayout] | None,
@@ -74,6 +80,7 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
     ``heads`` (the query heads) is checked against each layout's heads (1 or heads). ``unit`` and
     ``names`` (each entry's index as the caller numbers them) are for the error messages."""
     check_layout_args(layouts, pattern, len(q_lens), unit)
+    source = "layout (from pattern=)" if pattern is not None else "layout"
     if layouts is None:
         if pattern is None:
             builder = patterns.causal if causal else patterns.dense
@@ -82,6 +89,7 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
         layouts = [pattern(lq, lk) for lq, lk in zip(q_lens, k_lens)]
     names = range(len(q_lens)) if names is None else names
     checked = [check_unit_layout(lay, lq, lk, heads, unit, i) for lay, lq, lk, i in zip(layouts, q_lens, k_lens, names)]
+    check_same_blocks(checked, unit, source)
     return [patterns.causal_cut(lay) if causal else lay for lay in checked]
 
 
@@ -107,9 +115,8 @@ def check_unit_layout(lay, lq: int, lk: int, heads: int | None, unit: str, i: in
 def stack(layouts: Sequence[BlockLayout], max_q: int, max_k: int, heads: int) -> BlockLayout:
     """Per-sequence layouts as one layout with batch = number of sequences (rows past a sequence's
     own length are empty). Masks keep their meaning: the kernels align them per sequence."""
+    check_same_blocks(layouts, "sequence")
     bq, bk = layouts[0].block_q, layouts[0].block_k
-    if any((lay.block_q, lay.block_k) != (bq, bk) for lay in layouts):
-        raise LayoutError("all per-sequence layouts must share block_q and block_k")
     hl = max(lay.heads for lay in layouts)
     if any(lay.heads not in (1, hl) for lay in layouts) or hl not in (1, heads):
         raise LayoutError(f"per-sequence layouts must have 1 or {heads} heads")

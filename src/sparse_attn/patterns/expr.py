@@ -19,6 +19,9 @@ def build_pattern(expr: str, seq_len: int, **options):
     ``random`` with neither ``density`` nor ``top_k`` uses ``density=0.2``.
     """
     tokens = re.split(r"\s*([|&])\s*", expr.strip())
+    if "" in tokens[::2]:  # "local|", "|local", "local||random"
+        raise ValueError(f"pattern expression {expr!r} has an empty name: builder names joined by | or &, "
+                         "e.g. 'local|random'")
     unknown = sorted(k for k, v in options.items() if v is not None and k not in option_names())
     if unknown:  # a typo would otherwise fall back to a default silently
         raise ValueError(f"unknown pattern option(s) {unknown}; the builders take {', '.join(option_names())}")
