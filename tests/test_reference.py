@@ -21,8 +21,8 @@ import sparse_attn
 from sparse_attn import reference
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
-from sparse_attn.testing import (ZERO_LENGTH_CASES, assert_close_to_oracle, causal_token_mask, check_zero_length_case,
-                                 naive_masked_attention, oracle_attention, random_qkv)
+from sparse_attn.testing import (ZERO_LENGTH_CASES, assert_close_to_oracle, causal_token_mask, check_non_finite_spread,
+                                 check_zero_length_case, naive_masked_attention, oracle_attention, random_qkv)
 from sparse_attn import patterns
 
 F64 = torch.float64
@@ -502,3 +502,11 @@ def test_self_only_window_survives_intersection_with_causal():
     q, k, v = (torch.randn(1, 2, L, 16, dtype=torch.float64) for _ in range(3))
     out = sparse_attn.attention(q, k, v, lay, causal=True)
     torch.testing.assert_close(out, v, rtol=0, atol=1e-12)
+
+
+def test_a_nan_in_k_reaches_only_the_rows_that_see_it_one_in_v_its_visiting_blocks():
+    """The README's non-finite rule on the reference: a masked score is set to -inf, so a NaN key stays
+    in the rows that may see it; a NaN value meets the masked rows' zero probabilities (0 * NaN)."""
+    lay = patterns.local(200, 20, block_q=32, block_k=32)
+    q, k, v = random_qkv(1, 2, 2, 200, 200, 8, torch.float32, "cpu", seed=40)
+    check_non_finite_spread(lambda q, k, v: reference.attention(q, k, v, lay), lay, q, k, v, key=70)

@@ -182,6 +182,10 @@ def test_bidirectional_encoder_and_cross_attention_follow_the_modules():
         torch.testing.assert_close(bert(x).last_hidden_state, ref_bert, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(bart(input_ids=x, decoder_input_ids=y, use_cache=False).logits, ref_bart,
                                    atol=1e-5, rtol=1e-5)
+        # a dense bidirectional layer skips nothing of its own baseline (in 16-blocks it read -0.5 against causal)
+        bert_cfg = enable(bert, SparseAttnConfig(pattern_kwargs={"block_q": 16, "block_k": 16}))
+        bert(x)
+        assert len(bert_cfg.causal_sparsity) == 2 and set(bert_cfg.causal_sparsity.values()) == {0.0}
         enable(bert, SparseAttnConfig(causal=True))  # forcing causal on an encoder is the caller's choice
         assert not torch.allclose(bert(x).last_hidden_state, ref_bert, atol=1e-3)
 

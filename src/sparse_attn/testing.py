@@ -24,7 +24,7 @@ from .reference import attention as reference_attention
 __all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
            "assert_close_or_delta_rounding", "assert_layout_grads_close_to_oracle", "flash_delta_grads", "split_and_fused_grads",
            "grads_per_launch_setting", "launch_import_stderr", "QUANT_L1_BOUND", "default_atol_floor", "random_qkv",
-           "random_packed_qkv", "ZERO_LENGTH_CASES", "check_zero_length_case",
+           "random_packed_qkv", "ZERO_LENGTH_CASES", "check_zero_length_case", "check_non_finite_spread",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
 
@@ -286,6 +286,27 @@ def split_and_fused_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
 
 
 # ----------------------------------------------------------------------------- inputs
+def check_non_finite_spread(run, layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> None:
+    """The README's rule for a NaN in K or V at key ``key`` (batch 0, head 0 of ``[B, H, L, D]``
+    inputs; ``run(q, k, v) -> out`` attends ``layout``, no causal): in K it reaches exactly the rows that
+    may see that key (masked scores are set to -inf); in V it reaches those rows and may reach the other
+    rows of the query blocks that visit its key block (0 * NaN), never a row outside them."""
+    may_see = layout.to_token_mask()[0, 0][:, key].nonzero().flatten().tolist()
+    assert may_see, "pick a key some row sees"
+    visiting = layout.to_block_mask()[0, 0][:, key // layout.block_k].nonzero().flatten().tolist()
+    block_rows = {r for qb in visiting for r in range(qb * layout.block_q, min((qb + 1) * layout.block_q,
+                                                                               layout.q_len))}
+    for name in ("k", "v"):
+        kk, vv = k.clone(), v.clone()
+        (kk if name == "k" else vv)[0, 0, key] = float("nan")
+        rows = run(q, kk, vv)[0, 0].isnan().any(-1).nonzero().flatten().tolist()
+        if name == "k":
+            assert rows == may_see, f"NaN in K reached rows {rows}; the rows that may see key {key}: {may_see}"
+        else:
+            assert set(may_see) <= set(rows) <= block_rows, \
+                f"NaN in V reached rows {rows}: must cover {may_see}, stay within the visiting blocks' rows"
+
+
 def random_qkv(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, dtype=torch.float32, device="cpu",
                scale: float = 1.0, seed: int | None = None, *, Dv: int | None = None,
                requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 import sparse_attn
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, causal_term, document_term, sink_term, window_term
-from sparse_attn.testing import ZERO_LENGTH_CASES, check_zero_length_case
+from sparse_attn.testing import ZERO_LENGTH_CASES, check_non_finite_spread, check_zero_length_case
 
 pytestmark = pytest.mark.gpu
 FACTOR = 2.0
@@ -418,3 +418,11 @@ def test_varlen_from_a_fused_packed_qkv():
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     out.float().square().sum().backward()
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all() and qkv.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_nan_in_k_reaches_only_the_rows_that_see_it_one_in_v_its_visiting_blocks(dtype):
+    """The README's non-finite rule on the compiled kernels (128-row query blocks, 64-key blocks)."""
+    layout = sparse_attn.patterns.local(1000, 150, block_q=128, block_k=64).to("cuda")
+    q, k, v = (_rand((1, 2, 1000, 64), dtype) for _ in range(3))
+    check_non_finite_spread(lambda q, k, v: sparse_attn.attention(q, k, v, layout), layout, q, k, v, key=500)

@@ -54,7 +54,8 @@ class LayerStats:
     q_len: int
     kv_len: int
     sparsity: float          # layout.sparsity: skipped fraction of the whole block grid (whole blocks)
-    causal_sparsity: float   # skipped fraction of the blocks causal-dense attention visits
+    causal_sparsity: float   # skipped fraction of the blocks the dense attention it replaces visits: causal-dense
+    #                          for a causal call, every block for a bidirectional one (then equal to sparsity)
     blocks: int              # blocks visited, summed over the layout's (batch, head) row sets
 
 
@@ -129,17 +130,22 @@ class SparseAttnConfig:
         lq, lk = q.shape[2], k.shape[2]
         if spec.is_adaptive:
             layout = adaptive_layout(spec, q, k, causal, scale)
-            return self._with_stats(spec, _window_cut(layout, sliding_window))
+            return self._with_stats(spec, _window_cut(layout, sliding_window), causal)
         key = (spec.key(), lq, lk, str(q.device), sliding_window, causal)
         return self._cache.get(key, lambda: self._with_stats(
-            spec, _window_cut(spec.layout(lq, lk, q.device, causal), sliding_window)))
+            spec, _window_cut(spec.layout(lq, lk, q.device, causal), sliding_window), causal))
 
     @staticmethod
-    def _with_stats(spec: PatternSpec, layout):
-        causal_total = causal_blocks(layout)
+    def _with_stats(spec: PatternSpec, layout, causal: bool):
+        """The layout and its LayerStats. A bidirectional call's baseline is every block: measured against
+        causal-dense, a bidirectional BERT layer came out -0.333 "sparse"."""
         visited = layout.num_blocks
-        stats = LayerStats(spec.describe(), layout.q_len, layout.kv_len, float(layout.sparsity),
-                           1.0 - visited / causal_total if causal_total else 0.0, visited)
+        if causal:
+            baseline = causal_blocks(layout)
+            vs_baseline = 1.0 - visited / baseline if baseline else 0.0
+        else:
+            vs_baseline = float(layout.sparsity)
+        stats = LayerStats(spec.describe(), layout.q_len, layout.kv_len, float(layout.sparsity), vs_baseline, visited)
         return layout, stats
 
     # ------------------------------------------------------------------ reporting
@@ -150,7 +156,8 @@ class SparseAttnConfig:
 
     @property
     def causal_sparsity(self) -> dict[int, float]:
-        """``{layer_idx: fraction of the causal blocks skipped}`` of each layer's last call."""
+        """``{layer_idx: fraction of the causal blocks skipped}`` of each layer's last call (for a
+        bidirectional call, of every block: then equal to :attr:`sparsity`)."""
         return {i: s.causal_sparsity for i, s in sorted(self.stats.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))}
 
     def reset_stats(self) -> None:

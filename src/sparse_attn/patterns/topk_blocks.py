@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..layout import BlockLayout, LayoutError
-from ._common import check_int, grid, lengths, layout_from_entries, row_positions
+from ._common import check_fraction, check_int, grid, lengths, layout_from_entries, row_positions
 
 
 def topk(scores: torch.Tensor, *, k: int | None = None, ratio: float | None = None, seq_len: int,
@@ -39,9 +39,9 @@ def topk(scores: torch.Tensor, *, k: int | None = None, ratio: float | None = No
         raise ValueError(f"pass exactly one of k= and ratio=, got k={k}, ratio={ratio}")
     if k is not None:
         check_int("k", k, 1)
-    elif not 0.0 < float(ratio) <= 1.0:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
-    k_keep = min(k if k is not None else math.ceil(float(ratio) * nk - 1e-9), nk)
+    else:
+        ratio = check_fraction("ratio", ratio)  # ratio=True kept every block, "0.5" passed as a string
+    k_keep = min(k if k is not None else math.ceil(ratio * nk - 1e-9), nk)
     B, H = scores.shape[:2]
     work = torch.float64 if scores.dtype == torch.float64 else torch.float32
     finfo = torch.finfo(work)
