@@ -342,18 +342,21 @@ def test_autograd_saves_inputs_and_lse_only():
 def test_causal_training_peak_memory_is_linear():
     """Forward and backward of an 8K causal attention (2 heads, D=16, fp32) in a fresh process: peak RSS
     grew by 613 MiB when autograd recorded the chunk loop, 99 MiB with the recomputing backward."""
-    code = (
-        "import resource, torch\n"
-        "torch.set_num_threads(1)\n"
-        "from sparse_attn import reference\n"
-        "q, k, v = (torch.randn(1, 2, 8192, 16, requires_grad=True) for _ in range(3))\n"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+    grown_mib = _peak_rss_growth_mib(
+        "q, k, v = (torch.randn(1, 2, 8192, 16, requires_grad=True) for _ in range(3))",
         "reference.attention(q, k, v, causal=True).square().sum().backward()\n"
-        "assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)\n")
-    grown_mib = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                   timeout=300).stdout.split()[-1])
+        "assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))")
     assert grown_mib < 300, f"peak RSS grew by {grown_mib} MiB"
+
+
+def _peak_rss_growth_mib(setup: str, call: str) -> int:
+    """How far ``call`` raised the peak RSS (MiB) of a fresh one-thread process, after ``setup`` (both
+    Python source; torch and sparse_attn.reference imported)."""
+    code = ("import resource, torch\ntorch.set_num_threads(1)\nfrom sparse_attn import reference\n" + setup
+            + "\nbase = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n" + call
+            + "\nprint((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)\n")
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              timeout=300).stdout.split()[-1])
 
 
 @pytest.mark.parametrize("case", ["empty-layout", "no-keys"])
@@ -473,17 +476,8 @@ def test_causal_forward_peak_memory_stays_near_its_live_tensors():
     """A 16K causal forward (4 heads, D=16) holds about 0.2 GiB of temporaries at a time, but walking the
     query chunks first to last grew the process by 1.8 GiB: each chunk's larger temporaries could not
     reuse the freed blocks of the last (reference.row_chunks). Run in a fresh process, peak RSS growth."""
-    code = (
-        "import resource, torch\n"
-        "torch.set_num_threads(1)\n"
-        "from sparse_attn import reference\n"
-        "q, k, v = (torch.randn(1, 4, 16384, 16) for _ in range(3))\n"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "with torch.no_grad():\n"
-        "    reference.attention(q, k, v, causal=True)\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)\n")
-    grown_mib = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                   timeout=300).stdout.split()[-1])
+    grown_mib = _peak_rss_growth_mib("q, k, v = (torch.randn(1, 4, 16384, 16) for _ in range(3))",
+                                     "with torch.no_grad():\n    reference.attention(q, k, v, causal=True)")
     assert grown_mib < 600, f"peak RSS grew by {grown_mib} MiB"
 
 
