@@ -285,7 +285,6 @@ def split_and_fused_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     return tuple(grads_per_launch_setting(q, k, v, layout, do, "BWD_VARIANT", ("split", "split", "fused")))
 
 
-# ----------------------------------------------------------------------------- inputs
 def check_non_finite_spread(run, layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> None:
     """The README's rule for a NaN in K or V at key ``key`` (batch 0, head 0 of ``[B, H, L, D]``
     inputs; ``run(q, k, v) -> out`` attends ``layout``, no causal): in K it reaches exactly the rows that
@@ -307,6 +306,7 @@ def check_non_finite_spread(run, layout, q: torch.Tensor, k: torch.Tensor, v: to
                 f"NaN in V reached rows {rows}: must cover {may_see}, stay within the visiting blocks' rows"
 
 
+# ----------------------------------------------------------------------------- inputs
 def random_qkv(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, dtype=torch.float32, device="cpu",
                scale: float = 1.0, seed: int | None = None, *, Dv: int | None = None,
                requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
