@@ -36,6 +36,7 @@ def test_layout_from_keep_matches_coordinate_path_and_schedule(grid, causal):
         rows = (d >= 0) & (d < nk)
         keep[..., qb[rows], d[rows]] = True
     layout = layout_from_keep(keep, q_len=Lq, kv_len=Lk, block_q=bq, block_k=bk, causal=causal, schedule=True)
+    packed = layout._derived[schedule_key(None)]
     layout.validate()
     assert layout._validated and layout.max_k == nk
     ref = BlockLayout.from_block_mask(keep, block_q=bq, block_k=bk, q_len=Lq, kv_len=Lk)
@@ -46,6 +47,7 @@ def test_layout_from_keep_matches_coordinate_path_and_schedule(grid, causal):
     assert torch.equal(layout.to_token_mask(), ref.to_token_mask())
     assert len(layout.masks) == len(ref.masks)
     seeded = schedule(layout)
+    assert seeded is packed  # still the seeded one: the layout did not change, so no cache was dropped
     built = _build(layout, None, True)
     assert torch.equal(seeded.indices, built.indices) and torch.equal(seeded.mask_ids, built.mask_ids)
     assert torch.equal(seeded.n_full, built.n_full)

@@ -211,6 +211,26 @@ def test_bidirectional_encoder_and_cross_attention_follow_the_modules():
         assert not torch.allclose(bert(x).last_hidden_state, ref_bert, atol=1e-3)
 
 
+def test_config_options_cannot_change_after_it_is_made():
+    """pattern / pattern_kwargs / per_layer were read once at construction: later edits ran the old
+    pattern silently. They now raise, and the config still deep-copies and pickles (models are)."""
+    import copy
+    import pickle
+    cfg = SparseAttnConfig("local", {"window": 8, **BLOCK}, per_layer={0: "dense"})
+    with pytest.raises(AttributeError, match="build a new SparseAttnConfig"):
+        cfg.pattern = "dense"
+    with pytest.raises(TypeError, match="build a new SparseAttnConfig"):
+        cfg.pattern_kwargs["window"] = 64
+    with pytest.raises(TypeError, match="build a new SparseAttnConfig"):
+        cfg.per_layer.update({1: "dense"})
+    cfg.layers = [0]  # read on every call: still settable
+    for twin in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert twin.pattern_kwargs == {"window": 8, **BLOCK} and twin.spec_for(0).describe() == "dense"
+    model = tiny_llama(layers=1)
+    enable(model, cfg)
+    copy.deepcopy(model)
+
+
 def test_output_attentions_warns():
     sat._WARNED.clear()
     model = tiny_llama(layers=1)

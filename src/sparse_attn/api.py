@@ -8,7 +8,7 @@ import operator
 import torch
 
 from . import patterns, reference
-from .layout import BlockLayout
+from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
 from .plan_cache import PlanCache
 from .validation import check_causal, check_flags, check_layout, check_packed_qkv, check_qkv, check_scale
@@ -29,9 +29,10 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
     if not causal:
         return layout
     key = ("causal", torch.device(device))
-    if key not in layout._derived:
-        layout._derived[key] = causal_cut(layout)
-    return layout._derived[key]
+    caches = layout._caches()
+    if key not in caches:
+        caches[key] = causal_cut(layout)
+    return caches[key]
 
 
 @functools.lru_cache(maxsize=32)
@@ -210,7 +211,7 @@ def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, 
     identity, and the entry keeps them alive so an id cannot be reused while it is cached."""
     from . import varlen
     key = (tuple(q_lens), tuple(k_lens), causal, heads, max_q, max_k, str(device), id(pattern),
-           None if layouts is None else tuple(id(lay) for lay in layouts))
+           None if layouts is None else tuple(layout_key(lay) for lay in layouts))
 
     def build():
         per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal, heads=heads)

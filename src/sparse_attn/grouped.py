@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .layout import BlockLayout
+from .layout import BlockLayout, layout_key
 from .plan_cache import PlanCache
 from .reference import graph_anchor
 from .validation import check_causal, check_flags, check_packed_qkv, check_scale
@@ -231,7 +231,7 @@ def grouped_plan(groups: Sequence[Group], tq: int, tk: int, *, layouts=None, pat
     be reused while it is cached."""
     device = torch.device(device)
     key = (tuple(dataclasses.astuple(g) for g in groups), tq, tk, causal, heads, str(device), id(pattern),
-           None if layouts is None else tuple(id(lay) for lay in layouts))
+           None if layouts is None else tuple(layout_key(lay) for lay in layouts))
     return _PLANS.get(key, lambda: _build_plan(list(groups), tq, tk, layouts, pattern, causal, heads, device))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -88,14 +88,18 @@ class BlockLayout:
     kv_indices: torch.Tensor
     kv_mask_ids: torch.Tensor
     masks: tuple[ElementMask, ...] = ()
-    _transpose: "BlockLayout | None" = field(default=None, repr=False)
-    _table: tuple | None = field(default=None, repr=False)
-    _validated: bool = field(default=False, repr=False)  # set by the API after validate() passed
-    _device_copy: "BlockLayout | None" = field(default=None, repr=False)  # cached .to(q.device)
-    _derived: dict = field(default_factory=dict, repr=False)  # cached layouts derived from this one
     # True for the result of transpose(): the backward's view, whose masks stay in the (query, key)
     # frame of the layout it came from, so it has no token-level meaning of its own
     _is_transpose: bool = field(default=False, repr=False)
+    # Caches of state derived from the fields above (not constructor arguments, so dataclasses.replace
+    # and copy.copy start a copy without them). They belong to the fields as they were when filled
+    # (_state); a layout changed since, in place or by assigning a field, drops them on its next use.
+    _transpose: "BlockLayout | None" = field(default=None, init=False, repr=False)
+    _table: tuple | None = field(default=None, init=False, repr=False)
+    _validated: bool = field(default=False, init=False, repr=False)  # set by the API after validate() passed
+    _device_copy: "BlockLayout | None" = field(default=None, init=False, repr=False)  # cached .to(q.device)
+    _derived: dict = field(default_factory=dict, init=False, repr=False)  # schedules, causal cut, ...
+    _state: tuple = field(default=(), init=False, repr=False)
 
     def __post_init__(self):
         # numpy / torch integer scalars become plain ints: these reach kernel arguments and cache keys
@@ -103,6 +107,46 @@ class BlockLayout:
             v = as_int(getattr(self, name))
             if v is not None:
                 setattr(self, name, v)
+        self._state = self._fingerprint()
+
+    def __copy__(self) -> "BlockLayout":
+        return replace(self)  # the same fields, none of the caches
+
+    def _fingerprint(self) -> tuple:
+        """What the caches depend on, read without a device sync: each tensor's identity and version
+        counter (bumped by every in-place write; tensors made under torch.inference_mode have none, so
+        their in-place edits go unseen), the masks' identity and the four sizes."""
+        def version(t):
+            return -1 if not isinstance(t, torch.Tensor) or t.is_inference() else t._version
+        tensors = (self.kv_counts, self.kv_indices, self.kv_mask_ids)
+        return (tuple((id(t), version(t)) for t in tensors), id(self.masks), self.block_q, self.block_k,
+                self.q_len, self.kv_len)
+
+    def _drop_stale_caches(self) -> None:
+        """Forget every cache (and the validation) if the layout changed since they were filled: a
+        layout edited after a first call ran its old schedule and mask table (wrong results), and one
+        made invalid kept its validation (reads out of bounds on a GPU). Not while torch.compile
+        traces: a prepared layout's caches must then be used as they are."""
+        if torch.compiler.is_compiling():
+            return
+        state = self._fingerprint()
+        if state != self._state:
+            self._state = state
+            self._transpose = self._table = self._device_copy = None
+            self._validated = False
+            self._derived = {}
+
+    def _ensure_valid(self) -> None:
+        """:meth:`validate` once per state of the layout (builders' layouts are valid by construction)."""
+        self._drop_stale_caches()
+        if not self._validated:
+            self.validate()
+            self._validated = True
+
+    def _caches(self) -> dict:
+        """The derived-state cache (schedules, causal cut), current with the layout's fields."""
+        self._drop_stale_caches()
+        return self._derived
 
     # ------------------------------------------------------------------ shape facts
     @property
@@ -165,6 +209,7 @@ class BlockLayout:
 
     def mask_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(terms int32 [n_masks, n_terms, 7], term counts int32 [n_masks]) on the layout's device."""
+        self._drop_stale_caches()
         if self._table is None or self._table[0].device != self.device:
             self._table = mask_table(self.masks, self.device)
         return self._table
@@ -417,6 +462,7 @@ class BlockLayout:
                             f"{type(other).__name__}")
         for lay in (self, other):
             lay.check_token_frame("| and &")
+            lay._ensure_valid()  # a bad hand-built operand came out rearranged and marked valid
         batch, heads = self._check_compatible(other, "union" if union else "intersect")
         a, b = self._to_coo(batch, heads), other._to_coo(batch, heads)
         nq, nk = self.num_q_blocks, max(self.num_kv_blocks, 1)
@@ -477,6 +523,7 @@ class BlockLayout:
         view: token-level uses (attention, ``|``/``&``, :meth:`to_token_mask`, ``to_flex``,
         ``causal_cut``) refuse it, and its :meth:`transpose` is this layout again.
         """
+        self._ensure_valid()
         if self._transpose is None:
             coo = self._to_coo()
             t = BlockLayout._from_coo(_Coo(coo.b, coo.h, coo.kb, coo.qb, coo.mask_id), batch=self.batch,
@@ -490,6 +537,7 @@ class BlockLayout:
     def to(self, device) -> "BlockLayout":
         if torch.device(device) == self.device:
             return self
+        self._drop_stale_caches()  # the copy inherits the validation: only if it is current
         moved = BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len, self.kv_counts.to(device),
                             self.kv_indices.to(device), self.kv_mask_ids.to(device), self.masks)
         moved._validated = self._validated
@@ -501,6 +549,7 @@ class BlockLayout:
         if self.batch not in (1, batch) or self.heads not in (1, heads):
             raise LayoutError(f"a layout with batch {self.batch}, heads {self.heads} expands only where it has 1: "
                               f"got expand({batch}, {heads})")
+        self._drop_stale_caches()
         expanded = BlockLayout(self.block_q, self.block_k, self.q_len, self.kv_len,
                                self.kv_counts.expand(batch, heads, -1).contiguous(),
                                self.kv_indices.expand(batch, heads, -1, -1).contiguous(),
@@ -579,3 +628,10 @@ class BlockLayout:
             raise LayoutError(f"kv_mask_ids[{b},{h},{q},{s}] = {int(self.kv_mask_ids[b, h, q, s])}: must be -1 "
                               f"(full) or a mask index in [0, {len(self.masks) - 1}]")
         return self
+
+
+def layout_key(layout) -> tuple | int:
+    """Identity and state of a layout (of anything else: its identity), for caches keyed on layouts
+    outside them (varlen and grouped plans): a layout changed in place gets a new key. The cache
+    must keep the layout alive, so that its id cannot be reused while the entry exists."""
+    return (id(layout),) + layout._fingerprint() if isinstance(layout, BlockLayout) else id(layout)

@@ -78,9 +78,7 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
     if layout.heads not in (1, Hq):
         raise LayoutError(f"layout has {layout.heads} heads; q has {Hq}: use 1 (broadcast)"
                           + ("" if Hq == 1 else f" or {Hq} (one per query head)"))
-    if not getattr(layout, "_validated", False):
-        layout.validate()
-        layout._validated = True
+    layout._ensure_valid()
     if layout.device != q.device:
         cached = getattr(layout, "_device_copy", None)
         if cached is None or cached.device != q.device:

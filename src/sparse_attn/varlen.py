@@ -106,9 +106,7 @@ def check_unit_layout(lay, lq: int, lk: int, heads: int | None, unit: str, i: in
                           "(one per query head)")
     if lay.batch != 1:
         raise LayoutError(f"layout {i} has batch {lay.batch}; per-{unit} layouts must have batch 1")
-    if not lay._validated:
-        lay.validate()
-        lay._validated = True
+    lay._ensure_valid()
     return lay
 
 

@@ -59,6 +59,20 @@ class LayerStats:
     blocks: int              # blocks visited, summed over the layout's (batch, head) row sets
 
 
+class _ReadOnlyDict(dict):
+    """A dict that refuses changes (a SparseAttnConfig's options are read when it is made) and still
+    copies, deep-copies and pickles, as a model holding the config may be."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("SparseAttnConfig options are read when the config is made; changing them later had no "
+                        "effect: build a new SparseAttnConfig and call enable(model, config) again")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return _ReadOnlyDict, (dict(self),)
+
+
 @dataclass
 class SparseAttnConfig:
     """Which pattern each layer runs.
@@ -79,7 +93,14 @@ class SparseAttnConfig:
 
     After a forward, :attr:`stats` holds each layer's :class:`LayerStats`, :attr:`sparsity` the
     ``{layer_idx: layout.sparsity}`` view of it.
+
+    ``pattern``, ``pattern_kwargs``, ``per_layer`` and ``cache_size`` are read once, here: changing them
+    later raises (build a new config and ``enable(model, config)`` again); ``pattern_kwargs`` and
+    ``per_layer`` become read-only dicts. A callable pattern's layouts are cached per shape, so it
+    must be a pure function of its arguments.
     """
+
+    _READ_AT_INIT = ("pattern", "pattern_kwargs", "per_layer", "cache_size")
 
     pattern: Any = "dense"
     pattern_kwargs: dict = field(default_factory=dict)
@@ -99,6 +120,16 @@ class SparseAttnConfig:
             pattern, kwargs = tuple(value) if isinstance(value, (tuple, list)) else (value, {})
             self._per_layer[int(idx)] = PatternSpec.make(pattern, kwargs)
         self._cache = LayoutCache(self.cache_size)
+        # edits after this point were ignored silently (the specs above are built from them)
+        object.__setattr__(self, "pattern_kwargs", _ReadOnlyDict(self.pattern_kwargs))
+        object.__setattr__(self, "per_layer", _ReadOnlyDict(self.per_layer))
+        object.__setattr__(self, "_initialised", True)
+
+    def __setattr__(self, name, value):
+        if name in self._READ_AT_INIT and getattr(self, "_initialised", False):
+            raise AttributeError(f"SparseAttnConfig.{name} is read when the config is made; changing it later had no "
+                                 "effect: build a new SparseAttnConfig and call enable(model, config) again")
+        object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ lookup
     def spec_for(self, layer_idx: int | None) -> PatternSpec:

@@ -56,7 +56,7 @@ def causal_cut(layout: BlockLayout) -> BlockLayout:
     with the layout's own lengths, blocks and device. What ``attention(..., causal=True)`` runs.
     A layout marked by :func:`mark_causal` is returned as it is."""
     layout.check_token_frame("causal_cut")
-    if layout._derived.get(_CUT):
+    if layout._caches().get(_CUT):
         return layout
     return mark_causal(layout & _causal_over(layout))
 
@@ -88,5 +88,5 @@ def mark_causal(layout: BlockLayout) -> BlockLayout:
     """Record that ``layout`` already equals its causal cut (a builder that cut it token-exactly
     itself, e.g. ``predict.meansim(causal=True)``), so :func:`causal_cut` skips the intersection.
     The mark lives on this object only (copies, ``to``, ``expand`` do not carry it). Returns the layout."""
-    layout._derived[_CUT] = True
+    layout._caches()[_CUT] = True
     return layout

@@ -58,11 +58,11 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     terms, _ = layout.mask_table()
     n_terms = terms.shape[1] if layout.masks else 0
     fwd = schedule(layout, kv_lens)
-    rows = (layout.kv_counts, fwd.n_full, fwd.full_start, fwd.indices, fwd.mask_ids, fwd.contiguous)
+    rows = (fwd.counts, fwd.n_full, fwd.full_start, fwd.indices, fwd.mask_ids, fwd.contiguous)
     if needs_grad:
         t = layout.transpose()
         ts = schedule(t, bound_tail=False)  # dK/dV: rows past the query end are zeroed by lse, not masks
-        trans = (t.kv_counts, ts.n_full, ts.indices, ts.mask_ids, ts.contiguous)
+        trans = (ts.counts, ts.n_full, ts.indices, ts.mask_ids, ts.contiguous)
     else:
         trans = (None, None, None, None, False)
     return rows + trans + (terms, n_terms)

@@ -16,6 +16,9 @@ from ...layout import BlockLayout
 
 @dataclass
 class Schedule:
+    counts: torch.Tensor      # int32 [Bl, Hl, Qb]: the layout's kv_counts, contiguous like n_full and full_start
+    #                           (the kernels read the three at one offset; a transposed or expanded kv_counts
+    #                           passed as it was made a row read another row's count, and K/V out of bounds)
     n_full: torch.Tensor      # int32 [Bl, Hl, Qb]: leading slots that need no mask
     full_start: torch.Tensor  # int32 [Bl, Hl, Qb]: first unmasked key block (meaningful when contiguous)
     indices: torch.Tensor     # int32 [Bl, Hl, Qb, max_k]: unmasked blocks ascending, then masked ascending
@@ -38,10 +41,11 @@ def schedule(layout: BlockLayout, kv_lens=None, *, bound_tail: bool = True) -> S
     bound_tail: a last key block cut by the sequence end needs the bound mask, so it goes last.
     """
     key = schedule_key(kv_lens, bound_tail)
-    if key not in layout._derived:
+    caches = layout._caches()
+    if key not in caches:
         lens = None if key[2] is None else torch.tensor(key[2], device=layout.device)
-        layout._derived[key] = _build(layout, lens, bound_tail)
-    return layout._derived[key]
+        caches[key] = _build(layout, lens, bound_tail)
+    return caches[key]
 
 
 def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool = False) -> Schedule:
@@ -58,8 +62,9 @@ def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool 
         first = torch.where(n_full > 0, layout.kv_indices[..., 0], 0).to(torch.int32).contiguous()
     else:
         first = torch.zeros_like(n_full)
-    sched = Schedule(n_full, first, layout.kv_indices.contiguous(), layout.kv_mask_ids.contiguous(), contiguous)
-    layout._derived[schedule_key(None)] = sched
+    sched = Schedule(layout.kv_counts.contiguous(), n_full, first, layout.kv_indices.contiguous(),
+                     layout.kv_mask_ids.contiguous(), contiguous)
+    layout._caches()[schedule_key(None)] = sched
     return sched
 
 
@@ -84,6 +89,6 @@ def _build(layout: BlockLayout, kv_lens, bound_tail: bool) -> Schedule:
         contiguous = bool(((n_full == 0) | (last_full - first + 1 == n_full)).all())
     else:
         contiguous = True
-    return Schedule(n_full.to(torch.int32).contiguous(), first.to(torch.int32).contiguous(),
-                    idx.gather(-1, order).to(torch.int32).contiguous(), mids.gather(-1, order).contiguous(),
-                    contiguous)
+    return Schedule(layout.kv_counts.contiguous(), n_full.to(torch.int32).contiguous(),
+                    first.to(torch.int32).contiguous(), idx.gather(-1, order).to(torch.int32).contiguous(),
+                    mids.gather(-1, order).contiguous(), contiguous)
