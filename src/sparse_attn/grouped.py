@@ -149,21 +149,13 @@ def grouped_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
 def _loop_layouts(groups, run, layouts, pattern, heads) -> dict:
     """The layouts of the groups that run (group index -> layout; empty for dense), all built and
     checked before any group is computed: a bad one for the last group used to surface only after
-    the others had run, and mixed block sizes, which the kernels refuse, passed. The pattern is called
-    once per distinct group shape."""
+    the others had run, and mixed block sizes, which the kernels refuse, passed."""
     if layouts is None and pattern is None:
         return {}
     from .varlen import build_layouts
-    if pattern is not None:
-        shapes: dict = {}  # (q_len, kv_len) -> layout
-
-        def once_per_shape(lq, lk):
-            if (lq, lk) not in shapes:
-                shapes[lq, lk] = pattern(lq, lk)
-            return shapes[lq, lk]
     built = build_layouts([groups[i].q_len for i in run], [groups[i].k_len for i in run],
-                          None if layouts is None else [layouts[i] for i in run],
-                          None if pattern is None else once_per_shape, False, heads=heads, unit="group", names=run)
+                          None if layouts is None else [layouts[i] for i in run], pattern, False, heads=heads,
+                          unit="group", names=run)
     return dict(zip(run, built))
 
 

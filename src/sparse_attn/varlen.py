@@ -76,8 +76,8 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
                   pattern: PatternFn | None, causal: bool, block: int = 128, *,
                   heads: int | None = None, unit: str = "sequence", names: Sequence[int] | None = None
                   ) -> list[BlockLayout]:
-    """One layout per sequence: given, produced by ``pattern(q_len, kv_len)``, or dense/causal.
-    ``heads`` (the query heads) is checked against each layout's heads (1 or heads). ``unit`` and
+    """One layout per sequence: given, produced by ``pattern(q_len, kv_len)`` (once per distinct
+    shape: it must be a pure function of them), or dense/causal. ``heads`` (the query heads) is checked against each layout's heads (1 or heads). ``unit`` and
     ``names`` (each entry's index as the caller numbers them) are for the error messages."""
     check_layout_args(layouts, pattern, len(q_lens), unit)
     source = "layout (from pattern=)" if pattern is not None else "layout"
@@ -86,7 +86,11 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
             builder = patterns.causal if causal else patterns.dense
             pattern = lambda lq, lk: builder(lq, lk, block_q=block, block_k=block)  # noqa: E731
             causal = False
-        layouts = [pattern(lq, lk) for lq, lk in zip(q_lens, k_lens)]
+        per_shape: dict = {}
+        for shape in zip(q_lens, k_lens):
+            if shape not in per_shape:
+                per_shape[shape] = pattern(*shape)
+        layouts = [per_shape[shape] for shape in zip(q_lens, k_lens)]
     names = range(len(q_lens)) if names is None else names
     checked = [check_unit_layout(lay, lq, lk, heads, unit, i) for lay, lq, lk, i in zip(layouts, q_lens, k_lens, names)]
     check_same_blocks(checked, unit, source)

@@ -32,10 +32,16 @@ def build_pattern(expr: str, seq_len: int, **options):
     return layout
 
 
-def _build_one(name: str, seq_len: int, options: dict):
+def _builder(name: str):
+    """The pattern builder called ``name``, or None when there is none of that name."""
     from .. import patterns
     fn = getattr(patterns, name, None) if not name.startswith("_") else None
-    if fn is None or not callable(fn) or name in NOT_BUILDERS:
+    return fn if callable(fn) and name not in NOT_BUILDERS else None
+
+
+def _build_one(name: str, seq_len: int, options: dict):
+    fn = _builder(name)
+    if fn is None:
         raise ValueError(f"unknown pattern {name!r}; choose from {', '.join(pattern_names())}")
     params = inspect.signature(fn).parameters
     kw = {k: v for k, v in options.items() if v is not None and k in params}
@@ -56,12 +62,11 @@ def unused_options(exprs, options: dict) -> list[str]:
     takes. :func:`build_pattern` gives each builder only the options its signature accepts, so such an
     option (``viz dense --window 5``, ``eval-model --patterns local --density 0.5``) was dropped without
     a word; the CLI refuses it, as ``bench`` does. [] when a name is not a builder (build_pattern says so)."""
-    from .. import patterns
     taken: set[str] = set()
     for expr in [exprs] if isinstance(exprs, str) else exprs:
         for name in re.split(r"\s*[|&]\s*", expr.strip()):
-            fn = getattr(patterns, name, None) if not name.startswith("_") else None
-            if not callable(fn) or name in NOT_BUILDERS:
+            fn = _builder(name)
+            if fn is None:
                 return []  # build_pattern's "unknown pattern" error says more
             taken |= set(inspect.signature(fn).parameters)
     return sorted(k for k, v in options.items() if v is not None and k not in taken)
