@@ -77,7 +77,8 @@ def build_layouts(q_lens: Sequence[int], k_lens: Sequence[int], layouts: Sequenc
                   heads: int | None = None, unit: str = "sequence", names: Sequence[int] | None = None
                   ) -> list[BlockLayout]:
     """One layout per sequence: given, produced by ``pattern(q_len, kv_len)`` (once per distinct
-    shape: it must be a pure function of them), or dense/causal. ``heads`` (the query heads) is checked against each layout's heads (1 or heads). ``unit`` and
+    shape: it must be a pure function of them), or dense/causal. ``heads`` (the query heads) is
+    checked against each layout's heads (1 or heads). ``unit`` and
     ``names`` (each entry's index as the caller numbers them) are for the error messages."""
     check_layout_args(layouts, pattern, len(q_lens), unit)
     source = "layout (from pattern=)" if pattern is not None else "layout"

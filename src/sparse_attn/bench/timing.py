@@ -91,7 +91,8 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
     in blocks, two providers' ratio picked up whatever the board did in between. A kernel also inherits
     its predecessor's power state, so the calls follow :func:`balanced_order`: each fn follows every
     other exactly equally often, and never itself. Every fn gets the same number of repetitions, chosen
-    from the slowest one's estimate (rounded up to whole cycles of that order: multiples of n - 1). CUDA: events and an L2 flush before each call, as :func:`time_cuda`; CPU:
+    from the slowest one's estimate (rounded up to whole cycles of that order: multiples of n - 1).
+    CUDA: events and an L2 flush before each call, as :func:`time_cuda`; CPU:
     ``time.perf_counter``."""
     grads = list(grad_to_none) if grad_to_none is not None else [()] * len(fns)
     if len(grads) != len(fns):

@@ -59,13 +59,16 @@ class LayerStats:
     blocks: int              # blocks visited, summed over the layout's (batch, head) row sets
 
 
+_READ_ONCE = ("is read when the config is made; changing it later had no effect: build a new SparseAttnConfig and "
+              "call enable(model, config) again")
+
+
 class _ReadOnlyDict(dict):
     """A dict that refuses changes (a SparseAttnConfig's options are read when it is made) and still
     copies, deep-copies and pickles, as a model holding the config may be."""
 
     def _refuse(self, *args, **kwargs):
-        raise TypeError("SparseAttnConfig options are read when the config is made; changing them later had no "
-                        "effect: build a new SparseAttnConfig and call enable(model, config) again")
+        raise TypeError(f"this SparseAttnConfig option {_READ_ONCE}")
 
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
 
@@ -127,8 +130,7 @@ class SparseAttnConfig:
 
     def __setattr__(self, name, value):
         if name in self._READ_AT_INIT and getattr(self, "_initialised", False):
-            raise AttributeError(f"SparseAttnConfig.{name} is read when the config is made; changing it later had no "
-                                 "effect: build a new SparseAttnConfig and call enable(model, config) again")
+            raise AttributeError(f"SparseAttnConfig.{name} {_READ_ONCE}")
         object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ lookup
