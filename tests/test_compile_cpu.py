@@ -117,3 +117,26 @@ def test_varlen_and_grouped_compile_with_graph_breaks():
 
     for fn in (varlen, grouped):
         torch.testing.assert_close(torch.compile(fn, backend="aot_eager")(q, k, v), fn(q, k, v))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int8-fp8"])
+def test_compiled_8bit_with_a_layout_equals_eager(quant):
+    """The CPU 8-bit twin walks keys found on the host like the reference: with a layout,
+    torch.compile(fullgraph=True) failed on a data-dependent guard. While compiling it now runs as the
+    custom op sparse_attn::sage_reference_fwd; gradients still come from the fp16/bf16 path."""
+    make, Lq, Lk, Hq, Hkv, causal = CASES["local-partial"]
+    layout = make()
+
+    def f(q, k, v):
+        return sparse_attn.attention(q, k, v, layout, causal=True, return_lse=True, quant=quant,
+                                     quant_granularity="per_thread")
+
+    q, k, v = _inputs(Lq, Lk, Hq, Hkv, seed=7)
+    v = torch.randn(*k.shape).requires_grad_()  # the 8-bit path needs Dv == D
+    out, lse = f(q, k, v)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    c_out, c_lse = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    c_grads = torch.autograd.grad(c_out.square().sum(), (q, k, v))
+    assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
+    for got, want in zip(c_grads, grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -206,6 +206,14 @@ def test_the_cpu_twin_refuses_what_the_kernels_cannot_run(d):
                                      quant="int8")
 
 
+@pytest.mark.parametrize("d", [272, 512])
+def test_the_cpu_twin_refuses_head_dims_above_the_kernels_limit(d):
+    """head_dim 272 / 512 ran on the CPU twin while the kernels refuse anything above 256."""
+    q = torch.randn(1, 1, 32, d)
+    with pytest.raises(ValueError, match=f"head_dim up to 256, got {d}"):
+        sparse_attn.attention(q, q, q, quant="int8")
+
+
 @pytest.mark.parametrize("gran", GRANS)
 def test_group_amax_shares_one_scale_per_group(gran):
     (qs, qp), (ks, kp) = GRANULARITY[gran]
@@ -425,6 +433,11 @@ def test_a_non_finite_input_shows_in_its_scale_group_only(bad):
     v[0, 1, 7, 2] = bad  # an FP8 V channel with it: NaN, not rounded at scale 1
     fp8 = sparse_attn.attention(clean, k, v, quant="int8-fp8")
     assert fp8[0, 1, :, 2].isnan().all() and not fp8[0, 0].isnan().any()
+    # as the README says: the channel's scale covers all keys, so rows that never see key 7 get it too
+    local = patterns.local(64, 4, block_q=16, block_k=32)
+    assert not local.to_token_mask()[0, 0, 40:, 7].any()
+    fp8 = sparse_attn.attention(clean, k, v, local, quant="int8-fp8")
+    assert fp8[0, 1, :, 2].isnan().all() and not fp8[0, 1, :, [0, 1, 3]].isnan().any()
 
 
 @pytest.mark.parametrize("quant", ["int8", "int8-fp8"])

@@ -130,6 +130,18 @@ def test_cli_size_and_pattern_flags_size_every_section(tmp_path, capsys, one_thr
     assert "| 256 | 0.75 (1/2 per row, 50.0% kept) |" in md and "| 512 | 0.75 (3/4 per row, 75.0% kept) |" in md
 
 
+def test_cli_correctness_cases_fit_any_head_count_and_length(tmp_path, capsys, one_thread):
+    """9 heads: the GQA case took H // 4 = 2 KV heads, which 9 is no multiple of, and the run failed;
+    L=165: the 'odd length' case was L - 37 = 128, whole blocks."""
+    rc = _run_cli(tmp_path, "--test-correctness", "--quant", "int8", "--num-heads", "9", "--head-dim", "32",
+                  "--seq-lens", "165")
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0, out
+    names = [c["name"] for c in json.loads((tmp_path / "sage_test.json").read_text())["checks"]]
+    assert "runs: block_index, GQA 9/1, Lq=82, Lk=165" in names
+    assert "runs: block_index, odd length L=138" in names
+
+
 def test_cli_default_sizes_are_the_presets():
     from sparse_attn.cli.main import build_parser
     from sparse_attn.cli.sage_test import check_lens, run_sizes, selected_patterns
@@ -146,6 +158,9 @@ def test_cli_default_sizes_are_the_presets():
     (["--head-dim", "0"], "--head-dim", "positive integer, got '0'"),
     (["--head-dim", "40"], "--head-dim", "multiple of 16 and at least 32"),
     (["--head-dim", "16"], "--head-dim", "multiple of 16 and at least 32"),
+    (["--head-dim", "512"], "--head-dim", "head_dim up to 256, got 512"),
+    (["--seed", str(2 ** 64)], "--seed", "below 2**64"),
+    (["--seed", "-1"], "--seed", "integer >= 0"),
     (["--pattern", "diagonal"], "--pattern", "invalid choice: 'diagonal'"),
 ])
 def test_cli_bad_sizes_are_usage_errors_naming_the_flag(tmp_path, capsys, flags, flag, why):

@@ -31,6 +31,10 @@ def attention(q, k, v, layout: BlockLayout | None, *, causal: bool, scale, retur
             kernel_layout = api._kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)
             out, lse = sage_attention_op(q, k, v, kernel_layout, quant=quant, granularity=granularity,
                                          smooth_k=smooth_k, scale=scale, unsmoothed_lse=return_lse)
+        elif layout is not None and torch.compiler.is_compiling():  # the twin's key walk is data-dependent
+            from . import reference_op
+            out, lse = reference_op.sage_attention(q, k, v, layout, causal=causal, scale=scale, quant=quant,
+                                                   granularity=granularity, smooth_k=smooth_k)
         else:
             from .ops.sage import reference as sage_ref
             out, lse = sage_ref.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True, quant=quant,

@@ -96,3 +96,33 @@ def attention(q, k, v, layout: BlockLayout, *, causal: bool = False, scale: floa
     out, lse = reference_fwd(q, k, v, layout.kv_counts, layout.kv_indices, layout.kv_mask_ids, terms, term_counts,
                              len(layout.masks), layout.block_q, layout.block_k, causal, scale)
     return (out, lse.float()) if return_lse else out
+
+
+@torch.library.custom_op("sparse_attn::sage_reference_fwd", mutates_args=())
+def sage_reference_fwd(q: Tensor, k: Tensor, v: Tensor, kv_counts: Tensor, kv_indices: Tensor, kv_mask_ids: Tensor,
+                       terms: Tensor, term_counts: Tensor, n_masks: int, block_q: int, block_k: int, causal: bool,
+                       scale: Optional[float], quant: str, granularity: str,
+                       smooth_k: bool) -> tuple[Tensor, Tensor]:
+    """``(out [B, Hq, Lq, Dv] in q's dtype, lse fp32 [B, Hq, Lq])`` of the 8-bit PyTorch twin
+    (:func:`sparse_attn.ops.sage.reference.attention`) on this layout. No autograd: the 8-bit forward
+    has no gradient of its own (sparse_attn.quantized routes it through the fp16/bf16 path)."""
+    from .ops.sage import reference as sage_ref
+    layout = _layout(q, k, kv_counts, kv_indices, kv_mask_ids, terms, term_counts, n_masks, block_q, block_k)
+    out, lse = sage_ref.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True, quant=quant,
+                                  granularity=granularity, smooth_k=smooth_k)
+    return out.contiguous(), lse.float().contiguous()
+
+
+@sage_reference_fwd.register_fake
+def _(q, k, v, *args):
+    return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def sage_attention(q, k, v, layout: BlockLayout, *, causal: bool, scale: float | None, quant: str,
+                   granularity: str, smooth_k: bool):
+    """``(out, lse)`` of the 8-bit twin through :func:`sage_reference_fwd`, so torch.compile traces the
+    CPU 8-bit path with a layout as one opaque call (its key walk reads the layout on the host)."""
+    terms, term_counts = layout.mask_table()
+    return sage_reference_fwd(q, k, v, layout.kv_counts, layout.kv_indices, layout.kv_mask_ids, terms, term_counts,
+                              len(layout.masks), layout.block_q, layout.block_k, causal, scale, quant, granularity,
+                              smooth_k)

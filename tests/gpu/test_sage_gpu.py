@@ -56,6 +56,8 @@ CASES = [
     ("block_diagonal", False, 1, 4, 2, 1000, 1000, 64),
     ("dense", False, 1, 2, 2, 1, 1, 128),
     ("dense", True, 1, 2, 2, 17, 17, 32),
+    ("local", True, 1, 4, 2, 600, 600, 96),      # head dims the checks allow beyond 32/64/128
+    ("random", False, 1, 2, 1, 500, 700, 256),
 ]
 
 

@@ -43,6 +43,15 @@ def _integer(text: str) -> int:
 
 positive_int = _at_least(_integer, 1, "a positive integer")
 nonneg_int = _at_least(_integer, 0, "an integer >= 0")
+
+
+def seed_arg(text: str) -> int:
+    """An argparse type for --seed: an integer in [0, 2**64), what a torch.Generator takes (a larger one
+    failed as a check or row deep in the run with 'Overflow when unpacking long long')."""
+    value = nonneg_int(text)
+    if value >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be below 2**64 (a torch.Generator seed), got {text!r}")
+    return value
 positive_tokens = _at_least(tokens, 1, "a positive length like 4096, 8k or 128K")
 nonneg_tokens = _at_least(tokens, 0, "a length >= 0 like 0, 4096 or 8k")
 
@@ -210,7 +219,7 @@ def add_accuracy_options(p: argparse.ArgumentParser) -> None:
                    help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="input dtype (default: fp32 on cpu, bf16 on cuda)")
     p.add_argument("--head-dim", type=positive_int, default=64, help="head dim (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="input seed (default 0)")
     t = p.add_argument_group("thresholds")
     t.add_argument("--min-cosine", type=float, default=0.95, help="pass if cosine > this (default 0.95)")
     t.add_argument("--max-l1", type=float, default=0.1, help="pass if relative L1 < this (default 0.1)")

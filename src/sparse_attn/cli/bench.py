@@ -5,8 +5,8 @@ import argparse
 from pathlib import Path
 
 from ._common import (CPU_TIMING_NOTE, Once, add_pattern_options, console, default_device, device_arg, error,
-                      file_stem, nonneg_int, positive_int, positive_tokens, device_scope, split_list, usage_error,
-                      writable_dir)
+                      file_stem, nonneg_int, positive_int, positive_tokens, device_scope, seed_arg, split_list,
+                      usage_error, writable_dir)
 
 DESCRIPTION = """Time attention providers on a suite of sparse patterns.
 
@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
                              "local[window=64]<block_k=64,block_q=64>)")
     g.add_argument("--block-q", type=positive_int, action=Once, help="layout query block size (16..256)")
     g.add_argument("--block-k", type=positive_int, action=Once, help="layout key block size (16..256)")
-    g.add_argument("--seed", type=int, action=Once, help="random/bigbird: RNG seed")
+    g.add_argument("--seed", type=seed_arg, action=Once, help="random/bigbird: RNG seed")
     p.set_defaults(pattern_option_names=("block_q", "block_k", "seed") + add_pattern_options(g))
     p.add_argument("--reps", type=positive_int,
                    help="timed repetitions per row (default: enough for ~200 ms, 3..100 on CUDA, 3..20 on a CPU)")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..json_io import dumps
 from ._common import (PATTERN_OPTION_DESTS, Once, add_pattern_options, console, default_device, device_arg, error,
-                      file_stem, flag_of, nonneg_int, positive_int, positive_tokens, split_list, usage_error,
-                      writable_dir)
+                      file_stem, flag_of, nonneg_int, positive_int, positive_tokens, seed_arg, split_list,
+                      usage_error, writable_dir)
 
 DESCRIPTION = """Run a causal LM twice on the same text, once with its own (dense) attention and once
 per PATTERN through the sparse_attn transformers integration, and compare: logits cosine
@@ -98,7 +98,7 @@ def add_parser(sub) -> None:
     g.add_argument("--block-k", type=int, action=Once, help="key block size (default 128)")
     g.add_argument("--heads", type=positive_int, action=Once,
                    help="random/bigbird: per-head layouts (1 or the model's query heads)")
-    g.add_argument("--seed", type=int, action=Once, help="random/bigbird seed")
+    g.add_argument("--seed", type=seed_arg, action=Once, help="random/bigbird seed")
     add_pattern_options(g)  # the builders' options, shared with viz and bench (defaults per L: see above)
     a = p.add_argument_group("adaptive options (passed to sparse_attn.predict.meansim)")
     a.add_argument("--simthreshd1", type=float)

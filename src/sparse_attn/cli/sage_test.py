@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ._common import (CPU_TIMING_NOTE, console, default_device, device_arg, error, nonneg_int, positive_int,
-                      positive_tokens, device_scope, usage_error, writable_dir)
+                      positive_tokens, device_scope, seed_arg, usage_error, writable_dir)
 
 DESCRIPTION = """Sparse SageAttention test suite: sparse_attn.attention(..., quant="int8" | "int8-fp8") on
 block-sparse layouts given as SageAttention block indices [B, H, q_blocks, top_k] (q block 64, k block
@@ -74,7 +74,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=nonneg_int,
                    help="CPU intra-op threads (default 1: on a busy shared machine torch's spinning OpenMP "
                         "threads made CPU timings noise; 0 = torch's default)")
-    p.add_argument("--seed", type=int, default=0, help="seed of inputs and random block indices (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of inputs and random block indices (default 0)")
     p.add_argument("--out", type=Path, default=Path("out/sage-test"), help="output folder (default out/sage-test)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

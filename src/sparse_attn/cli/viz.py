@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from ._common import (PATTERN_OPTION_DESTS, Once, add_pattern_options, console, error, flag_of, nonneg_tokens,
-                      positive_int, positive_tokens, usage_error, writable_dir)
+                      positive_int, positive_tokens, seed_arg, usage_error, writable_dir)
 
 DESCRIPTION = """Draw the block grid of a pattern: full blocks blue, partial blocks (element mask
 applied inside) orange, skipped blocks white; the title gives the layout's density (whole
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     g.add_argument("--block-k", type=int, help="key block size (default 128)")
     add_pattern_options(g)
     g.add_argument("--heads", type=positive_int, action=Once, help="random/bigbird: heads with their own layout")
-    g.add_argument("--seed", type=int, action=Once, help="random/bigbird: RNG seed")
+    g.add_argument("--seed", type=seed_arg, action=Once, help="random/bigbird: RNG seed")
     g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                    help="causal variant where the builder has one (default: the builder's)")
     d = p.add_argument_group("drawing")

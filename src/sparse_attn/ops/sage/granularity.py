@@ -45,11 +45,15 @@ def check_quant(quant: str, granularity: str) -> int:
 
 def check_quant_shapes(mode: int, head_dim: int, block_k: int | None, v_head_dim: int | None = None) -> None:
     """What the 8-bit kernels can run, checked on every device (the CPU twin too, so code tried on a
-    CPU does not fail on the GPU): head_dim a multiple of 16 and >= 32; v's head dim equal to it
+    CPU does not fail on the GPU): head_dim a multiple of 16 in [32, 256]; v's head dim equal to it
     (None: not checked); for int8-fp8 ``block_k`` >= 32 (None: no layout, the kernels' own dense tiles)."""
     if v_head_dim is not None and v_head_dim != head_dim:
         raise ValueError(f"the 8-bit kernels need v's head_dim equal to q/k's, got {v_head_dim} and {head_dim}: "
                          "pad v, or use quant=None (the fp16/bf16 reference path takes any v head_dim on the CPU)")
+    from ..block_sparse import MAX_HEAD_DIM
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the 8-bit kernels take head_dim up to {MAX_HEAD_DIM}, got {head_dim}: split the heads, "
+                         "or use quant=None (the fp16/bf16 reference path takes any head_dim on the CPU)")
     if head_dim % 16 or head_dim < 32:
         raise ValueError(f"the 8-bit kernels need head_dim a multiple of 16 and at least 32 (int8 rows in 16-byte "
                          f"units; an int8 MMA takes 32 channels at a time), got {head_dim}: pad q/k/v, or use "
