@@ -46,9 +46,9 @@ def test_quick_passes_and_prints_metrics(capsys):
 
 
 def test_quick_fails_with_exit_code_1(capsys):
-    rc = run_cli(quick_cli, TINY + ["--device", "cpu", "--min-cosine", "1.01"])
+    rc = run_cli(quick_cli, TINY + ["--device", "cpu", "--max-l1", "1e-9"])
     out = capsys.readouterr().out
-    assert rc == 1 and "FAIL cosine" in out and "FAILED" in out
+    assert rc == 1 and "FAIL relative L1" in out and "FAILED" in out
     # pure random inputs are barely sparsifiable: the sparsity check fails
     rc = run_cli(quick_cli, TINY + ["--device", "cpu", "--random"])
     out = capsys.readouterr().out
@@ -115,7 +115,25 @@ def test_quick_on_your_own_qkv_file_with_a_plot(tmp_path, capsys):
         assert words in capsys.readouterr().err
     assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "mine.pt"), "--plot",
                                str(png), "--head", "9"]) == 2
-    assert "head 9 out of range" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "head 9 out of range" in captured.err and "PASS" not in captured.out  # refused before the run
+
+
+def test_the_plot_draws_the_runs_own_layout(tmp_path, monkeypatch):
+    """quick --plot predicted the head's layout again from fp64 copies; on bf16 inputs that kept 49
+    blocks where the run kept 51. Given the run's layout, the plot draws that head's rows of it."""
+    import sparse_attn.predict
+    from sparse_attn import accuracy
+    from sparse_attn.predict import adaptive_attention, level_params
+    q, k, v = accuracy.structured_qkv(2, 8, 1024, 64, seed=0, dtype=torch.bfloat16)
+    kw = dict(level_params("medium"), block=128, attention_sink=False)
+    _, layout = adaptive_attention(q, k, v, **kw)
+    drawn, probs = [], accuracy.attention_probs
+    monkeypatch.setattr(accuracy, "attention_probs", lambda q, k, lay=None, **o: drawn.append(lay) or probs(q, k, lay, **o))
+    monkeypatch.setattr(sparse_attn.predict, "meansim", lambda *a, **o: pytest.fail("predicted again"))
+    accuracy.plot_attention_comparison(tmp_path / "p.png", q=q, k=k, v=v, head=7, params=kw, layout=layout)
+    assert torch.equal(drawn[1].to_block_mask()[0, 0], layout.to_block_mask()[0, 7])
+    assert_png(tmp_path / "p.png")
 
 
 def test_attention_comparison_of_given_tensors_matches_their_head():
@@ -185,3 +203,15 @@ def test_quick_refuses_empty_qkv(tmp_path, capsys, shape_q, shape_kv, what):
     assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "e.pt")]) == 2
     captured = capsys.readouterr()
     assert what in captured.err and "Cossim" not in captured.out
+
+
+@pytest.mark.parametrize("cli, flag, value", [
+    (quick_cli, "--min-cosine", "1"), (quick_cli, "--min-cosine", "nan"), (quick_cli, "--max-l1", "-1"),
+    (quick_cli, "--min-sparsity", "1"), (accuracy_cli, "--min-cosine", "1.5"), (accuracy_cli, "--max-l1", "0"),
+])
+def test_thresholds_no_result_can_meet_are_usage_errors(cli, flag, value, capsys):
+    """They ran and failed whatever the attention did (eval-model already refused them)."""
+    name = "quick" if cli is quick_cli else "accuracy"
+    with pytest.raises(SystemExit) as e:
+        run_cli(cli, [name, flag, value])
+    assert e.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err

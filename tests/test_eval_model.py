@@ -288,6 +288,8 @@ def test_layers_option():
         eval_model.parse_layers("x")
     with pytest.raises(argparse.ArgumentTypeError, match="FIRST <= LAST, got '3-1'"):  # was an empty set
         eval_model.parse_layers("3-1")
+    with pytest.raises(argparse.ArgumentTypeError, match="no layer index"):  # every layer ran dense
+        eval_model.parse_layers(" , ")
     assert eval_model.pattern_options("local", {}, 1024) == {"window": 256}
     assert eval_model.pattern_options("streaming", {"window": 64, "density": 0.5}, 1024) == \
         {"window": 64, "num_sink": 64}
@@ -404,3 +406,29 @@ def test_eval_model_checks_the_model_fits_before_evaluating(tiny_model_dir, tmp_
     assert not (tmp_path / "eval-model.json").exists()
     assert cli(_tiny_args(tiny_model_dir, tmp_path, "--patterns", "random", "--heads", "4", "--density", "0.5",
                           "--block-q", "16", "--block-k", "16", "--layers", "1")) == 0  # what fits still runs
+
+
+def test_eval_model_bad_lengths_and_folders_are_usage_errors(tiny_model_dir, tmp_path, capsys):
+    """A repeated length ran twice and counted each text twice in its row; lengths no text reaches and
+    a folder holding no model ended in tracebacks with exit 1, the code of a failed verdict."""
+    with pytest.raises(SystemExit) as e:
+        cli(_tiny_args(tiny_model_dir, tmp_path, "--lengths", "64", "80", "64"))
+    assert e.value.code == 2 and "--lengths: 64 given more than once" in capsys.readouterr().err
+    assert cli(_tiny_args(tiny_model_dir, tmp_path, "--lengths", "64m")) == 2
+    assert "give shorter --lengths" in " ".join(capsys.readouterr().err.split())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli(_tiny_args(empty, tmp_path)) == 2
+    assert "does not load as a causal LM" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "eval-model.json").exists()
+
+
+def test_eval_model_adaptive_takes_the_block_sizes(tiny_model_dir, tmp_path):
+    """--block-q/--block-k reached the fixed patterns only: adaptive ran meansim's 128 x 128 blocks
+    beside them, and alone it refused the options."""
+    assert cli(_tiny_args(tiny_model_dir, tmp_path, "--patterns", "adaptive", "local", "--block-q", "16",
+                          "--block-k", "16")) == 0
+    configs = json.loads((tmp_path / "eval-model.json").read_text())["header"]["patterns"]
+    assert "block_q=16" in configs["adaptive"]["64"] and "block_k=16" in configs["adaptive"]["64"]
+    assert cli(_tiny_args(tiny_model_dir, tmp_path, "--patterns", "adaptive", "--block-q", "32", "--block-k",
+                          "32")) == 0

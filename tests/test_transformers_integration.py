@@ -12,6 +12,7 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: E402
 
 import sparse_attn.api  # noqa: E402
+from sparse_attn import patterns  # noqa: E402
 from sparse_attn.integrations import transformers as sat  # noqa: E402
 from sparse_attn.integrations.transformers import SparseAttnConfig, disable, enable  # noqa: E402
 
@@ -382,9 +383,16 @@ def test_sliding_window_model_matches_eager():
     x = ids(length=64)
     with torch.no_grad():
         ref = model(x).logits
-        enable(model, SparseAttnConfig())
+        cfg = enable(model, SparseAttnConfig("dense", {"block_q": 16, "block_k": 16}))
         out = model(x).logits
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # dense skips nothing the layer's own window does not: measured against causal-dense it read 0.5
+    assert set(cfg.causal_sparsity.values()) == {0.0} and set(cfg.sparsity.values()) == {1 - 9 / 16}
+    with torch.no_grad():  # a window of 8 inside the model's 20 skips a share of the window's blocks
+        enable(model, SparseAttnConfig("local", {"window": 8, "block_q": 16, "block_k": 16}))
+        model(x)
+    band, local = (patterns.local(64, w, block_q=16, block_k=16).num_blocks for w in (20, 8))
+    assert sat.get_config(model).causal_sparsity == {0: 1 - local / band, 1: 1 - local / band}
 
 
 def tiny_mistral(window=20):

@@ -289,15 +289,26 @@ def comparison_inputs(q, k, v, head: int, batch: int) -> tuple[torch.Tensor, tor
     return pick(q, head), pick(k, kv_head), pick(v, kv_head)
 
 
+def head_layout(layout: BlockLayout, batch: int, head: int) -> BlockLayout:
+    """The ``[1, 1]`` layout of batch row ``batch`` and query head ``head`` of ``layout`` (on the CPU)."""
+    b, h = min(batch, layout.batch - 1), min(head, layout.heads - 1)  # broadcast dims hold one row
+    pick = lambda t: t[b:b + 1, h:h + 1].cpu()  # noqa: E731
+    return BlockLayout(layout.block_q, layout.block_k, layout.q_len, layout.kv_len, pick(layout.kv_counts),
+                       pick(layout.kv_indices), pick(layout.kv_mask_ids), layout.masks)
+
+
 def plot_attention_comparison(path, *, seq_len: int = 768, block: int = 64, level: str = "medium",
                               causal: bool = False, seed: int = 0, dpi: int = 110, q=None, k=None, v=None,
-                              head: int = 0, batch: int = 0, params: dict | None = None) -> Path:
+                              head: int = 0, batch: int = 0, params: dict | None = None,
+                              layout: BlockLayout | None = None) -> Path:
     """Dense vs sparse attention map vs |difference|: the adaptive layout (``level``) predicted and
     applied to one head. By default head 0 of a small structured input of ``seq_len`` tokens; given
     ``q [B, Hq, Lq, D]`` and ``k [B, Hkv, Lk, D]`` (and ``v``, else N(0, 1) for the output metrics),
-    query head ``head`` of batch row ``batch`` of those (up to :data:`MAX_MAP_TOKENS` a side). The
-    prediction is per head, so this head's layout is the one a call over all heads would use.
-    ``params``: meansim keyword arguments instead of the level's (``block`` then comes from them)."""
+    query head ``head`` of batch row ``batch`` of those (up to :data:`MAX_MAP_TOKENS` a side).
+    ``params``: meansim keyword arguments instead of the level's (``block`` then comes from them).
+    ``layout``: the layout a run over all of ``q``/``k`` used (``[B, Hq]`` or broadcast); its rows for
+    (``batch``, ``head``) are drawn instead of predicting them again here (in fp64, which can keep other
+    blocks near the thresholds than the run's own prediction in the inputs' dtype)."""
     from matplotlib.colors import LogNorm
     from .viz import _plt, save
     from .predict import meansim
@@ -311,7 +322,13 @@ def plot_attention_comparison(path, *, seq_len: int = 768, block: int = 64, leve
         q, k, v = comparison_inputs(q, k, v, head, batch)
         heading = f"your input: batch {batch}, head {head}, Lq={q.shape[2]}, Lk={k.shape[2]}"
     kw = dict(level_params(level), block=block) if params is None else dict(params)
-    layout = meansim(q, k, causal=causal, **kw)
+    if layout is None:
+        layout = meansim(q, k, causal=causal, **kw)
+    else:
+        if (layout.q_len, layout.kv_len) != (q.shape[2], k.shape[2]):
+            raise ValueError(f"layout is for Lq={layout.q_len}, Lk={layout.kv_len}; the input has Lq={q.shape[2]}, "
+                             f"Lk={k.shape[2]}")
+        layout = head_layout(layout, batch, head)
     p_dense = attention_probs(q, k, causal=causal)
     p_sparse = attention_probs(q, k, layout, causal=causal)
     diff = (p_sparse - p_dense).abs()

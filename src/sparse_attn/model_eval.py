@@ -130,11 +130,17 @@ def load_model(model: str, device: str = "cpu", dtype: torch.dtype = torch.float
     (a GGUF file path) replaces ``model``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model_path(model, cache_dir, log, gguf)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     try:
-        lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, attn_implementation="sdpa")
-    except (ValueError, ImportError):
-        lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, attn_implementation="eager")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                      attn_implementation="sdpa")
+        except (ValueError, ImportError):
+            lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                      attn_implementation="eager")
+    except (OSError, ValueError) as e:  # a folder that holds no model: transformers' traceback, exit 1
+        raise ModelUnavailable(f"{str(path)!r} does not load as a causal LM with its tokenizer "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return lm.to(device).eval(), tokenizer, path
 
 
@@ -275,11 +281,13 @@ def random_texts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[tu
 
 
 def evaluate(model, tokenizer, runs: list[PatternRun], lengths: list[int], n_texts: int = 3, new_tokens: int = 32,
-             on_step: Callable[[str], None] | None = None, skip_texts: int = 0, source: str = "text") -> dict:
+             on_step: Callable[[str], None] | None = None, skip_texts: int = 0, source: str = "text",
+             texts: list | None = None) -> dict:
     """Every (length, text): one dense run (the model's own attention) and one run per pattern
     through the sparse_attn integration. Returns ``{"texts", "rows", "summary"}`` (rows per text,
     summary averaged over texts per (pattern, length)). ``skip_texts``: see :func:`stdlib_texts`.
-    ``source="random"``: uniformly random token ids (:func:`random_texts`) instead of real text."""
+    ``source="random"``: uniformly random token ids (:func:`random_texts`) instead of real text.
+    ``texts``: (name, ids) pairs already chosen (by :func:`stdlib_texts`), used instead of ``source``."""
     from .integrations.transformers import disable, enable
     if not lengths or min(lengths) < 1 or n_texts < 1 or new_tokens < 0:
         # ids[:length] with a length <= 0 silently ran on the text minus its last tokens
@@ -288,10 +296,9 @@ def evaluate(model, tokenizer, runs: list[PatternRun], lengths: list[int], n_tex
     device = next(model.parameters()).device
     if source not in ("text", "random"):
         raise ValueError(f"source must be 'text' or 'random', got {source!r}")
-    if source == "random":
-        texts = random_texts(model.config.vocab_size, n_texts, max(lengths))
-    else:
-        texts = stdlib_texts(tokenizer, n_texts, max(lengths), skip=skip_texts)
+    if texts is None:
+        texts = (random_texts(model.config.vocab_size, n_texts, max(lengths)) if source == "random"
+                 else stdlib_texts(tokenizer, n_texts, max(lengths), skip=skip_texts))
     rows = []
     for length in lengths:
         for name, ids in texts:

@@ -221,6 +221,25 @@ def add_accuracy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=positive_int, default=64, help="head dim (default 64)")
     p.add_argument("--seed", type=seed_arg, default=0, help="input seed (default 0)")
     t = p.add_argument_group("thresholds")
-    t.add_argument("--min-cosine", type=float, default=0.95, help="pass if cosine > this (default 0.95)")
-    t.add_argument("--max-l1", type=float, default=0.1, help="pass if relative L1 < this (default 0.1)")
-    t.add_argument("--min-sparsity", type=float, default=0.05, help="pass if sparsity > this (default 0.05)")
+    t.add_argument("--min-cosine", type=_threshold("a number below 1 (cosine > 1 never passes)", lambda x: x < 1),
+                   default=0.95, help="pass if cosine > this (default 0.95)")
+    t.add_argument("--max-l1", type=_threshold("a number above 0 (relative L1 < 0 never passes)", lambda x: x > 0),
+                   default=0.1, help="pass if relative L1 < this (default 0.1)")
+    t.add_argument("--min-sparsity", type=_threshold("a number below 1 (sparsity > 1 never passes)",
+                                                     lambda x: x < 1),
+                   default=0.05, help="pass if sparsity > this (default 0.05)")
+
+
+def _threshold(rule: str, ok):
+    """An argparse type for a pass/fail threshold: a float ``ok`` accepts. One no result can meet
+    (--min-cosine 1, --max-l1 -1, nan) ran and failed whatever the attention did."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
+        if value != value or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
+        return value
+    parse.__name__ = "threshold"
+    return parse

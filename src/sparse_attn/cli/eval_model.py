@@ -54,6 +54,7 @@ OFF = ("off", "none")
 
 OPTION_NAMES = ("block_q", "block_k", "heads", "seed") + PATTERN_OPTION_DESTS
 ADAPTIVE_OPTIONS = ("simthreshd1", "cdfthreshd", "topk")
+BLOCK_OPTIONS = ("block_q", "block_k")  # taken by the fixed patterns and by adaptive (meansim) alike
 
 
 def add_parser(sub) -> None:
@@ -146,6 +147,8 @@ def parse_layers(text: str | None) -> set[int] | None:
             out.add(int(part))
         elif part:
             raise argparse.ArgumentTypeError(f"--layers: expected indices or ranges like '2-29' or '0,5', got {part!r}")
+    if not out:  # ',' selected no layer: every layer ran dense and was reported as the pattern
+        raise argparse.ArgumentTypeError(f"--layers: no layer index in {text!r}; give indices or ranges like '2-29'")
     return out
 
 
@@ -187,6 +190,8 @@ def check_options(patterns: list[str], adaptive: dict, given: dict) -> None:
     from ..patterns.expr import unused_options
     fixed = [p for p in patterns if p != "adaptive"]
     unused = unused_options(fixed, given) if fixed else sorted(given)
+    if "adaptive" in patterns:
+        unused = [name for name in unused if name not in BLOCK_OPTIONS]
     if adaptive and "adaptive" not in patterns:
         unused += sorted(adaptive)
     if unused:
@@ -229,7 +234,8 @@ def make_runs(args, lengths: list[int] | None = None) -> list:
     at = probe_length(lengths)
     runs, seen = [], {}
     for pattern in patterns:
-        opts = adaptive if pattern == "adaptive" else given
+        # adaptive ran meansim's 128 x 128 blocks whatever --block-q/--block-k said
+        opts = {**adaptive, **{k: given[k] for k in BLOCK_OPTIONS if k in given}} if pattern == "adaptive" else given
         label = pattern if pattern not in seen else f"{pattern}#{seen[pattern] + 1}"
         seen[pattern] = seen.get(pattern, 0) + 1
 
@@ -334,6 +340,9 @@ def run(args) -> int:
     dtype = {"auto": torch.bfloat16 if on_cuda else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     lengths = args.lengths or ([1024, 2048, 4096, 8192] if on_cuda else [512, 1024])
+    repeated = sorted({n for n in lengths if lengths.count(n) > 1})
+    if repeated:  # a repeated length ran twice and its summary row counted each text twice
+        usage_error(f"--lengths: {', '.join(map(str, repeated))} given more than once")
     try:
         runs = make_runs(args, lengths)
     except (ValueError, TypeError, ImportError, argparse.ArgumentTypeError) as e:
@@ -345,6 +354,11 @@ def run(args) -> int:
     except me.ModelUnavailable as e:
         return error(escape(str(e)))
     check_model(runs, model, args, lengths)  # before the evaluation, not a traceback inside it
+    try:  # texts long enough for the longest length: a traceback from inside the evaluation, exit 1
+        texts = me.stdlib_texts(tokenizer, args.texts, max(lengths))
+    except ValueError as e:
+        return error(escape(f"--lengths {max(lengths)} / --texts {args.texts}: {e}; give shorter --lengths or "
+                            "fewer --texts"))
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and max(lengths) + args.new_tokens > max_pos:
         con.print(f"[yellow]warning: L + new tokens = {max(lengths) + args.new_tokens} exceeds the model's "
@@ -356,7 +370,7 @@ def run(args) -> int:
               f"{lengths}; {args.texts} texts; {args.new_tokens} greedy tokens")
     with con.status("evaluating") as status:
         result = me.evaluate(model, tokenizer, runs, lengths, args.texts, args.new_tokens,
-                             on_step=lambda m: status.update(escape(m)))
+                             on_step=lambda m: status.update(escape(m)), texts=texts)
     # per length: options default per L (window = L/4), so one config per pattern kept only the last length's
     head["patterns"] = patterns_by_length(result["summary"])
     head["text_files"] = result["texts"]

@@ -173,6 +173,11 @@ def check(args, device: str, con) -> int:
               f"device {device}, {str(dtype).replace('torch.', '')}, blocks {args.block}x{args.block}")
     source = str(args.qkv) if args.qkv is not None else "random N(0,1)" if args.random else "structured"
     con.print(f"inputs ({escape(source)}): q {list(q.shape)}, k/v {list(k.shape)}")
+    if args.plot is not None:  # the head and map size now: after the run it printed PASS lines, then exit 2
+        try:
+            accuracy.comparison_inputs(q, k, None, args.head, 0)
+        except ValueError as e:
+            return error(f"--plot: {escape(str(e))}")
     try:
         dense = sparse_attn.attention(q, k, v, causal=args.causal)
         out, layout = adaptive_attention(q, k, v, causal=args.causal, **kw)
@@ -193,7 +198,7 @@ def check(args, device: str, con) -> int:
     if args.plot is not None:
         try:
             path = accuracy.plot_attention_comparison(args.plot, q=q, k=k, v=v, head=args.head, causal=args.causal,
-                                                      params=kw)
+                                                      params=kw, layout=layout)
         except ValueError as e:
             return error(f"--plot: {escape(str(e))}")
         con.print(f"wrote {path} (head {args.head})")

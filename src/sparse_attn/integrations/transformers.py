@@ -55,7 +55,8 @@ class LayerStats:
     kv_len: int
     sparsity: float          # layout.sparsity: skipped fraction of the whole block grid (whole blocks)
     causal_sparsity: float   # skipped fraction of the blocks the dense attention it replaces visits: causal-dense
-    #                          for a causal call, every block for a bidirectional one (then equal to sparsity)
+    #                          for a causal call (a sliding-window layer: its causal window), every block for a
+    #                          bidirectional one (then equal to sparsity)
     blocks: int              # blocks visited, summed over the layout's (batch, head) row sets
 
 
@@ -163,18 +164,26 @@ class SparseAttnConfig:
         lq, lk = q.shape[2], k.shape[2]
         if spec.is_adaptive:
             layout = adaptive_layout(spec, q, k, causal, scale)
-            return self._with_stats(spec, _window_cut(layout, sliding_window), causal)
+            return self._with_stats(spec, _window_cut(layout, sliding_window), causal, sliding_window)
         key = (spec.key(), lq, lk, str(q.device), sliding_window, causal)
         return self._cache.get(key, lambda: self._with_stats(
-            spec, _window_cut(spec.layout(lq, lk, q.device, causal), sliding_window), causal))
+            spec, _window_cut(spec.layout(lq, lk, q.device, causal), sliding_window), causal, sliding_window))
 
     @staticmethod
-    def _with_stats(spec: PatternSpec, layout, causal: bool):
-        """The layout and its LayerStats. A bidirectional call's baseline is every block: measured against
-        causal-dense, a bidirectional BERT layer came out -0.333 "sparse"."""
+    def _with_stats(spec: PatternSpec, layout, causal: bool, sliding_window: int | None = None):
+        """The layout and its LayerStats, measured against the dense attention the layer would run. A
+        bidirectional call's baseline is every block (against causal-dense, a bidirectional BERT layer came
+        out -0.333 "sparse"); a sliding-window layer's is its causal window (against causal-dense, pattern
+        ``dense`` on a Mistral-style layer read 67% "sparse": blocks the dense window skips too)."""
         visited = layout.num_blocks
         if causal:
-            baseline = causal_blocks(layout)
+            if sliding_window:
+                from .. import patterns
+                band = patterns.local(layout.q_len, int(sliding_window), kv_len=layout.kv_len,
+                                      block_q=layout.block_q, block_k=layout.block_k)
+                baseline = band.num_blocks * layout.batch * layout.heads
+            else:
+                baseline = causal_blocks(layout)
             vs_baseline = 1.0 - visited / baseline if baseline else 0.0
         else:
             vs_baseline = float(layout.sparsity)
