@@ -266,6 +266,9 @@ def test_bench_skip_done_over_its_own_folder_keeps_the_rows_it_skips(tmp_path, c
     (["viz", "local", "--show-heads", "0"], "--show-heads", "0"),
     (["viz", "local", "--close-up", "0", "-5", "64"], "--close-up", "-5"),
     (["report", "--from", "x", "--accuracy-len", "-5"], "--accuracy-len", "-5"),
+    (["report", "--from", "x", "--name", "report.md"], "--name", "report.md"),  # overwritten by the report
+    (["report", "--from", "x", "--name", "accuracy.json"], "--name", "accuracy.json"),  # the saved accuracy rows
+    (["viz", "local", "--seed", str(2 ** 64)], "--seed", str(2 ** 64)),
     (["eval-model", "--lengths", "-256"], "--lengths", "-256"),
     (["eval-model", "--lengths", "0"], "--lengths", "0"),
     (["eval-model", "--texts", "0"], "--texts", "0"),

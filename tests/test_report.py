@@ -304,8 +304,45 @@ def test_not_run_note_extrapolates_and_says_so():
     note = report_tables.not_run_note(t)
     # 4 ms at 2K x (8K/2K)^2 = 64 ms; the pattern 4 ms: 16x; fp32 scores 1*2*8192^2*4 bytes
     assert "not run at T = 8K" in note and "(T/2K)²" in note and "about 0.1 s" in note and "about 16x less" in note
-    assert "not measurements" in note
+    assert "not measurements" in note and "0.5 GiB for its fp32 scores" in note  # 2 * 8192^2 * 4 bytes; was 0 TiB
     assert report_tables.not_run_note(report.scaling_tables(rows[:4])[0]) is None
+
+
+def test_rows_with_annotations_load(tmp_path):
+    """kernels-h100.json's rows carry merge_results.py's 'slice' (a probe's, 'run'): the reader refused
+    the whole file; a row missing a field is still refused."""
+    from sparse_attn.bench.results import read_result
+    good = dataclasses.asdict(row("flex", "local", 1024, 1.0))
+    (tmp_path / "a.json").write_text(json.dumps({"header": {}, "rows": [dict(good, slice="gqa", run=2)]}))
+    assert read_result(tmp_path / "a.json")[1] == [row("flex", "local", 1024, 1.0)]
+    del good["pattern"]
+    (tmp_path / "b.json").write_text(json.dumps({"header": {}, "rows": [good]}))
+    with pytest.raises(ValueError, match="b.json: a row is not a bench row.*pattern"):
+        read_result(tmp_path / "b.json")
+
+
+def test_a_newer_unsliced_rerun_wins_and_keeps_the_suites_header(tmp_path):
+    """An unsliced re-run of some rows counted as slice 0, the oldest: the stale rows won, and its
+    restricted header made the missing-row count check only the re-run's rows."""
+    from sparse_attn.bench import make_header, write_json
+    write_fake_slices(tmp_path, keep={1, 2})
+    first = json.loads((tmp_path / "report-gpu-cuda-1-of-4.json").read_text())["rows"][0]
+    again = Row(**dict(first, ms=999.0))
+    write_json(tmp_path / "rerun.json", dict(make_header("cpu", "report-gpu", restricted={"patterns": [first["pattern"]]}),
+                                            date="2026-02-01T00:00:00+00:00"), [again])
+    header, rows, _ = report.merge_results(sorted(tmp_path.glob("*.json")))
+    assert next(r for r in rows if r.key() + (r.provider,) == again.key() + (again.provider,)).ms == 999.0
+    assert "restricted" not in header
+    header2, rows2, _ = report.merge_results([p for p in tmp_path.glob("*-of-4.json")])
+    assert len(report.missing_rows(header, rows)) == len(report.missing_rows(header2, rows2)) > 0
+
+
+def test_the_summary_keeps_a_patterns_causal_variant():
+    rows = [row("sdpa-cudnn", "dense", 4096, 10.0), row("sdpa-cudnn", "causal", 4096, 6.0, causal=True),
+            row("sparse_attn", "random", 4096, 5.0), row("sparse_attn", "random", 4096, 4.0, causal=True)]
+    tables = report.scaling_tables(rows)
+    cols, cells = report_tables.speedup_matrix(tables, report_tables.configs_by_mode(tables)[0])
+    assert sorted(cells) == [["random", "2.00x"], ["random (causal)", "1.50x"]]  # the causal line was dropped
 
 
 def test_speedup_matrix_and_baselines():
@@ -436,3 +473,14 @@ def test_result_files_are_strict_json_with_non_finite_values_as_null(tmp_path, c
     assert main(["report", "--from", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")]) == 0
     merged = _strict_json((tmp_path / "out" / "results.json").read_text())
     assert merged["rows"][0]["ms"] is None
+
+
+def test_json_writes_numpy_and_torch_scalars_as_numbers():
+    """A NaN inside a numpy or torch scalar went out as the string 'nan' / 'tensor(nan)' (default=str)."""
+    import numpy as np
+    import torch
+
+    from sparse_attn.json_io import dumps
+    text = dumps({"a": torch.tensor(float("nan")), "b": np.float32("inf"), "c": [np.float64(1.5), torch.tensor(2)],
+                  "d": np.array(3.0), "e": np.bool_(True)}, default=str)
+    assert json.loads(text) == {"a": None, "b": None, "c": [1.5, 2], "d": 3.0, "e": True}

@@ -357,7 +357,7 @@ def plot_attention_comparison(path, *, seq_len: int = 768, block: int = 64, leve
 
 def plot_block_pattern(path, layout, *, name: str, dpi: int = 110) -> Path:
     from . import viz
-    return viz.save(viz.draw_layout(layout, name=name, max_heads=4), path, dpi=dpi)
+    return viz.save(viz.draw_layout(layout, name=name, max_heads=4, dpi=dpi), path)
 
 
 def plot_sweep(path, rows: list[dict], thresholds: Thresholds = Thresholds(), dpi: int = 110) -> Path:

@@ -13,8 +13,18 @@ import math
 from pathlib import Path
 
 
+def _python_scalar(obj):
+    """A numpy or torch scalar (numpy number, 0-d array or tensor) as a Python number; anything else as is."""
+    if type(obj).__module__.partition(".")[0] in ("numpy", "torch") and getattr(obj, "shape", None) == ():
+        return obj.item()
+    return obj
+
+
 def json_safe(obj):
-    """``obj`` with every non-finite float (nan, inf, -inf), at any depth, replaced by ``None``."""
+    """``obj`` with every non-finite float (nan, inf, -inf), at any depth, replaced by ``None``; numpy and
+    torch scalars become Python numbers first (a NaN in one went out as the string 'nan' or
+    'tensor(nan)' under ``default=str``, and failed under ``default=float``)."""
+    obj = _python_scalar(obj)
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):

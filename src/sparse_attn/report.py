@@ -63,21 +63,25 @@ def _slice_index(header: dict) -> int:
 def merge_results(paths) -> tuple[dict, list[Row], list[dict]]:
     """Merge the JSON files of one suite run in slices (and its accuracy file).
 
-    Files are taken in (slice index, date) order; a row measured in several files (a re-run slice)
-    is taken from the last one, in the position it first had; accuracy rows likewise by pattern.
-    The header is the first bench file's, with ``slices``: one entry per bench file (file, slice,
-    date, rows, gpu) and ``merged: True``."""
+    Files are taken in (date, slice index) order; a row measured in several files (a re-run slice, or
+    a later run of some rows) is taken from the newest, in the position it first had; accuracy rows
+    likewise by pattern. (Ordered by slice first, an unsliced re-run counted as slice 0 and lost to
+    the stale rows it re-measured.) The header is the first bench file's that ran its whole suite or
+    slice (no ``restricted`` options: a restricted re-run's header made the missing-row count check
+    only the re-run's rows), with ``slices``: one entry per bench file (file, slice, date, rows,
+    gpu) and ``merged: True``."""
     loaded = [(Path(p), *read_result(p)) for p in paths]
-    loaded.sort(key=lambda x: (_slice_index(x[1]), str(x[1].get("date", ""))))
+    loaded.sort(key=lambda x: (str(x[1].get("date", "")), _slice_index(x[1])))
     rows: dict[tuple, Row] = {}
     acc: dict[str, dict] = {}
     header: dict = {}
     slices = []
     suites = sorted({str(h.get("suite")) for _, h, bench, _ in loaded if bench})
+    whole = [h for _, h, bench, _ in loaded if bench and not h.get("restricted")]
     for path, h, bench, accuracy in loaded:
         if bench:
             if not header:
-                header = {k: v for k, v in h.items() if k != "slice"}
+                header = {k: v for k, v in (whole[0] if whole else h).items() if k != "slice"}
             slices.append({"file": path.name, "slice": h.get("slice"), "date": h.get("date"),
                            "rows": len(bench), "gpu": h.get("gpu")})
         for r in bench:

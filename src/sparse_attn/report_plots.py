@@ -106,7 +106,8 @@ def _plot_pattern_lines(ax, tables, attr: str) -> bool:
     for t in tables:
         pts = [(r.seq_len, getattr(r, attr)) for r in t.rows if getattr(r, attr)]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=t.pattern)
+            ax.plot(*zip(*pts), marker="o", label=t.pattern + (" (causal)" if t.causal and t.pattern != "causal"
+                                                                 else ""))
             drawn = True
     return drawn
 

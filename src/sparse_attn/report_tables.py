@@ -212,13 +212,14 @@ def not_run_note(t: ScalingTable) -> str | None:
     longest = max(missing, key=lambda r: r.seq_len)
     est_ms = base.dense_ms * (longest.seq_len / base.seq_len) ** 2
     cfg = t.config
-    scores_tib = cfg["batch"] * cfg["heads"] * longest.seq_len ** 2 * 4 / 2**40
+    scores = cfg["batch"] * cfg["heads"] * longest.seq_len ** 2 * 4  # bytes; GiB below 1 TiB ('0 TiB' once)
+    scores_text = f"{scores / 2**40:,.0f} TiB" if scores >= 2**40 else f"{scores / 2**30:,.1f} GiB"
     text = (f"Dense attention was not run at T = {', '.join(t_text(r.seq_len) for r in missing)}. "
             f"Extrapolated from `{base.dense_provider}` at {t_text(base.seq_len)} by (T/{t_text(base.seq_len)})², "
             f"one call at {t_text(longest.seq_len)} would take about {est_ms / 1e3:.1f} s")
     if longest.pattern_ms:
         text += f" (the pattern: {longest.pattern_ms:.1f} ms, about {est_ms / longest.pattern_ms:.0f}x less)"
-    return text + (f"; naive attention would need {scores_tib:,.0f} TiB for its fp32 scores alone. "
+    return text + (f"; naive attention would need {scores_text} for its fp32 scores alone. "
                    "These are estimates, not measurements.")
 
 
@@ -284,7 +285,7 @@ def speedup_matrix(tables: list[ScalingTable], config: dict) -> tuple[list[str],
     chosen: dict[tuple, ScalingTable] = {}
     for t in tables:
         if t.config == config:
-            chosen.setdefault((t.pattern, t.provider), t)
+            chosen.setdefault((t.pattern, t.causal, t.provider), t)  # a causal variant is its own line
     lengths = sorted({r.seq_len for t in chosen.values() for r in t.rows})
     cols = ["pattern"] + [t_text(L) for L in lengths]
     cells = []

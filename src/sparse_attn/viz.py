@@ -87,6 +87,13 @@ def token_region(layout, q0: int, k0: int, rows: int, cols: int | None = None, *
 MAX_CELLS = 256
 
 
+def cells_for(panel_inches: float, dpi: int) -> int:
+    """Cells a side a panel of ``panel_inches`` shows at ``dpi`` without dropping any (a square axes box
+    takes ~0.85 of the panel's width; 0.7 leaves room): at most :data:`MAX_CELLS`. At --dpi 72 a fixed
+    256 lost 23 of 127 single visited columns to resampling."""
+    return max(8, min(MAX_CELLS, int(0.7 * panel_inches * dpi)))
+
+
 def pooled_states(layout, batch: int = 0, head: int = 0, max_cells: int = MAX_CELLS) -> tuple[torch.Tensor, int, int]:
     """One head's block states pooled to at most ``max_cells`` a side, built from its listed blocks
     (no ``[Qb, Kb]`` grid: 16K x 16K at 1M tokens in 64-blocks, which matplotlib turned into >12 GiB).
@@ -153,37 +160,45 @@ def _heads_to_draw(n_heads: int, max_heads: int) -> list[int]:
 
 
 def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_heads: int = 4, batch: int = 0,
-                close_up: CloseUp | None = None, panel_inches: float = 3.4):
+                close_up: CloseUp | None = None, panel_inches: float = 3.4, dpi: int = 110):
     """A figure: one block-grid panel per drawn head (+ an optional token close-up panel).
 
     Density in the title is the whole layout's (blocks visited / grid, all heads); each panel
-    gives its head's own.
+    gives its head's own, and the legend counts the blocks of the drawn batch row and heads. Each
+    panel is square whatever ``Lq / Lk`` (cells stretch: with square cells a 1K x 64K grid was 10
+    pixels tall), pooled to what ``dpi`` (the figure's, used by :func:`save`) can show. The close-up's
+    head is always among the drawn ones, so its red frame is there.
     """
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch, Rectangle
     _check_layout(layout, "draw_layout")
     b = _pick("batch", batch, layout.batch)
+    auto = heads is None
     heads = list(heads) if heads is not None else _heads_to_draw(layout.heads, max_heads)
+    cu_head = None if close_up is None else _pick("close_up.head", close_up.head, layout.heads)
+    if cu_head is not None and heads and cu_head not in heads:  # else the title's red frame was nowhere
+        heads = sorted((heads[:-1] if auto and len(heads) >= max_heads else heads) + [cu_head])
     if not heads:
         raise ValueError("draw_layout: heads=[] draws nothing; pass at least one head index, or None for up to "
                          "max_heads of them")
     if any(as_int(h) is None or not 0 <= h < layout.heads for h in heads):
         raise ValueError(f"draw_layout: heads={heads}, but the layout has {layout.heads} head(s) "
                          f"(0..{layout.heads - 1})")
-    cu_head = None if close_up is None else _pick("close_up.head", close_up.head, layout.heads)
     plt = _plt()
     lay = layout.to("cpu")
     dens = lay.kv_counts.sum(-1).double() / max(lay.num_q_blocks * lay.num_kv_blocks, 1)  # [Bl, Hl]
     n_panels = len(heads) + (close_up is not None)
     size = (max(panel_inches * n_panels, 6.4), panel_inches + 1.2)
-    fig, axes = plt.subplots(1, n_panels, figsize=size, squeeze=False)
+    fig, axes = plt.subplots(1, n_panels, figsize=size, squeeze=False, dpi=dpi)
     axes = axes[0]
     cmap = ListedColormap(COLORS)
     nq, nk = lay.num_q_blocks, lay.num_kv_blocks
     for ax, h in zip(axes, heads):
-        cells, fq, fk = pooled_states(lay, b, h)
+        cells, fq, fk = pooled_states(lay, b, h, max_cells=cells_for(panel_inches, dpi))
         # extent in block units: a pooled cell spans fq x fk blocks, drawn where those blocks are
-        ax.imshow(cells.numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest", extent=(0, nk, nq, 0))
+        ax.imshow(cells.numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest", extent=(0, nk, nq, 0),
+                  aspect="auto")
+        ax.set_box_aspect(1)
         _grid(ax, nq, nk)
         label = "all heads" if lay.heads == 1 else f"head {h}"
         ax.set_title(f"{label}: {dens[b, h]:.3f}", fontsize=9)
@@ -197,12 +212,15 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
                                    fill=False, edgecolor="#c0392b", linewidth=1.2))
     if close_up is not None:
         _draw_close_up(axes[-1], layout, close_up, b)
-    listed = torch.arange(lay.max_k) < lay.kv_counts[..., None].long()
-    n_part = int((listed & (lay.kv_mask_ids >= 0)).sum())
+    drawn = [min(h, lay.heads - 1) for h in heads]  # the legend counts what the panels show
+    counts = lay.kv_counts[b, drawn]
+    listed = torch.arange(lay.max_k) < counts[..., None].long()
+    n_part = int((listed & (lay.kv_mask_ids[b, drawn] >= 0)).sum())
     n_full = int(listed.sum()) - n_part
     kv = "" if layout.kv_len == layout.q_len else f"x{layout.kv_len}"
+    row = f", batch {b}" if lay.batch > 1 else ""
     title = (f"{name + ': ' if name else ''}L={layout.q_len}{kv}, blocks {layout.block_q}x{layout.block_k}, "
-             f"density {layout.density:.3f}")
+             f"density {layout.density:.3f}{row}")
     if close_up is not None:
         title += " (red: token close-up)"
     fig.suptitle(title, fontsize=11)
@@ -242,10 +260,11 @@ def _draw_close_up(ax, layout, cu: CloseUp, batch: int) -> None:
     ax.tick_params(labelsize=7)
 
 
-def save(fig, path, dpi: int = 110) -> Path:
+def save(fig, path, dpi: int | None = None) -> Path:
+    """Write ``fig`` to ``path`` at ``dpi`` (None: the figure's own, which :func:`draw_layout` pools for)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi or fig.dpi)
     _plt().close(fig)
     return path
 
@@ -322,8 +341,8 @@ def write_gallery(out_dir, *, seq_len: int = 4096, block: int = 128, markdown=No
         else:
             layout = build_pattern(item.expr, seq_len, block_q=block, block_k=block, **item.options)
         cu = _fit(CloseUp(*item.close_up), layout) if item.close_up else None
-        fig = draw_layout(layout, name=item.expr or item.name, close_up=cu)
-        path = save(fig, out_dir / f"{item.name}.png", dpi=dpi)
+        fig = draw_layout(layout, name=item.expr or item.name, close_up=cu, dpi=dpi)
+        path = save(fig, out_dir / f"{item.name}.png")
         written.append(path)
         entries.append((item, path, layout))
     if markdown is not None:

@@ -97,9 +97,9 @@ def read_result(path) -> tuple[dict, list[Row], list[dict]]:
         raise ValueError(f"{path}: not a bench or accuracy result (a JSON object with 'rows' and/or 'accuracy'), "
                          f"got {type(data).__name__}" + (f" with keys {sorted(data)[:6]}" if isinstance(data, dict)
                                                          else ""))
-    try:
-        rows = [Row(**r) for r in data.get("rows") or []]
-    except TypeError as e:
+    try:  # keys beyond the row's fields are annotations (merge_results.py's 'slice', a probe's 'run')
+        rows = [Row(**{k: v for k, v in r.items() if k in ROW_FIELDS}) for r in data.get("rows") or []]
+    except (TypeError, AttributeError) as e:
         raise ValueError(f"{path}: a row is not a bench row ({e})") from None
     acc = list(data.get("accuracy") or [])
     if any(not isinstance(a, dict) or "pattern" not in a for a in acc):

@@ -29,12 +29,25 @@ def add_parser(sub) -> None:
     p.add_argument("--from", dest="inputs", nargs="+", type=Path, required=True, metavar="PATH",
                    help="result JSON files, or folders whose *.json are read")
     p.add_argument("--out-dir", type=Path, default=Path("out/report"), help="where report.md goes (default out/report)")
-    p.add_argument("--name", type=file_stem, default="results.json", help="file name of the merged JSON (default results.json)")
+    p.add_argument("--name", type=merged_name, default="results.json",
+                   help="file name of the merged JSON (default results.json; .json, not accuracy.json)")
     p.add_argument("--accuracy-len", type=positive_tokens, default=8192, metavar="L",
                    help="sequence length of the accuracy rows computed here (default 8k)")
     p.add_argument("--no-accuracy", action="store_true", help="do not compute missing accuracy rows")
     p.add_argument("--gallery", help="link to the pattern gallery, relative to OUT (e.g. ../../../docs/gallery.md)")
     p.set_defaults(func=run)
+
+
+def merged_name(text: str) -> str:
+    """An argparse type for --name: a .json file name the report does not write itself. ``--name
+    report.md`` wrote the merged JSON where report.md then went (the merged rows lost, a traceback
+    reading it back); ``accuracy.json`` overwrote the saved accuracy rows."""
+    name = file_stem(text)
+    if not name.endswith(".json") or name == ".json":
+        raise argparse.ArgumentTypeError(f"expected a .json file name, got {text!r}")
+    if name == "accuracy.json":
+        raise argparse.ArgumentTypeError(f"{text!r} is where the report keeps its accuracy rows; choose another name")
+    return name
 
 
 def report_accuracy(suite, seq_len: int | None = None, heads: int = 2) -> list[dict]:

@@ -141,8 +141,8 @@ def run(args) -> int:
         return error(f"--close-up Q0 K0 = {close_up.q0} {close_up.k0} lies outside the {layout.q_len} x "
                      f"{layout.kv_len} attention matrix")
     out = output_path(args.out or default_out(args.pattern))
-    viz.save(viz.draw_layout(layout, name=args.pattern, max_heads=args.show_heads or 4, close_up=close_up), out,
-             dpi=args.dpi)
+    viz.save(viz.draw_layout(layout, name=args.pattern, max_heads=args.show_heads or 4, close_up=close_up,
+                             dpi=args.dpi), out)
     con.print(f"wrote {out}: {args.pattern}, L={layout.q_len}, blocks {layout.block_q}x{layout.block_k}, "
               f"{'one layout for all heads' if layout.heads == 1 else f'{layout.heads} per-head layouts'}, "
               f"density {layout.density:.4f}")
