@@ -97,6 +97,12 @@ def test_from_flex_errors():
     bm8 = fa.create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 64, 64, device="cpu", BLOCK_SIZE=8)
     with pytest.raises(LayoutError, match=r"BLOCK_SIZE=\(8, 8\).*multiple of 16"):
         P.from_flex(bm8, element_mask=CAUSAL)
+    # flex's own query-block slicing keeps seq_lengths: its 2 rows were read as rows 0 and 1, silently
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sliced = bm[:, :, 2:]
+    with pytest.raises(LayoutError, match="2 query-block rows, but its seq_lengths need 4"):
+        P.from_flex(sliced, element_mask=CAUSAL)
 
 
 def _flex_runs_on_cpu() -> str | None:

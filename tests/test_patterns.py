@@ -270,7 +270,7 @@ def test_dilated_exponential_offsets_and_huge_windows():
     assert lay.kv_indices[0, 0, 0, :int(lay.kv_counts[0, 0, 0])].tolist() == [0, 1, 2, 4, 8]
     big = P.dilated(16 * 64, 200, 1, exponential=True, block_q=64, block_k=64)
     same_layout(big, P.dilated(16 * 64, 6, 1, exponential=True, block_q=64, block_k=64))
-    with pytest.raises(TypeError, match="exponential must be a bool"):
+    with pytest.raises(TypeError, match="exponential must be True or False"):
         P.dilated(1024, 3, 1, exponential="yes")
 
 
@@ -631,3 +631,41 @@ def test_csr_refuses_decreasing_offsets():
     col = torch.tensor([[[0, 1]]])
     with pytest.raises(LayoutError, match="not a valid offset array"):
         P.from_csr(torch.tensor([[[0, 2, 1, 2]]]), col, seq_len=48, block_q=16, block_k=16)
+
+
+@pytest.mark.parametrize("build", [
+    lambda c: P.local(64, 8, causal=c, block_q=16, block_k=16),
+    lambda c: P.streaming(64, 8, 4, causal=c, block_q=16, block_k=16),
+    lambda c: P.random(64, density=0.5, causal=c, block_q=16, block_k=16),
+    lambda c: P.strided(64, 2, causal=c, block_q=16, block_k=16),
+    lambda c: P.dilated(64, 2, 1, causal=c, block_q=16, block_k=16),
+    lambda c: P.block_diagonal(64, 16, causal=c, block_q=16, block_k=16),
+    lambda c: P.topk(torch.randn(1, 1, 4, 4), k=1, seq_len=64, causal=c, block_q=16, block_k=16),
+    lambda c: P.random(64, density=0.5, include_diagonal=c, block_q=16, block_k=16),
+])
+def test_builders_refuse_flags_that_are_not_bools(build):
+    """causal="False" (a config file's string) is truthy: every builder ran it causal."""
+    assert isinstance(build(False), BlockLayout)
+    with pytest.raises(TypeError, match="must be True or False, got str 'False'"):
+        build("False")
+
+
+def test_a_tiny_fraction_keeps_one_block_a_row():
+    """density / ratio 1e-11 rounded every row to no block, against ceil(density * n) >= 1."""
+    assert P.random(256, density=1e-11, block_q=16, block_k=16).kv_counts.eq(1).all()
+    assert P.random(256, density=1e-11, causal=True, block_q=16, block_k=16).kv_counts.eq(1).all()
+    assert P.topk(torch.randn(1, 1, 16, 16), ratio=1e-11, seq_len=256, block_q=16, block_k=16).kv_counts.eq(1).all()
+
+
+def test_empty_batch_or_heads_are_refused():
+    """A [0, ...] block mask, score map or CSR made a layout that '|' then failed on in a broadcast."""
+    with pytest.raises(LayoutError, match="batch >= 1 and heads >= 1.*batch=0"):
+        P.from_block_mask(torch.ones(0, 1, 2, 2, dtype=torch.bool), block_q=16, block_k=16)
+    with pytest.raises(LayoutError, match="heads=0"):
+        P.topk(torch.randn(1, 0, 2, 2), k=1, seq_len=32, block_q=16, block_k=16)
+
+
+def test_linear_dilated_windows_beyond_the_grid_cost_nothing():
+    """window_blocks=300000 on a 256-block grid built 300000 offsets per row (4.3 GB)."""
+    big = P.dilated(4096, 300_000, 3, block_q=16, block_k=16)
+    assert torch.equal(big.to_block_mask(), P.dilated(4096, 256, 3, block_q=16, block_k=16).to_block_mask())

@@ -224,6 +224,9 @@ class BlockLayout:
     def _from_coo(cls, coo: _Coo, *, batch: int, heads: int, block_q: int, block_k: int,
                   q_len: int, kv_len: int, masks: tuple[ElementMask, ...]) -> "BlockLayout":
         """Pack entries (any order, no duplicates) into the padded row format."""
+        if batch < 1 or heads < 1:  # a [0, ...] block mask or score tensor: '|' then failed in a broadcast
+            raise LayoutError(f"a layout needs batch >= 1 and heads >= 1 (1 broadcasts over all), got batch={batch}, "
+                              f"heads={heads}")
         check_block_size("block_q", block_q)
         check_block_size("block_k", block_k)
         nq = math.ceil(q_len / block_q)

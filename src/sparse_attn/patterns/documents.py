@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..layout import BlockLayout
 from ..masks import ElementMask, document_term
-from ._common import check_int, lengths
+from ._common import check_flag, check_int, lengths
 
 
 def block_diagonal(seq_len: int, block_size: int, kv_len: int | None = None, *, causal: bool = False,
@@ -17,6 +17,7 @@ def block_diagonal(seq_len: int, block_size: int, kv_len: int | None = None, *, 
     """
     q_len, kv_len = lengths(seq_len, kv_len)
     check_int("block_size", block_size, 1)
+    check_flag("causal", causal)  # "False" is truthy: it ran causal
     mask = ElementMask((document_term(block_size, causal=causal),))
     return BlockLayout.from_mask(mask, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k,
                                  device=device)

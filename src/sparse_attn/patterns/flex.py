@@ -121,6 +121,10 @@ def _rows3(num: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def _entries(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> tuple[torch.Tensor, ...]:
     """(b, h, qb, kb) of the listed blocks: slots below the row count, rows < nq, key blocks < nk."""
     num, idx = _rows3(num, idx)
+    if num.shape[-1] < nq:  # a q-sliced mask (bm[:, :, 2:]) keeps its seq_lengths: rows 0.. would be misread
+        raise LayoutError(f"the BlockMask has {num.shape[-1]} query-block rows, but its seq_lengths need {nq} "
+                          "(q_len / BLOCK_SIZE): a mask sliced along the query blocks cannot be read; convert the "
+                          "whole mask and slice the layout's rows instead, or rebuild it for the shorter query")
     num, idx = num[..., :nq].long(), idx[..., :nq, :].long()
     valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
     b, h, q, s = valid.nonzero(as_tuple=True)
@@ -158,7 +162,8 @@ def from_flex(block_mask, *, element_mask: ElementMask | None = None) -> BlockLa
     if n_part and element_mask is None:
         raise LayoutError(f"the BlockMask has {n_part} partial blocks, where flex applies its mask_mod; a BlockLayout "
                           "needs that mask as data: pass element_mask=sparse_attn.ElementMask(...) equal to the "
-                          "mask_mod (e.g. ElementMask((sparse_attn.masks.causal_term(),)) for a causal mask_mod)")
+                          "mask_mod (e.g. ElementMask((sparse_attn.masks.causal_term(),)) for bottom-right causal; "
+                          "flex's usual 'q_idx >= kv_idx' is top-left aligned: MaskTerm(right=-(Lk - Lq)))")
     batch, heads = _rows3(block_mask.kv_num_blocks, block_mask.kv_indices)[0].shape[:2]
     b, h, q, kb = (torch.cat([f, p]) for f, p in zip(full, part))
     mid = torch.cat([torch.full_like(full[0], -1), torch.zeros_like(part[0])])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
-from ._common import (check_fraction, check_int, generator, grid, lengths, layout_from_entries, row_positions,
+from ._common import (check_flag, check_fraction, check_int, generator, grid, lengths, layout_from_entries, row_positions,
                       sample_blocks)
 
 
@@ -30,6 +30,8 @@ def random(seq_len: int, *, density: float | None = None, top_k: int | None = No
     q_len, kv_len = lengths(seq_len, kv_len)
     check_int("batch", batch, 1)
     check_int("heads", heads, 1)
+    check_flag("causal", causal)  # "no" is truthy: it ran causal
+    check_flag("include_diagonal", include_diagonal)
     if (density is None) == (top_k is None):
         raise ValueError(f"pass exactly one of density= (fraction of key blocks per row) and top_k= "
                          f"(key blocks per row); got density={density}, top_k={top_k}")
@@ -44,8 +46,8 @@ def random(seq_len: int, *, density: float | None = None, top_k: int | None = No
     n_cand = torch.clamp(d + 1, 0, nk) if causal else torch.full((nq,), nk)
     if top_k is not None:
         k_row = torch.clamp(n_cand, max=top_k)
-    else:  # the epsilon keeps e.g. 0.3 * 10 from rounding up to 4
-        k_row = torch.ceil(n_cand.double() * float(density) - 1e-9).long().clamp(0)
+    else:  # the epsilon keeps e.g. 0.3 * 10 from rounding up to 4; a row with candidates keeps one at least
+        k_row = torch.ceil(n_cand.double() * float(density) - 1e-9).long().clamp(min=1).minimum(n_cand)
     def eligible(r0: int, r1: int) -> torch.Tensor:  # rows r0..r1-1: their candidate prefix of key blocks
         return torch.arange(nk)[None, :] < n_cand[r0:r1, None]
     forced = torch.where(n_cand > 0, d.clamp(0, max(nk - 1, 0)), -1) if include_diagonal else None

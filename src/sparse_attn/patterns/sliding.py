@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from ..layout import BlockLayout
 from ..masks import INF, ElementMask, MaskTerm
-from ._common import check_int, lengths
+from ._common import check_flag, check_int, lengths
 
 
 def _window_term(window: int, window_right: int | None, causal: bool) -> MaskTerm:
-    if causal:
+    if check_flag("causal", causal):  # "False" is truthy: it ran causal
         check_int("window", window, 1)
         if window_right not in (None, 0):
             raise ValueError(f"window_right={window_right} was given with causal=True; a causal window has no "

@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..layout import BlockLayout, LayoutError
-from ._common import check_fraction, check_int, grid, lengths, layout_from_entries, row_positions
+from ._common import check_flag, check_fraction, check_int, grid, lengths, layout_from_entries, row_positions
 
 
 def topk(scores: torch.Tensor, *, k: int | None = None, ratio: float | None = None, seq_len: int,
@@ -41,7 +41,9 @@ def topk(scores: torch.Tensor, *, k: int | None = None, ratio: float | None = No
         check_int("k", k, 1)
     else:
         ratio = check_fraction("ratio", ratio)  # ratio=True kept every block, "0.5" passed as a string
-    k_keep = min(k if k is not None else math.ceil(ratio * nk - 1e-9), nk)
+    check_flag("causal", causal)  # "no" is truthy: it ran causal
+    # at least one block a row (as the docstring's ceil says): ratio 1e-11 rounded to none
+    k_keep = min(k if k is not None else max(math.ceil(ratio * nk - 1e-9), 1), nk)
     B, H = scores.shape[:2]
     work = torch.float64 if scores.dtype == torch.float64 else torch.float32
     finfo = torch.finfo(work)
