@@ -13,7 +13,6 @@ import torch
 
 from ..layout import BlockLayout, _Coo, as_int, check_block_size
 from ..masks import ElementMask, causal_term
-from ..validation import check_flag  # noqa: F401  (re-exported to the builders)
 
 CAUSAL = ElementMask((causal_term(),))
 

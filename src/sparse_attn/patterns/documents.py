@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ..layout import BlockLayout
 from ..masks import ElementMask, document_term
-from ._common import check_flag, check_int, lengths
+from ..validation import check_flag
+from ._common import check_int, lengths
 
 
 def block_diagonal(seq_len: int, block_size: int, kv_len: int | None = None, *, causal: bool = False,

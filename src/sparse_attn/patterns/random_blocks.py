@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
-from ._common import (check_flag, check_fraction, check_int, generator, grid, lengths, layout_from_entries, row_positions,
+from ..validation import check_flag
+from ._common import (check_fraction, check_int, generator, grid, lengths, layout_from_entries, row_positions,
                       sample_blocks)
 
 

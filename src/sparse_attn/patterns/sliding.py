@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from ..layout import BlockLayout
 from ..masks import INF, ElementMask, MaskTerm
-from ._common import check_flag, check_int, lengths
+from ..validation import check_flag
+from ._common import check_int, lengths
 
 
 def _window_term(window: int, window_right: int | None, causal: bool) -> MaskTerm:

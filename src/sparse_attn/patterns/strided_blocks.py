@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
-from ._common import check_flag, check_int, grid, lengths, layout_from_entries, ranges_to_entries, row_positions
+from ..validation import check_flag
+from ._common import check_int, grid, lengths, layout_from_entries, ranges_to_entries, row_positions
 
 
 def _diagonals(nq: int, q_len: int, kv_len: int, block_q: int, block_k: int, device):

@@ -6,7 +6,8 @@ import math
 import torch
 
 from ..layout import BlockLayout, LayoutError
-from ._common import check_flag, check_fraction, check_int, grid, lengths, layout_from_entries, row_positions
+from ..validation import check_flag
+from ._common import check_fraction, check_int, grid, lengths, layout_from_entries, row_positions
 
 
 def topk(scores: torch.Tensor, *, k: int | None = None, ratio: float | None = None, seq_len: int,
