@@ -289,3 +289,65 @@ def test_lse_gradient_of_varlen_and_grouped_kernels(monkeypatch):
         for name, a, b in zip("qkv", (q, k, v), oracle):
             err = (a.grad.double() - b.grad).abs().max().item()
             assert err < 2e-3, f"{what} d{name}: max error {err:.2e}"
+
+
+def _causal_layout(lq, lk, block=16):
+    return BlockLayout.from_mask(MASKS["causal"], q_len=lq, kv_len=lk, block_q=block, block_k=block)
+
+
+def test_compiled_kernels_take_transposed_inputs():
+    """The forward op's fake returned q's strides while the op returns a contiguous output: a compiled
+    graph over [B, L, H, D] inputs viewed as [B, H, L, D] failed ("view size is not compatible")."""
+    attention_op, _ = _ops()
+    B, H, L, D = 1, 2, 32, 16
+    lay = _causal_layout(L, L)
+    x = [torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3)]
+
+    def f(q, k, v):
+        return attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lay).transpose(1, 2).reshape(
+            B, L, H * D) * 1.0
+
+    want = f(*x)
+    grads = torch.autograd.grad(want.square().sum(), x)
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(*x)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(torch.autograd.grad(got.square().sum(), x), grads):
+        torch.testing.assert_close(g, w)
+
+
+def test_strided_cu_seqlens_are_read_as_their_values():
+    """A stride-2 cu_seqlens view was read as if packed: other sequences' offsets, writes past the output."""
+    _, varlen_attention_op = _ops()
+    from sparse_attn import varlen
+    q, k, v = random_packed_qkv(58, 75, 2, 1, 16, seed=7, dtype=torch.float32)
+    cq, ck = torch.tensor([0, 17, 18, 58], dtype=torch.int32), torch.tensor([0, 30, 35, 75], dtype=torch.int32)
+    strided = [torch.stack([c, c.roll(-1)], 1).flatten()[::2] for c in (cq, ck)]
+    assert strided[0].stride(0) == 2 and torch.equal(strided[0], cq)
+    stacked = varlen.stack(varlen.build_layouts([17, 1, 40], [30, 5, 40], None, None, causal=True, block=16), 40, 40, 2)
+    want = sparse_attn.varlen_attention(q.double(), k.double(), v.double(), cq, ck, 40, 40, causal=True)
+    got = varlen_attention_op(q, k, v, stacked, *strided, 40, 40, (30, 5, 40))
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+def test_kernel_gradients_refuse_a_second_backward():
+    """create_graph=True gave a dq that was silently detached (the Triton backward records no graph), so a
+    gradient penalty was dropped; it now raises, as a once-differentiable function does."""
+    attention_op, _ = _ops()
+    q, k, v = _qkv(1, 1, 1, 35, 35, 16, torch.float32, True)
+    out = attention_op(q, k, v, _causal_layout(35, 35))
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gq.square().sum().backward()
+
+
+def test_forward_into_refuses_an_output_its_kernels_cannot_write():
+    """out[..., ::2] was written as if its channels were contiguous: wrong values, its neighbours overwritten."""
+    from sparse_attn.ops.block_sparse import forward_into
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16, torch.float32, False)
+    lay = _causal_layout(40, 40)
+    buf = torch.full((1, 2, 40, 32), 7.0)
+    with pytest.raises(ValueError, match="unit stride in its last dim"):
+        forward_into(q, k, v, lay, buf[..., ::2], torch.empty(1, 2, 40))
+    out, lse = buf[..., :16], torch.empty(1, 2, 40)  # a unit-stride view of a wider buffer is fine
+    forward_into(q, k, v, lay, out, lse)
+    assert (out - reference.attention(q, k, v, lay)).abs().max() < 1e-5 and (buf[..., 16:] == 7).all()

@@ -41,6 +41,12 @@ def _kernel_call_inputs(q, k, v, scale: float | None):
     return q, k, v, softmax_scale(q, scale)
 
 
+def _offsets(cu):
+    """Sequence offsets as the kernels read them, at unit stride (a strided view, e.g. every other entry
+    of a pairs tensor, was read as if packed: other sequences' bounds, writes past the output)."""
+    return None if cu is None else cu.contiguous()
+
+
 def _needs_grad(q, k, v) -> bool:
     """Whether autograd will ask for gradients (then the layout's transpose rides along for backward)."""
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -103,12 +109,17 @@ def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, re
 def forward_into(q, k, v, layout: BlockLayout, out: torch.Tensor, lse: torch.Tensor, *, scale: float | None = None,
                  cu_q=None, cu_k=None, max_q: int | None = None, max_k: int | None = None, kv_lens=None,
                  seq_step: int = 1) -> None:
-    """Forward kernels writing into ``out`` / ``lse`` (views of any strides, shaped as the op's
-    results), outside autograd: for callers that fill slices of their own buffers inside their own
-    autograd.Function (context parallelism). Dense ``[B, H, L, D]`` inputs, or packed ``[T, H, D]``
-    ones with ``cu_q`` / ``cu_k`` / ``max_q`` / ``max_k`` / ``kv_lens`` as
-    :func:`grouped_attention_op` (``seq_step`` 2) or :func:`varlen_attention_op` (1)."""
+    """Forward kernels writing into ``out`` / ``lse`` (views shaped as the op's results: ``lse`` of any
+    strides, ``out`` with unit stride in its last dim), outside autograd: for callers that fill slices of
+    their own buffers inside their own autograd.Function (context parallelism). Dense ``[B, H, L, D]``
+    inputs, or packed ``[T, H, D]`` ones with ``cu_q`` / ``cu_k`` / ``max_q`` / ``max_k`` / ``kv_lens``
+    as :func:`grouped_attention_op` (``seq_step`` 2) or :func:`varlen_attention_op` (1)."""
     q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
+    if out.shape != q.shape[:-1] + v.shape[-1:] or out.dtype != q.dtype or out.stride(-1) != 1:
+        # the kernels store a row's channels contiguously: out[..., ::2] got its neighbours overwritten
+        raise ValueError(f"forward_into needs out shaped {tuple(q.shape[:-1] + v.shape[-1:])} in {q.dtype} with unit "
+                         f"stride in its last dim, got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    cu_q, cu_k = _offsets(cu_q), _offsets(cu_k)
     if cu_q is None:
         max_q, max_k = q.shape[2], k.shape[2]
     launch.forward(q, k, v, *forward_layout_inputs(layout, kv_lens), cu_q, cu_k, layout.block_q, layout.block_k, scale,
@@ -121,7 +132,7 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
     ``kv_lens`` (ints) the sequences' key lengths."""
     q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
     needs_grad = _needs_grad(q, k, v)
-    out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
+    out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), _offsets(cu_q), _offsets(cu_k),
                           stacked.block_q, stacked.block_k, scale, max_q, max_k)
     return (out, lse) if return_lse else out
 
@@ -138,8 +149,8 @@ def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, 
     dQ 0: launch.backward zero-fills dQ for paired bounds)."""
     q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
     needs_grad = _needs_grad(q, k, v)
-    out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), cu_q, cu_k,
-                          stacked.block_q, stacked.block_k, scale, max_q, max_k, 2, cu_dk, dk_rows)
+    out, lse = forward_op(q, k, v, *layout_inputs(stacked, needs_grad, kv_lens), _offsets(cu_q), _offsets(cu_k),
+                          stacked.block_q, stacked.block_k, scale, max_q, max_k, 2, _offsets(cu_dk), dk_rows)
     if free_rows is not None:  # out of place: the op's own output is saved for backward
         out = out.index_fill(0, free_rows, 0.0)
         lse = lse.index_fill(1, free_rows, float("-inf"))

@@ -52,7 +52,7 @@ def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_coun
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     else:
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    return torch.empty_like(q), lse
+    return q.new_empty(q.shape), lse  # contiguous, as launch.forward allocates it (not q's strides)
 
 
 def _bwd_impl(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
@@ -79,7 +79,9 @@ def block_sparse_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 @block_sparse_bwd.register_fake
 def _(do, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as launch.backward allocates them: a fake with the inputs' strides made compiled graphs
+    # over transposed [B, L, H, D] inputs fail (a traced view of a tensor that came back contiguous)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -130,7 +132,10 @@ class _EagerForward(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
+        # the Triton backward records no graph: without this a create_graph=True gradient came back
+        # detached and a gradient penalty was silently dropped; double backward is the reference's
         return _backward(ctx, do, dlse, _bwd_impl)
 
 

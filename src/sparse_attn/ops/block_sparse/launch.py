@@ -664,13 +664,14 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         dqa, dq_tma = None, False
         # (start, end) pairs (seq_step 2, grouped attention) need not cover q: the dQ kernel writes only
         # group rows, so rows in no group must start at 0
-        dq = torch.zeros_like(q) if seq_step == 2 else torch.empty_like(q)
+        dq = (torch.zeros if seq_step == 2 else torch.empty)(q.shape, device=q.device, dtype=q.dtype)  # as the fakes
     qdo_tma = BWD_QDO == "tma" and not fused and _tma_ok(q, do)
     if qdo_tma:
         _ensure_allocator()
     dk_dtype, dv_dtype = dkv_dtype or k.dtype, dkv_dtype or v.dtype
     if dk_rows is None:
-        dk, dv = torch.empty_like(k, dtype=dk_dtype), torch.empty_like(v, dtype=dv_dtype)
+        dk = torch.empty(k.shape, device=k.device, dtype=dk_dtype)  # contiguous, as the op's fake says
+        dv = torch.empty(v.shape, device=v.device, dtype=dv_dtype)
         cu_dk = cu_k
     else:  # fp32 scratch: each group's partial dK/dV is summed before any rounding to k's dtype
         dk = k.new_empty(dk_rows.numel(), *k.shape[1:], dtype=torch.float32)
