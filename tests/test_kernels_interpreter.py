@@ -351,3 +351,17 @@ def test_forward_into_refuses_an_output_its_kernels_cannot_write():
     out, lse = buf[..., :16], torch.empty(1, 2, 40)  # a unit-stride view of a wider buffer is fine
     forward_into(q, k, v, lay, out, lse)
     assert (out - reference.attention(q, k, v, lay)).abs().max() < 1e-5 and (buf[..., 16:] == 7).all()
+
+
+def test_more_grid_rows_than_cuda_allows_is_a_clear_error():
+    """B * H > 65535 (CUDA's grid y limit) failed at launch with a bare 'Triton Error [CUDA]: invalid
+    argument' on the H100 (batch 2048 x 32 heads); it is refused before any launch, saying how to split."""
+    attention_op, _ = _ops()
+    from sparse_attn.ops.sage import sage_attention_op
+    q = torch.zeros(2048, 32, 1, 32)
+    lay = _causal_layout(1, 1)
+    with pytest.raises(ValueError, match="2048 x 32 = 65536 rows is over CUDA's 65535; split the call into batches of "
+                                         "at most 2047 sequences"):
+        attention_op(q, q, q, lay)
+    with pytest.raises(ValueError, match="65536 rows is over CUDA's 65535"):
+        sage_attention_op(q, q, q, lay, quant="int8", granularity="per_warp", smooth_k=True)

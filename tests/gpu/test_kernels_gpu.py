@@ -408,6 +408,37 @@ def test_strided_inputs_fwd_bwd(kind):
         assert err < 1e-2, f"d{name}: {err:.3e} of the largest gradient"
 
 
+def test_compiled_attention_over_bshd_inputs():
+    """The op's fake gave the output q's (transposed) strides while the op returns it contiguous: a
+    compiled module taking [B, L, H, D] activations failed on the reshape after attention."""
+    B, H, L, D = 2, 4, 300, 64
+    layout = sparse_attn.prepare(BlockLayout.from_mask(_mask("streaming"), q_len=L, block_q=64, block_k=64,
+                                                       device="cuda"))
+    x = [_rand((B, L, H, D), torch.bfloat16).requires_grad_() for _ in range(3)]
+
+    def f(q, k, v):
+        out = sparse_attn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, causal=True)
+        return out.transpose(1, 2).reshape(B, L, H * D)
+
+    want = f(*x)
+    grads = torch.autograd.grad(want.float().square().sum(), x)
+    got = torch.compile(f, fullgraph=True)(*x)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for g, w in zip(torch.autograd.grad(got.float().square().sum(), x), grads):
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+
+
+def test_grid_rows_up_to_cudas_limit_run_and_past_it_are_refused():
+    """B * H = 65536 failed at launch with 'Triton Error [CUDA]: invalid argument'; 65504 ran."""
+    lay = BlockLayout.from_mask(_mask("causal"), q_len=64, block_q=64, block_k=64, device="cuda")
+    q = _rand((2047, 32, 64, 64), torch.float16).requires_grad_()
+    out = sparse_attn.attention(q, q, q, lay)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    with pytest.raises(ValueError, match="65536 rows is over CUDA's 65535"):
+        sparse_attn.attention(*(_rand((2048, 32, 64, 64), torch.float16) for _ in range(3)), lay)
+
+
 def test_varlen_from_a_fused_packed_qkv():
     T, H, Hkv, D = 1500, 8, 2, 128
     qkv = _rand((T, H + 2 * Hkv, D), torch.bfloat16).requires_grad_()

@@ -411,6 +411,20 @@ def _d_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's y dimension, where the kernels put (sequence, head) pairs
+
+
+def grid_rows(sequences: int, heads: int) -> int:
+    """``sequences * heads``, the kernels' grid rows, or a ValueError past CUDA's limit (the launch failed
+    with a bare 'Triton Error [CUDA]: invalid argument', e.g. batch 2048 x 32 heads)."""
+    rows = sequences * heads
+    if rows > MAX_GRID_ROWS:
+        raise ValueError(f"the kernels run one grid row per (sequence, head): {sequences} x {heads} = {rows} rows is "
+                         f"over CUDA's {MAX_GRID_ROWS}; split the call into batches of at most "
+                         f"{max(MAX_GRID_ROWS // heads, 1)} sequences")
+    return rows
+
+
 def _num_seqs(cu: torch.Tensor, seq_step: int) -> int:
     """cu_seqlens [B + 1] (seq_step 1) or (start, end) pairs [2 B] (seq_step 2)."""
     return cu.numel() - 1 if seq_step == 1 else cu.numel() // 2
@@ -484,7 +498,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
                              contiguous) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
     # indexed rows: the grid position's phase or the clock's; contiguous runs: only the clock's
     wave = FWD_WAVE and not varlen and (not contiguous or wave_ns > 0)
-    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    rows = grid_rows(B, H)
+    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), rows)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
         sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
@@ -650,6 +665,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
+    grid_rows(B, H)  # the forward checked it too; direct callers of the backward may not have run it
     delta, lse2, l_strides, l_starts = _row_terms(out, do, lse, block_q, cu_q, seq_step, max_q, dlse)
     d_pad = _d_pad(D)
     # the fused kernel's extra dQ tile does not fit in shared memory beside d256 tiles: split there

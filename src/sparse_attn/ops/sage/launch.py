@@ -39,9 +39,9 @@ def _grid(varlen: bool, cu: torch.Tensor | None, B: int, H: int, L: int, max_len
     """(row tiles, B * H) over dense rows, or over the packed sequences of ``cu`` (int32 [S + 1],
     the longest ``max_len``)."""
     if not varlen:
-        return triton.cdiv(L, TILE), B * H
+        return triton.cdiv(L, TILE), bs_launch.grid_rows(B, H)
     _check_packed(cu, max_len)
-    return triton.cdiv(max(max_len, 1), TILE), (cu.numel() - 1) * H
+    return triton.cdiv(max(max_len, 1), TILE), bs_launch.grid_rows(cu.numel() - 1, H)
 
 
 def vt_columns(total: int, num_seqs: int) -> int:
