@@ -140,3 +140,18 @@ def test_compiled_8bit_with_a_layout_equals_eager(quant):
     assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
     for got, want in zip(c_grads, grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_inductor_compiles_transposed_inputs_forward_and_backward():
+    """The backward op's fake kept q's strides while the op returns contiguous gradients: inductor
+    asserted on [B, L, H, D] activations viewed as [B, H, L, D]."""
+    lay = patterns.local(64, 16, block_q=16, block_k=16)
+    x = torch.randn(1, 64, 2, 16, requires_grad=True)
+
+    def f(x):
+        q = x.transpose(1, 2)
+        return sparse_attn.attention(q, q, q, lay)
+
+    (want,) = torch.autograd.grad(f(x).square().sum(), x)
+    (got,) = torch.autograd.grad(torch.compile(f, fullgraph=True)(x).square().sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -504,3 +504,44 @@ def test_a_nan_in_k_reaches_only_the_rows_that_see_it_one_in_v_its_visiting_bloc
     lay = patterns.local(200, 20, block_q=32, block_k=32)
     q, k, v = random_qkv(1, 2, 2, 200, 200, 8, torch.float32, "cpu", seed=40)
     check_non_finite_spread(lambda q, k, v: reference.attention(q, k, v, lay), lay, q, k, v, key=70)
+
+
+def test_autocast_does_not_lower_the_references_accumulation():
+    """Under CPU autocast the forward's products ran in bf16 and the backward in fp32 from that LSE:
+    gradients 4x worse than bf16 inputs without autocast. The reference accumulates in fp32 as documented."""
+    from sparse_attn import patterns
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g, requires_grad=True) for _ in range(3))
+    lay = patterns.local(256, 64, block_q=64, block_k=64)
+    want = sparse_attn.attention(q, k, v, lay, causal=True)
+    grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = sparse_attn.attention(q, k, v, lay, causal=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layout_edited_between_forward_and_backward_is_an_error():
+    """The backward held the layout as an object: zeroing its counts after the forward gave all-zero
+    gradients, silently."""
+    from sparse_attn import patterns
+    lay = patterns.local(64, 16, block_q=16, block_k=16)
+    q, k, v = (torch.randn(1, 1, 64, 8, requires_grad=True) for _ in range(3))
+    out = sparse_attn.attention(q, k, v, lay)
+    lay.kv_counts.zero_()
+    with pytest.raises(RuntimeError, match="layout was modified after the forward"):
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+
+def test_the_oracle_checks_what_the_api_checks():
+    """reference.attention, public as the test oracle, ran an index past the grid and causal="False"."""
+    from sparse_attn import BlockLayout, LayoutError
+    q = torch.randn(1, 1, 32, 8)
+    idx = torch.tensor([[0, 2], [1, -1]], dtype=torch.int32).view(1, 1, 2, 2)
+    bad = BlockLayout(16, 16, 32, 32, torch.tensor([2, 1], dtype=torch.int32).view(1, 1, 2), idx, torch.full_like(idx, -1))
+    with pytest.raises(LayoutError):
+        reference.attention(q, q, q, bad)
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        reference.attention(q, q, q, causal="False")

@@ -315,7 +315,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     :func:`grouped_attention_loop` (one reference call per group). The LSE is differentiable, as in
     :func:`sparse_attn.attention`. Under ``torch.compile`` on CUDA the call is a graph break
     (``fullgraph=False`` works; ``fullgraph=True`` fails in the host-side plan cache, H100, torch 2.11);
-    on the CPU, a loop of reference calls, it also compiles with ``fullgraph=True``.
+    on the CPU, a loop of reference calls, it also compiles with ``fullgraph=True`` given ``layouts=``
+    or neither (``pattern=`` builds layouts inside the graph, data-dependent: ``fullgraph=False``).
     """
     if not (FORCE_KERNELS or (isinstance(q, torch.Tensor) and q.is_cuda)):
         return grouped_attention_loop(q, k, v, groups, causal=causal, scale=scale, return_lse=return_lse,

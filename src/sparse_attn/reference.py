@@ -19,7 +19,7 @@ import torch
 
 from .layout import BlockLayout, LayoutError
 from .masks import allowed
-from .validation import check_qkv
+from .validation import check_causal, check_qkv, check_scale
 
 
 def visited_keys(layout: BlockLayout, qb: int) -> tuple[int, int, torch.Tensor | None]:
@@ -113,13 +113,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     about 1e-5 of their size.
     """
     check_qkv(q, k, v)  # public as the oracle: a GQA mismatch failed in a view() deep inside
+    causal, scale = check_causal(causal), check_scale(scale)  # as the API: causal="False" ran causal
     if layout is not None:
         _check_frame(layout, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        layout._ensure_valid()  # a hand-built layout with an index past the grid ran silently here
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if _recomputes(q, k, v, _lowp, _round_p):
-        out, lse = _RecomputingAttention.apply(q, k, v, layout, causal, scale)
-    else:
-        out, lse = _forward(q, k, v, layout, causal, scale, _lowp, _round_p)
+    # fp32 accumulation as documented: under CPU autocast the products ran in bf16 while the backward
+    # recomputed in fp32 from that LSE (gradients ~4x worse than bf16 inputs without autocast)
+    with torch.autocast(q.device.type, enabled=False):
+        if _recomputes(q, k, v, _lowp, _round_p):
+            out, lse = _RecomputingAttention.apply(q, k, v, layout, causal, scale)
+        else:
+            out, lse = _forward(q, k, v, layout, causal, scale, _lowp, _round_p)
     if not return_lse:
         return out
     return out, lse if _acc_lse else lse.to(torch.float32)
@@ -152,11 +157,17 @@ class _RecomputingAttention(torch.autograd.Function):
         q, k, v, layout, causal, scale = inputs
         ctx.save_for_backward(q, k, v, output[1])
         ctx.layout, ctx.causal, ctx.scale = layout, causal, scale
+        ctx.fingerprint = None if layout is None else layout._fingerprint()
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, lse = ctx.saved_tensors
-        grads = attention_backward(do, dlse, q, k, v, lse, ctx.layout, causal=ctx.causal, scale=ctx.scale)
+        if ctx.layout is not None and ctx.layout._fingerprint() != ctx.fingerprint:
+            # the layout is held as an object: an edit in place gave gradients of the edited layout, silently
+            raise RuntimeError("sparse_attn: the layout was modified after the forward that used it; the backward "
+                               "needs the layout the forward ran (edit a copy, or run the forward again)")
+        with torch.autocast(q.device.type, enabled=False):
+            grads = attention_backward(do, dlse, q, k, v, lse, ctx.layout, causal=ctx.causal, scale=ctx.scale)
         return (*grads, None, None, None)
 
 

@@ -68,7 +68,8 @@ def reference_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
 @reference_bwd.register_fake
 def _(do, dlse, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as attention_backward returns them (q's strides made inductor fail on transposed inputs)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
