@@ -261,8 +261,7 @@ def attention_probs(q, k, layout=None, *, causal: bool = False) -> torch.Tensor:
     from . import reference
     eye = torch.eye(k.shape[2], dtype=torch.float64, device=q.device)[None, None]
     if layout is not None and (layout.batch > 1 or layout.heads > 1):
-        layout = BlockLayout(layout.block_q, layout.block_k, layout.q_len, layout.kv_len, layout.kv_counts[:1, :1],
-                             layout.kv_indices[:1, :1], layout.kv_mask_ids[:1, :1], layout.masks)
+        layout = head_layout(layout, 0, 0)
     return reference.attention(q[:1, :1].double(), k[:1, :1].double(), eye, layout, causal=causal)[0, 0]
 
 
@@ -290,9 +289,9 @@ def comparison_inputs(q, k, v, head: int, batch: int) -> tuple[torch.Tensor, tor
 
 
 def head_layout(layout: BlockLayout, batch: int, head: int) -> BlockLayout:
-    """The ``[1, 1]`` layout of batch row ``batch`` and query head ``head`` of ``layout`` (on the CPU)."""
+    """The ``[1, 1]`` layout of batch row ``batch`` and query head ``head`` of ``layout``."""
     b, h = min(batch, layout.batch - 1), min(head, layout.heads - 1)  # broadcast dims hold one row
-    pick = lambda t: t[b:b + 1, h:h + 1].cpu()  # noqa: E731
+    pick = lambda t: t[b:b + 1, h:h + 1]  # noqa: E731
     return BlockLayout(layout.block_q, layout.block_k, layout.q_len, layout.kv_len, pick(layout.kv_counts),
                        pick(layout.kv_indices), pick(layout.kv_mask_ids), layout.masks)
 

@@ -212,10 +212,8 @@ def draw_layout(layout, *, name: str = "", heads: list[int] | None = None, max_h
                                    fill=False, edgecolor="#c0392b", linewidth=1.2))
     if close_up is not None:
         _draw_close_up(axes[-1], layout, close_up, b)
-    drawn = [min(h, lay.heads - 1) for h in heads]  # the legend counts what the panels show
-    counts = lay.kv_counts[b, drawn]
-    listed = torch.arange(lay.max_k) < counts[..., None].long()
-    n_part = int((listed & (lay.kv_mask_ids[b, drawn] >= 0)).sum())
+    listed = torch.arange(lay.max_k) < lay.kv_counts[b, heads][..., None].long()  # the drawn panels' blocks
+    n_part = int((listed & (lay.kv_mask_ids[b, heads] >= 0)).sum())
     n_full = int(listed.sum()) - n_part
     kv = "" if layout.kv_len == layout.q_len else f"x{layout.kv_len}"
     row = f", batch {b}" if lay.batch > 1 else ""

@@ -43,6 +43,8 @@ def _integer(text: str) -> int:
 
 positive_int = _at_least(_integer, 1, "a positive integer")
 nonneg_int = _at_least(_integer, 0, "an integer >= 0")
+positive_tokens = _at_least(tokens, 1, "a positive length like 4096, 8k or 128K")
+nonneg_tokens = _at_least(tokens, 0, "a length >= 0 like 0, 4096 or 8k")
 
 
 def seed_arg(text: str) -> int:
@@ -52,8 +54,6 @@ def seed_arg(text: str) -> int:
     if value >= 1 << 64:
         raise argparse.ArgumentTypeError(f"must be below 2**64 (a torch.Generator seed), got {text!r}")
     return value
-positive_tokens = _at_least(tokens, 1, "a positive length like 4096, 8k or 128K")
-nonneg_tokens = _at_least(tokens, 0, "a length >= 0 like 0, 4096 or 8k")
 
 
 def device_arg(text: str) -> str:
@@ -221,17 +221,17 @@ def add_accuracy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=positive_int, default=64, help="head dim (default 64)")
     p.add_argument("--seed", type=seed_arg, default=0, help="input seed (default 0)")
     t = p.add_argument_group("thresholds")
-    t.add_argument("--min-cosine", type=_threshold("a number below 1 (cosine > 1 never passes)", lambda x: x < 1),
+    below_1 = "a number below 1 ({} > 1 never passes)"
+    t.add_argument("--min-cosine", type=threshold_type(below_1.format("cosine"), lambda x: x < 1),
                    default=0.95, help="pass if cosine > this (default 0.95)")
-    t.add_argument("--max-l1", type=_threshold("a number above 0 (relative L1 < 0 never passes)", lambda x: x > 0),
+    t.add_argument("--max-l1", type=threshold_type("a number above 0 (relative L1 < 0 never passes)", lambda x: x > 0),
                    default=0.1, help="pass if relative L1 < this (default 0.1)")
-    t.add_argument("--min-sparsity", type=_threshold("a number below 1 (sparsity > 1 never passes)",
-                                                     lambda x: x < 1),
+    t.add_argument("--min-sparsity", type=threshold_type(below_1.format("sparsity"), lambda x: x < 1),
                    default=0.05, help="pass if sparsity > this (default 0.05)")
 
 
-def _threshold(rule: str, ok):
-    """An argparse type for a pass/fail threshold: a float ``ok`` accepts. One no result can meet
+def threshold_type(rule: str, ok):
+    """An argparse type for a pass/fail threshold: a float ``ok`` accepts (``rule`` says which, in errors). One no result can meet
     (--min-cosine 1, --max-l1 -1, nan) ran and failed whatever the attention did."""
     def parse(text: str) -> float:
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..json_io import dumps
 from ._common import (PATTERN_OPTION_DESTS, Once, add_pattern_options, console, default_device, device_arg, error,
                       file_stem, flag_of, nonneg_int, positive_int, positive_tokens, seed_arg, split_list,
-                      usage_error, writable_dir)
+                      threshold_type, usage_error, writable_dir)
 
 DESCRIPTION = """Run a causal LM twice on the same text, once with its own (dense) attention and once
 per PATTERN through the sparse_attn transformers integration, and compare: logits cosine
@@ -119,13 +119,7 @@ def bar_type(name: str):
         rule, ok = BAR_RULES[name][2:]
         if text.strip().lower() in OFF:
             return None
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {rule} or 'off', got {text!r}") from None
-        if not ok(value):  # nan fails every rule
-            raise argparse.ArgumentTypeError(f"must be {rule} or 'off', got {text!r}")
-        return value
+        return threshold_type(f"{rule} or 'off'", ok)(text)
     parse.__name__ = f"{name} bar"
     return parse
 

@@ -26,6 +26,7 @@ and attention sinks (``s_aux``) are not supported (``NotImplementedError``).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -178,10 +179,8 @@ class SparseAttnConfig:
         visited = layout.num_blocks
         if causal:
             if sliding_window:
-                from .. import patterns
-                band = patterns.local(layout.q_len, int(sliding_window), kv_len=layout.kv_len,
-                                      block_q=layout.block_q, block_k=layout.block_k)
-                baseline = band.num_blocks * layout.batch * layout.heads
+                baseline = _window_blocks(layout.q_len, layout.kv_len, int(sliding_window), layout.block_q,
+                                          layout.block_k) * layout.batch * layout.heads
             else:
                 baseline = causal_blocks(layout)
             vs_baseline = 1.0 - visited / baseline if baseline else 0.0
@@ -212,6 +211,14 @@ class SparseAttnConfig:
         parts = [self._default.describe() + ("" if self.layers is None else f" on layers {sorted(self.layers)}")]
         parts += [f"layer {i}: {s.describe()}" for i, s in sorted(self._per_layer.items())]
         return "; ".join(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_blocks(q_len: int, kv_len: int, window: int, block_q: int, block_k: int) -> int:
+    """Blocks a causal sliding window of ``window`` keys visits on this grid (one (batch, head) row set):
+    the dense baseline of a sliding-window layer, cached (adaptive layers measure it every call)."""
+    from .. import patterns
+    return patterns.local(q_len, window, kv_len=kv_len, block_q=block_q, block_k=block_k).num_blocks
 
 
 def _window_cut(layout, sliding_window: int | None):
