@@ -353,15 +353,23 @@ def test_forward_into_refuses_an_output_its_kernels_cannot_write():
     assert (out - reference.attention(q, k, v, lay)).abs().max() < 1e-5 and (buf[..., 16:] == 7).all()
 
 
-def test_more_grid_rows_than_cuda_allows_is_a_clear_error():
-    """B * H > 65535 (CUDA's grid y limit) failed at launch with a bare 'Triton Error [CUDA]: invalid
-    argument' on the H100 (batch 2048 x 32 heads); it is refused before any launch, saying how to split."""
-    attention_op, _ = _ops()
+def test_more_sequences_or_heads_than_cuda_allows_is_a_clear_error():
+    """The grid's axes 1 and 2 hold heads and sequences, 65535 each at most in CUDA (both on one axis,
+    B x H = 2048 x 32 failed at launch with a bare 'Triton Error [CUDA]: invalid argument' on the
+    H100): more of either is refused before any launch, saying how to split."""
+    attention_op, varlen_op = _ops()
     from sparse_attn.ops.sage import sage_attention_op
-    q = torch.zeros(2048, 32, 1, 32)
     lay = _causal_layout(1, 1)
-    with pytest.raises(ValueError, match="2048 x 32 = 65536 rows is over CUDA's 65535; split the call into batches of "
-                                         "at most 2047 sequences"):
-        attention_op(q, q, q, lay)
-    with pytest.raises(ValueError, match="65536 rows is over CUDA's 65535"):
-        sage_attention_op(q, q, q, lay, quant="int8", granularity="per_warp", smooth_k=True)
+    many_seqs, many_heads = torch.zeros(65536, 1, 1, 16), torch.zeros(1, 65536, 1, 16)
+    with pytest.raises(ValueError, match="65536 sequences is over CUDA's 65535; split the call into batches of at "
+                                         "most 65535 sequences"):
+        attention_op(many_seqs, many_seqs, many_seqs, lay)
+    with pytest.raises(ValueError, match="65536 heads is over CUDA's 65535"):
+        attention_op(many_heads, many_heads, many_heads, lay)
+    eight_bit = torch.zeros(65536, 1, 1, 32)
+    with pytest.raises(ValueError, match="65536 sequences is over CUDA's 65535"):
+        sage_attention_op(eight_bit, eight_bit, eight_bit, lay, quant="int8", granularity="per_warp", smooth_k=True)
+    packed = torch.zeros(65536, 1, 16)
+    cu = torch.arange(65537, dtype=torch.int32)
+    with pytest.raises(ValueError, match="65536 sequences is over CUDA's 65535"):
+        varlen_op(packed, packed, packed, lay, cu, cu, 1, 1, None)

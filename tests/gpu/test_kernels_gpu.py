@@ -428,15 +428,48 @@ def test_compiled_attention_over_bshd_inputs():
         torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
 
 
-def test_grid_rows_up_to_cudas_limit_run_and_past_it_are_refused():
-    """B * H = 65536 failed at launch with 'Triton Error [CUDA]: invalid argument'; 65504 ran."""
+def test_more_than_65535_sequence_head_pairs_run_and_equal_smaller_calls():
+    """4096 sequences x 32 heads (8 kv heads): with (sequence, head) pairs on one grid axis, anything past
+    CUDA's 65535 failed at launch ('Triton Error [CUDA]: invalid argument', 2048 x 32). Heads and
+    sequences now have an axis each; every sequence's output and gradients equal those of a call
+    over its quarter of the batch, bit for bit (the same programs on the same data)."""
     lay = BlockLayout.from_mask(_mask("causal"), q_len=64, block_q=64, block_k=64, device="cuda")
-    q = _rand((2047, 32, 64, 64), torch.float16).requires_grad_()
-    out = sparse_attn.attention(q, q, q, lay)
-    out.float().sum().backward()
-    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
-    with pytest.raises(ValueError, match="65536 rows is over CUDA's 65535"):
-        sparse_attn.attention(*(_rand((2048, 32, 64, 64), torch.float16) for _ in range(3)), lay)
+    q = _rand((4096, 32, 64, 64), torch.float16).requires_grad_()
+    k, v = (_rand((4096, 8, 64, 64), torch.float16).requires_grad_() for _ in range(2))
+    do = _rand(q.shape, torch.float16)
+    out = sparse_attn.attention(q, k, v, lay)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    for b in range(0, 4096, 1024):
+        part = [t[b:b + 1024].detach().requires_grad_() for t in (q, k, v)]
+        want = sparse_attn.attention(*part, lay)
+        torch.testing.assert_close(out[b:b + 1024], want, atol=0, rtol=0)
+        for g, w in zip(grads, torch.autograd.grad(want, part, do[b:b + 1024])):
+            torch.testing.assert_close(g[b:b + 1024], w, atol=0, rtol=0)
+    eight_bit = sparse_attn.attention(q.detach(), k.detach(), v.detach(), lay, quant="int8")
+    torch.testing.assert_close(eight_bit[:1024], sparse_attn.attention(
+        q[:1024].detach(), k[:1024].detach(), v[:1024].detach(), lay, quant="int8"), atol=0, rtol=0)
+
+
+def test_packed_calls_of_thousands_of_short_sequences_equal_calls_over_their_halves():
+    """The case the old limit hit first: 3000 packed sequences x 32 heads (96000 pairs), lengths 1-100."""
+    g = torch.Generator().manual_seed(3000)
+    lens = torch.randint(1, 101, (3000,), generator=g)
+    cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32).cuda()
+    T, longest = int(lens.sum()), int(lens.max())
+    q = _rand((T, 32, 64), torch.bfloat16).requires_grad_()
+    k, v = (_rand((T, 8, 64), torch.bfloat16).requires_grad_() for _ in range(2))
+    do = _rand(q.shape, torch.bfloat16)
+    out = sparse_attn.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for s0, s1 in ((0, 1500), (1500, 3000)):
+        t0, t1 = int(cu[s0]), int(cu[s1])
+        part = [t[t0:t1].detach().requires_grad_() for t in (q, k, v)]
+        sub = (cu[s0:s1 + 1] - t0).contiguous()
+        want = sparse_attn.varlen_attention(*part, sub, sub, longest, longest, causal=True)
+        torch.testing.assert_close(out[t0:t1], want, atol=0, rtol=0)
+        for got, w in zip(grads, torch.autograd.grad(want, part, do[t0:t1])):
+            torch.testing.assert_close(got[t0:t1], w, atol=0, rtol=0)
 
 
 def test_varlen_from_a_fused_packed_qkv():

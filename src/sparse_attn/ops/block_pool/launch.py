@@ -7,6 +7,7 @@ import torch
 import triton
 
 from . import kernels
+from ..block_sparse.launch import grid_heads_batch
 
 ROW_ELEMS = 4096  # elements loaded per row chunk (BR x padded head_dim)
 
@@ -23,7 +24,7 @@ def block_pool(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]
     br = 16  # block is a multiple of 16: the largest power of two <= ROW_ELEMS / bd dividing it
     while br * 2 * bd <= ROW_ELEMS and block % (br * 2) == 0:
         br *= 2
-    kernels.block_pool_kernel[(nb, H, B)](
+    kernels.block_pool_kernel[(nb, *grid_heads_batch(B, H))](
         x, pooled, sim, L, *x.stride(), *pooled.stride()[:3], *sim.stride()[:2],
         D=D, BLOCK=block, BR=br, BD=bd, num_warps=2)  # H100, 32K x 32 heads x 128, block 64/128: 2 warps
     # 130-145 us, 4 warps 320 us, 8 warps 620 us (benchmarks/predict_probe.py); the read alone is ~81 us

@@ -5,6 +5,7 @@ import torch
 import triton
 
 from . import kernels
+from ..block_sparse.launch import grid_heads_batch
 
 MAX_KEY_BLOCKS = 4096  # rows longer than this sort in PyTorch (the row is ranked in registers)
 
@@ -38,7 +39,7 @@ def select_pack(scores: torch.Tensor, sim_q: torch.Tensor, sim_k: torch.Tensor, 
     if counts.numel() == 0:
         return counts, indices, mask_ids, n_full
     kb_pow2 = max(16, triton.next_power_of_2(Kb))
-    kernels.select_pack_kernel[(Qb, Hq, B)](
+    kernels.select_pack_kernel[(Qb, *grid_heads_batch(B, Hq))](
         scores, sim_q, sim_k, sim_thr.contiguous(), thr.contiguous(), counts, indices, mask_ids, n_full,
         Hq, Qb, Kb, Hq // Hkv, q_len, kv_len, block_q, block_k, float(scale),
         *scores.stride()[:3], *sim_q.stride()[:2], *sim_k.stride()[:2],

@@ -72,15 +72,14 @@ def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+def _query_tile(CU_Q, CU_K, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
                 BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Where a (query tile, batch * head) program of the forward / dQ grid stands: its ids, its
+    """Where a (query tile, head, batch) program of the forward / dQ grid stands: its ids, its
     sequence's bounds, and the offsets of its layout row (counts at p_cnt, slots from p_row). The
     caller returns early when i_m * BLOCK_M >= q_len (a helper cannot end its caller)."""
     i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
     i_hk = i_h // G
     q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
     qb = (i_m * BLOCK_M) // BLOCK_Q
@@ -222,8 +221,10 @@ def _globaltimer_ns(BLOCK: tl.constexpr):
 @triton.jit
 def _wave_place(i_tile, period):
     """The wave order's phase numerator (fwd_kernel's WAVE): the program's place in the grid's order
-    (tile i_tile of axis 0, fastest), modulo the period P of programs resident at once."""
-    return (tl.program_id(1) * tl.num_programs(0) + i_tile) % period
+    (tile i_tile of axis 0, fastest; then the head, axis 1; then the batch row, axis 2), modulo the
+    period P of programs resident at once. In int64: tiles x heads x batch may pass 2^31."""
+    row = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    return ((row * tl.num_programs(0) + i_tile) % period).to(tl.int32)
 
 
 @triton.jit
@@ -255,14 +256,14 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS,
+    G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
     WAVE: tl.constexpr,
 ):
-    """Grid (query tiles, B * H). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
+    """Grid (query tiles, H, B). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
     PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step).
     K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
@@ -282,7 +283,7 @@ def fwd_kernel(
     WAVE rotates the run by that phase (the launcher sets it only with WAVE_NS > 0). The start slot
     then depends on timing, so the summation order, and the output's last bits, vary run to run."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
-        CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        CU_Q, CU_K, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
     if i_m * BLOCK_M >= q_len:
         return
@@ -410,9 +411,9 @@ def _rows_start(CU_L, i_b, IS_VARLEN: tl.constexpr):
 @triton.jit
 def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, DLSE, stride_ob, stride_oh, stride_om, stride_dob,
                      stride_doh, stride_dom, stride_sb, stride_sh, stride_sm, stride_lb, stride_lh, stride_gb,
-                     stride_gh, stride_gm, H, L, SEQ_STEP, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                     stride_gh, stride_gm, L, SEQ_STEP, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """Grid (row tiles of the longest sequence, B * H): the per-row terms both backward kernels read,
+    """Grid (row tiles of the longest sequence, H, B): the per-row terms both backward kernels read,
     fp32: DELTA = rowsum(O * dO) (one read of O and dO; the PyTorch expression made three fp32
     copies), and LSE2 = LSE (strides stride_s*) in log2 units with -inf (a row with no key) as +inf,
     so that row's probabilities come out 0 without a select per score element.
@@ -424,9 +425,8 @@ def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, DLSE, stride_ob, strid
     HAS_DLSE: the LSE output's gradient DLSE (strides stride_g*, laid out as LSE) is subtracted from
     DELTA: d LSE / d s = P, so dS = P * (dP - DELTA + dLSE), which both kernels compute unchanged."""
     i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
     q0, q_len, _, _ = _seq_bounds(CU_Q, CU_Q, i_b, L, L, SEQ_STEP, IS_VARLEN)  # (the key side is unused)
     l0 = _rows_start(CU_L, i_b, IS_VARLEN)
     n_rows = tl.cdiv(q_len, BLOCK_Q) * BLOCK_Q
@@ -685,7 +685,7 @@ def bwd_dkdv_kernel(
     stride_dqab, stride_dqah, stride_dqam,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    HKV, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
+    G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -693,7 +693,7 @@ def bwd_dkdv_kernel(
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
     DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr,
 ):
-    """Grid (key tiles, B * Hkv): one key tile of one kv head, looping over the G query heads that
+    """Grid (key tiles, Hkv, B): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
     rows of sequence b start at CU_DK[b * SEQ_STEP] (CU_K itself, or a scratch buffer's offsets
     when key slices overlap), its row terms (LSE2, DELTA, padded: bwd_delta_kernel) at CU_L[b].
@@ -709,9 +709,8 @@ def bwd_dkdv_kernel(
     each head's row on its own put the programs running at once on different heads: 4x the Q / dO,
     and GQA's 32K random 0.5 backward 12% slower than in grid order, H100.)"""
     i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HKV
-    i_hk = i_bh % HKV
+    i_hk = tl.program_id(1)
+    i_b = tl.program_id(2)
     q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
     if i_n * BLOCK_N >= k_len:
         return
@@ -814,18 +813,18 @@ def bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
+    G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_CHUNK: tl.constexpr,
     KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr, IDX_DEEP: tl.constexpr,
 ):
-    """Grid (query tiles, B * H), visiting the same schedule as the forward. KV_TMA: K/V tiles through
+    """Grid (query tiles, H, B), visiting the same schedule as the forward. KV_TMA: K/V tiles through
     TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads. WAVE: the unmasked blocks'
     indexed walk in the wave order; IDX_CHUNK, IDX_DEEP: how indexed walks read the block indices;
     both as in bwd_dkdv_kernel."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
-        CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        CU_Q, CU_K, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN)
     if i_m * BLOCK_M >= q_len:
         return

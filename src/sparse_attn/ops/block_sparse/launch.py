@@ -411,18 +411,19 @@ def _d_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's y dimension, where the kernels put (sequence, head) pairs
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions, where the kernels put heads and sequences
 
 
-def grid_rows(sequences: int, heads: int) -> int:
-    """``sequences * heads``, the kernels' grid rows, or a ValueError past CUDA's limit (the launch failed
-    with a bare 'Triton Error [CUDA]: invalid argument', e.g. batch 2048 x 32 heads)."""
-    rows = sequences * heads
-    if rows > MAX_GRID_ROWS:
-        raise ValueError(f"the kernels run one grid row per (sequence, head): {sequences} x {heads} = {rows} rows is "
-                         f"over CUDA's {MAX_GRID_ROWS}; split the call into batches of at most "
-                         f"{max(MAX_GRID_ROWS // heads, 1)} sequences")
-    return rows
+def grid_heads_batch(sequences: int, heads: int) -> tuple[int, int]:
+    """``(heads, sequences)``, the kernels' grid axes 1 and 2 (axis 0, the tiles, runs fastest, so the
+    programs start in the order tile, head, sequence), or a ValueError past CUDA's limit of 65535 on
+    each. Both on one axis, as before, failed at launch from 65536 (sequence, head) pairs with a bare
+    'Triton Error [CUDA]: invalid argument' (H100, batch 2048 x 32 heads)."""
+    for name, n in (("sequences", sequences), ("heads", heads)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"the kernels run one grid row per {name[:-1]}: {n} {name} is over CUDA's "
+                             f"{MAX_GRID_YZ}; split the call into batches of at most {MAX_GRID_YZ} {name}")
+    return heads, sequences
 
 
 def _num_seqs(cu: torch.Tensor, seq_step: int) -> int:
@@ -498,15 +499,15 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
                              contiguous) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
     # indexed rows: the grid position's phase or the clock's; contiguous runs: only the clock's
     wave = FWD_WAVE and not varlen and (not contiguous or wave_ns > 0)
-    rows = grid_rows(B, H)
-    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), rows)  # noqa: E731
+    hb = grid_heads_batch(B, H)
+    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *hb)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
         sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
         *l_strides, *_layout_strides(counts, indices),
         *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
-        H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns,
+        H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
         K_SCALE_SPAN=k_scale_span, WAVE=wave)
@@ -604,9 +605,9 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
     lse2 = torch.empty_like(delta)
     if B * H and longest:
         block_m = 16 if INTERPRET else 64
-        kernels.bwd_delta_kernel[(triton.cdiv(_round_up(longest, block_q), block_m), B * H)](
+        kernels.bwd_delta_kernel[(triton.cdiv(_round_up(longest, block_q), block_m), *grid_heads_batch(B, H))](
             out, do, lse, delta, lse2, cu_q, starts, dlse, *_qkv_strides(out, cu_q is not None),
-            *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, *g_strides, H, longest, seq_step,
+            *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, *g_strides, longest, seq_step,
             HEAD_DIM=dv, D_PAD=_d_pad(dv), BLOCK_M=block_m, BLOCK_Q=block_q, IS_VARLEN=cu_q is not None,
             HAS_DLSE=dlse is not None, num_warps=4)
     return delta, lse2, strides, starts
@@ -665,7 +666,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
-    grid_rows(B, H)  # the forward checked it too; direct callers of the backward may not have run it
+    grid_heads_batch(B, H)  # before any allocation; the forward checked it too, direct callers may not have
     delta, lse2, l_strides, l_starts = _row_terms(out, do, lse, block_q, cu_q, seq_step, max_q, dlse)
     d_pad = _d_pad(D)
     # the fused kernel's extra dQ tile does not fit in shared memory beside d256 tiles: split there
@@ -711,14 +712,14 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     dkdv_deep = deep and not dkdv_contiguous
     delta_acc = BWD_DKDV_DELTA_ACC == "1" or (BWD_DKDV_DELTA_ACC == "auto" and d_pad == 128 and not fused and (
         dkdv_deep or (not dkdv_wave and (heads_inside or dkdv_contiguous))))
-    grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * hkv)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), hkv, B)  # noqa: E731
     kern[grid](
         q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
         l_starts,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
-        hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
+        H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=0 if dkdv_deep else BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first",
         HEADS_INSIDE=heads_inside, CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc,
         IDX_DEEP=dkdv_deep, **common)
@@ -730,7 +731,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
             _ensure_allocator()
         kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad,
                       _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE", "IDX_DEEP"), variant=f"kv-{kv_tma}")
-        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B)  # noqa: E731
         dq_contiguous = contiguous and BWD_CONTIGUOUS
         dq_deep = deep and not dq_contiguous
         with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k,
@@ -739,7 +740,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
+                H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
                 IDX_CHUNK=0 if dq_deep else BWD_IDX_CHUNK, KV_TMA=kv_tma, CONTIGUOUS=dq_contiguous,
                 WAVE=wave_ok and dq_order and not contiguous, IDX_DEEP=dq_deep, **common)
     if dk_rows is not None:
