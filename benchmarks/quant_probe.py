@@ -35,10 +35,10 @@ def row_kernel(x: torch.Tensor, mean, tile: int, warps: int):
     xq = torch.empty_like(x, dtype=torch.int8)
     scale = torch.empty(B, H, L, device=x.device, dtype=torch.float32)
     smb, smh = (mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)
-    return lambda: kernels.quant_rows_kernel[(triton.cdiv(L, tile), H, B)](
-        x, mean, xq, scale, None, *x.stride()[:3], smb, smh, *xq.stride()[:3], scale.stride(0), scale.stride(1), L,
+    return lambda: kernels.quant_rows_kernel[(triton.cdiv(L, tile), B * H)](
+        x, mean, xq, scale, None, *x.stride()[:3], smb, smh, *xq.stride()[:3], scale.stride(0), scale.stride(1), H, L,
         HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=tile, SPAN=16, PERIOD=1, SMOOTH=mean is not None,
-        IS_VARLEN=False, num_warps=warps)
+        IS_VARLEN=False, SPLIT_GRID=False, num_warps=warps)
 
 
 def main():

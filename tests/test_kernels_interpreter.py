@@ -373,3 +373,65 @@ def test_more_sequences_or_heads_than_cuda_allows_is_a_clear_error():
     cu = torch.arange(65537, dtype=torch.int32)
     with pytest.raises(ValueError, match="65536 sequences is over CUDA's 65535"):
         varlen_op(packed, packed, packed, lay, cu, cu, 1, 1, None)
+
+
+def _split_and_usual(monkeypatch, run):
+    """``run()``'s tensors on the usual grid and with every launch split (launch.SPLIT_GRID_ABOVE lowered
+    from 65535 to 1: heads on grid axis 1, sequences on axis 2, as past 65535 (sequence, head) pairs)."""
+    from sparse_attn.ops.block_sparse import launch
+    usual = run()
+    monkeypatch.setattr(launch, "SPLIT_GRID_ABOVE", 1)
+    assert launch.grid_rows(2, 3) == ((3, 2), True)
+    return usual, run()
+
+
+def test_split_grid_gives_the_usual_grids_results_bit_for_bit(monkeypatch):
+    """Each program finds its (sequence, head) on the split grid, and its place in the grid order (the
+    wave order's phase) is the one it had: outputs, LSE and gradients are equal, on an indexed layout
+    with element masks, GQA, a loss on the LSE (the row-terms kernel's dLSE) and the wave order in both
+    backward kernels."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "BWD_WAVE", "1")
+    attention_op, _ = _ops()
+    g = torch.Generator().manual_seed(11)
+    n = 5
+    eye = torch.eye(n, dtype=torch.bool).expand(2, 4, n, n)
+    bm = (torch.rand(2, 4, n, n, generator=g) < 0.5).tril() | eye
+    bm[..., 4, :4] = torch.tensor([True, False, True, True])  # a gap: indexed rows, which the wave order rotates
+    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=16, partial=eye, mask=MASKS["causal"])
+    q, k, v = _qkv(2, 4, 2, 80, 80, 16, torch.float16, True)
+    do, dl = torch.randn(q.shape, generator=g), torch.randn(q.shape[:3], generator=g)
+
+    def run():
+        out, lse = attention_op(q, k, v, layout, return_lse=True)
+        return (out, lse) + torch.autograd.grad(_lse_loss(out, lse, do, dl), (q, k, v))
+
+    for a, b in zip(*_split_and_usual(monkeypatch, run)):
+        assert torch.equal(a, b)
+
+
+def test_split_grid_gives_the_usual_grids_results_on_packed_and_8_bit_inputs(monkeypatch, one_thread):
+    """The packed kernels (sequence bounds from cu_seqlens by the program's sequence) and the 8-bit
+    quantization kernels (row scales, K's per-sequence mean, the attention on int8 Q/K)."""
+    from sparse_attn import varlen
+    from sparse_attn.ops.sage import sage_attention_op, sage_varlen_attention_op
+    attention_op, varlen_op = _ops()
+    lens = [17, 1, 40]
+    cu = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
+    stacked = varlen.stack(varlen.build_layouts(lens, lens, None, None, causal=True, block=16), 40, 40, 4)
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(58, 4, 32, generator=g).half().requires_grad_()
+    k, v = (torch.randn(58, 2, 32, generator=g).half().requires_grad_() for _ in range(2))
+    qd, kd, vd = (torch.randn(2, 4, 40, 32, generator=g).half() for _ in range(3))
+    dense = _causal_layout(40, 40)
+
+    def run():
+        out = varlen_op(q, k, v, stacked, cu, cu, 40, 40, tuple(lens))
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        packed8, _ = sage_varlen_attention_op(q.detach(), k.detach(), v.detach(), stacked, cu, cu, 40, 40, tuple(lens),
+                                              quant="int8", granularity="per_warp", smooth_k=True)
+        dense8, _ = sage_attention_op(qd, kd, vd, dense, quant="int8", granularity="per_thread", smooth_k=True)
+        return (out,) + grads + (packed8, dense8)
+
+    for a, b in zip(*_split_and_usual(monkeypatch, run)):
+        assert torch.equal(a, b)

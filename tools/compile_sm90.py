@@ -34,7 +34,7 @@ def signature(fn, consts):
             sig[name] = "constexpr"
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
-        elif name.startswith("stride") or name in ("G", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM", "WAVE_NS"):
+        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM", "WAVE_NS"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
@@ -82,6 +82,16 @@ def divisibility(fn, sig):
 
 
 def variants():
+    """Every variant on the usual grid (SPLIT_GRID False), then the kernels' split-grid variants (more
+    than 65535 (sequence, head) pairs: kernels.py's legend), the wave order's included."""
+    for fn, consts in _usual_grid_variants():
+        yield fn, dict(consts, SPLIT_GRID=False)
+    for fn, consts in _usual_grid_variants():
+        if consts.get("WAVE") or fn is K.bwd_delta_kernel:
+            yield fn, dict(consts, SPLIT_GRID=True)
+
+
+def _usual_grid_variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
     fwd = dict(base, K_SCALE_SPAN=0, WAVE=False)
     bwd = dict(base, WAVE=False, IDX_DEEP=False)
@@ -214,6 +224,7 @@ class _Elem:
 def _residency(target, fn, consts, warps: int, stages: int) -> tuple[int, int, int]:
     """(registers a thread, shared bytes, programs one SM holds) of fn compiled for sm_90: 65536
     registers and 228 KB per SM, 1 KB reserved per program."""
+    consts = dict(consts, SPLIT_GRID=False)
     sig = signature(fn, consts)
     c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,
                        options=dict(num_warps=warps, num_stages=stages))
@@ -278,7 +289,8 @@ def main(filters: list[str]):
             continue
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
-                                                                 "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC", "IDX_DEEP")}
+                                                                 "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC", "IDX_DEEP",
+                                                                 "SPLIT_GRID")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

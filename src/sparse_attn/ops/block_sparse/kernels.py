@@ -11,6 +11,11 @@ Positions: query row i has position p = i + (k_len - q_len) (bottom-right alignm
 evaluated on (p, j) from the int32 term table (see sparse_attn.masks).
 Varlen: sequence b spans tokens [BOUNDS[b * SEQ_STEP], BOUNDS[b * SEQ_STEP + 1]): SEQ_STEP 1 reads
 cu_seqlens (adjacent sequences), 2 reads (start, end) pairs (grouped attention: K/V slices may overlap).
+SPLIT_GRID: grid axis 1 holds batch * H + head (H the kernel's heads: query heads, or kv heads for
+dK/dV) while that fits CUDA's 65535; past it (batch 2048 x 32 heads failed at launch) axis 1 holds the
+head and axis 2 the batch (_batch_head). A constexpr, so the usual grid keeps the code it had: written
+for both at once, the dK/dV kernel's dense backward ran 9% slower on the H100 (ptxas scheduled its
+loop differently; benchmarks/NOTES.md, "Grid axes").
 TUNE_CLASS (the launched kernels): unused in the body; the autotune key's length class (launch._tune_class),
 an argument because Triton's autotuner keys on arguments only; not specialized, so it never recompiles.
 QUANT (forward only): 0 fp16/bf16 inputs; 1 int8 Q/K with per-row fp32 scales (SageAttention's
@@ -72,14 +77,27 @@ def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(CU_Q, CU_K, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Where a (query tile, head, batch) program of the forward / dQ grid stands: its ids, its
+def _batch_head(H, SPLIT_GRID: tl.constexpr):
+    """(batch or sequence, head) of a program of a (tiles, B * H) grid, or with SPLIT_GRID of a
+    (tiles, H, B) grid (see the legend)."""
+    if SPLIT_GRID:
+        i_b = tl.program_id(2)
+        i_h = tl.program_id(1)
+    else:
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+    return i_b, i_h
+
+
+@triton.jit
+def _query_tile(CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr):
+    """Where a (query tile, batch * head) program of the forward / dQ grid stands: its ids, its
     sequence's bounds, and the offsets of its layout row (counts at p_cnt, slots from p_row). The
     caller returns early when i_m * BLOCK_M >= q_len (a helper cannot end its caller)."""
     i_m = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_b, i_h = _batch_head(H, SPLIT_GRID)
     i_hk = i_h // G
     q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
     qb = (i_m * BLOCK_M) // BLOCK_Q
@@ -219,12 +237,15 @@ def _globaltimer_ns(BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _wave_place(i_tile, period):
+def _wave_place(i_tile, period, SPLIT_GRID: tl.constexpr):
     """The wave order's phase numerator (fwd_kernel's WAVE): the program's place in the grid's order
-    (tile i_tile of axis 0, fastest; then the head, axis 1; then the batch row, axis 2), modulo the
-    period P of programs resident at once. In int64: tiles x heads x batch may pass 2^31."""
-    row = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-    return ((row * tl.num_programs(0) + i_tile) % period).to(tl.int32)
+    (tile i_tile of axis 0, fastest; then axis 1, then axis 2 with SPLIT_GRID), modulo the period P of
+    programs resident at once."""
+    if SPLIT_GRID:  # in int64: tiles x heads x batch may pass 2^31
+        row = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        return ((row * tl.num_programs(0) + i_tile) % period).to(tl.int32)
+    else:
+        return (tl.program_id(1) * tl.num_programs(0) + i_tile) % period
 
 
 @triton.jit
@@ -256,14 +277,14 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
-    WAVE: tl.constexpr,
+    WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (query tiles, H, B). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
+    """Grid (query tiles, B * H; SPLIT_GRID: H, B). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
     PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step).
     K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
@@ -283,8 +304,8 @@ def fwd_kernel(
     WAVE rotates the run by that phase (the launcher sets it only with WAVE_NS > 0). The start slot
     then depends on timing, so the summation order, and the output's last bits, vary run to run."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
-        CU_Q, CU_K, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-        BLOCK_Q, BLOCK_M, IS_VARLEN)
+        CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
@@ -356,7 +377,7 @@ def fwd_kernel(
             rot = (_globaltimer_ns(BLOCK_M) % WAVE_NS * n_it // WAVE_NS).to(tl.int32)
         else:
             period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
-            rot = _wave_place(i_m, period) * n_it // period
+            rot = _wave_place(i_m, period, SPLIT_GRID) * n_it // period
     for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
         j = _rotated(it, rot, n_it, WAVE)  # the walk's step, wrapped from its start slot
         if CONTIGUOUS:
@@ -411,9 +432,10 @@ def _rows_start(CU_L, i_b, IS_VARLEN: tl.constexpr):
 @triton.jit
 def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, DLSE, stride_ob, stride_oh, stride_om, stride_dob,
                      stride_doh, stride_dom, stride_sb, stride_sh, stride_sm, stride_lb, stride_lh, stride_gb,
-                     stride_gh, stride_gm, L, SEQ_STEP, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """Grid (row tiles of the longest sequence, H, B): the per-row terms both backward kernels read,
+                     stride_gh, stride_gm, H, L, SEQ_STEP, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+                     SPLIT_GRID: tl.constexpr):
+    """Grid (row tiles of the longest sequence, B * H; SPLIT_GRID: H, B): the per-row terms both backward kernels read,
     fp32: DELTA = rowsum(O * dO) (one read of O and dO; the PyTorch expression made three fp32
     copies), and LSE2 = LSE (strides stride_s*) in log2 units with -inf (a row with no key) as +inf,
     so that row's probabilities come out 0 without a select per score element.
@@ -425,8 +447,7 @@ def bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, CU_Q, CU_L, DLSE, stride_ob, strid
     HAS_DLSE: the LSE output's gradient DLSE (strides stride_g*, laid out as LSE) is subtracted from
     DELTA: d LSE / d s = P, so dS = P * (dP - DELTA + dLSE), which both kernels compute unchanged."""
     i_m = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_b, i_h = _batch_head(H, SPLIT_GRID)
     q0, q_len, _, _ = _seq_bounds(CU_Q, CU_Q, i_b, L, L, SEQ_STEP, IS_VARLEN)  # (the key side is unused)
     l0 = _rows_start(CU_L, i_b, IS_VARLEN)
     n_rows = tl.cdiv(q_len, BLOCK_Q) * BLOCK_Q
@@ -500,13 +521,14 @@ def _bwd_resident_per_sm(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl
 
 
 @triton.jit
-def _bwd_wave(i_tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, N_SM, WAVE: tl.constexpr):
+def _bwd_wave(i_tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, N_SM, WAVE: tl.constexpr,
+              SPLIT_GRID: tl.constexpr):
     """(t, P) of the backward's wave order (fwd_kernel's WAVE): the program's place t among the P
     programs resident at once (N_SM SMs times _bwd_resident_per_sm), counted in grid order.
     (0, 1) without WAVE."""
     if WAVE:
         period = N_SM * _bwd_resident_per_sm(BLOCK_M, BLOCK_N, D_PAD)
-        t = _wave_place(i_tile, period)
+        t = _wave_place(i_tile, period, SPLIT_GRID)
     else:
         period = 1
         t = 0
@@ -685,15 +707,15 @@ def bwd_dkdv_kernel(
     stride_dqab, stride_dqah, stride_dqam,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
+    HKV, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
-    DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr,
+    DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr, SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (key tiles, Hkv, B): one key tile of one kv head, looping over the G query heads that
+    """Grid (key tiles, B * Hkv; SPLIT_GRID: Hkv, B): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
     rows of sequence b start at CU_DK[b * SEQ_STEP] (CU_K itself, or a scratch buffer's offsets
     when key slices overlap), its row terms (LSE2, DELTA, padded: bwd_delta_kernel) at CU_L[b].
@@ -709,8 +731,7 @@ def bwd_dkdv_kernel(
     each head's row on its own put the programs running at once on different heads: 4x the Q / dO,
     and GQA's 32K random 0.5 backward 12% slower than in grid order, H100.)"""
     i_n = tl.program_id(0)
-    i_hk = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_b, i_hk = _batch_head(HKV, SPLIT_GRID)
     q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
     if i_n * BLOCK_N >= k_len:
         return
@@ -733,7 +754,7 @@ def bwd_dkdv_kernel(
     # waited for every wgmma right after issuing it whenever G > 1 (the JIT specializes G == 1 away),
     # with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
     PASSES: tl.constexpr = 2 if HEADS_INSIDE else 1
-    wave_t, period = _bwd_wave(i_n, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE)
+    wave_t, period = _bwd_wave(i_n, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE, SPLIT_GRID)
     # the wave order over G heads (heads inside): pass 0 walks G + 1 pieces, h0's row split in two.
     # Pass 1 then takes G + 1 steps too, the last one empty: with G + 1 steps in pass 0 and G in pass
     # 1, ptxas (triton 3.6, sm_90) waited for every wgmma right after issuing it
@@ -813,19 +834,20 @@ def bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
-    G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_CHUNK: tl.constexpr,
     KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr, IDX_DEEP: tl.constexpr,
+    SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (query tiles, H, B), visiting the same schedule as the forward. KV_TMA: K/V tiles through
+    """Grid (query tiles, B * H; SPLIT_GRID: H, B), visiting the same schedule as the forward. KV_TMA: K/V tiles through
     TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads. WAVE: the unmasked blocks'
     indexed walk in the wave order; IDX_CHUNK, IDX_DEEP: how indexed walks read the block indices;
     both as in bwd_dkdv_kernel."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
-        CU_Q, CU_K, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-        BLOCK_Q, BLOCK_M, IS_VARLEN)
+        CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
@@ -850,7 +872,7 @@ def bwd_dq_kernel(
     qk_scale = sm_scale * LOG2E
     b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     tl.static_assert(not IDX_DEEP or IDX_CHUNK == 0, "deep index loads replace the register chunks")
-    wave_t, period = _bwd_wave(i_m, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE)
+    wave_t, period = _bwd_wave(i_m, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE, SPLIT_GRID)
     for phase in tl.static_range(2):  # as in bwd_dkdv_kernel: unmasked blocks, then masked ones
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count

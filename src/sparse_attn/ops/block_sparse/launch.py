@@ -411,14 +411,23 @@ def _d_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions, where the kernels put heads and sequences
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
+SPLIT_GRID_ABOVE = MAX_GRID_YZ  # (sequence, head) pairs past which grid_rows splits them (tests lower it)
+
+
+def grid_rows(sequences: int, heads: int) -> tuple[tuple[int, ...], bool]:
+    """The kernels' grid axes after the tiles' and their SPLIT_GRID flag (kernels.py's legend): the
+    (sequence, head) pairs on axis 1 while they fit CUDA's 65535 there, ``((sequences * heads,), False)``;
+    past it (the launch failed with a bare 'Triton Error [CUDA]: invalid argument', batch 2048 x 32
+    heads on the H100) heads on axis 1 and sequences on axis 2, ``((heads, sequences), True)``, or a
+    ValueError where either is over 65535 too."""
+    if sequences * heads <= SPLIT_GRID_ABOVE:
+        return (sequences * heads,), False
+    return grid_heads_batch(sequences, heads), True
 
 
 def grid_heads_batch(sequences: int, heads: int) -> tuple[int, int]:
-    """``(heads, sequences)``, the kernels' grid axes 1 and 2 (axis 0, the tiles, runs fastest, so the
-    programs start in the order tile, head, sequence), or a ValueError past CUDA's limit of 65535 on
-    each. Both on one axis, as before, failed at launch from 65536 (sequence, head) pairs with a bare
-    'Triton Error [CUDA]: invalid argument' (H100, batch 2048 x 32 heads)."""
+    """``(heads, sequences)`` for a grid's axes 1 and 2, or a ValueError where either is over CUDA's 65535."""
     for name, n in (("sequences", sequences), ("heads", heads)):
         if n > MAX_GRID_YZ:
             raise ValueError(f"the kernels run one grid row per {name[:-1]}: {n} {name} is over CUDA's "
@@ -499,18 +508,18 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
                              contiguous) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
     # indexed rows: the grid position's phase or the clock's; contiguous runs: only the clock's
     wave = FWD_WAVE and not varlen and (not contiguous or wave_ns > 0)
-    hb = grid_heads_batch(B, H)
-    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *hb)  # noqa: E731
+    rows, split = grid_rows(B, H)
+    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
     kern[grid](
         q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
         sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
         *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
         *l_strides, *_layout_strides(counts, indices),
         *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
-        H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns,
+        H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        K_SCALE_SPAN=k_scale_span, WAVE=wave)
+        K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split)
     return out, lse
 
 
@@ -605,11 +614,12 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
     lse2 = torch.empty_like(delta)
     if B * H and longest:
         block_m = 16 if INTERPRET else 64
-        kernels.bwd_delta_kernel[(triton.cdiv(_round_up(longest, block_q), block_m), *grid_heads_batch(B, H))](
+        rows, split = grid_rows(B, H)
+        kernels.bwd_delta_kernel[(triton.cdiv(_round_up(longest, block_q), block_m), *rows)](
             out, do, lse, delta, lse2, cu_q, starts, dlse, *_qkv_strides(out, cu_q is not None),
-            *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, *g_strides, longest, seq_step,
+            *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, *g_strides, H, longest, seq_step,
             HEAD_DIM=dv, D_PAD=_d_pad(dv), BLOCK_M=block_m, BLOCK_Q=block_q, IS_VARLEN=cu_q is not None,
-            HAS_DLSE=dlse is not None, num_warps=4)
+            HAS_DLSE=dlse is not None, SPLIT_GRID=split, num_warps=4)
     return delta, lse2, strides, starts
 
 
@@ -666,7 +676,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
-    grid_heads_batch(B, H)  # before any allocation; the forward checked it too, direct callers may not have
+    grid_rows(B, H)  # refused before any allocation; the forward checked it too, direct callers may not have
     delta, lse2, l_strides, l_starts = _row_terms(out, do, lse, block_q, cu_q, seq_step, max_q, dlse)
     d_pad = _d_pad(D)
     # the fused kernel's extra dQ tile does not fit in shared memory beside d256 tiles: split there
@@ -712,17 +722,18 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     dkdv_deep = deep and not dkdv_contiguous
     delta_acc = BWD_DKDV_DELTA_ACC == "1" or (BWD_DKDV_DELTA_ACC == "auto" and d_pad == 128 and not fused and (
         dkdv_deep or (not dkdv_wave and (heads_inside or dkdv_contiguous))))
-    grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), hkv, B)  # noqa: E731
+    kv_rows, kv_split = grid_rows(B, hkv)
+    grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), *kv_rows)  # noqa: E731
     kern[grid](
         q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
         l_starts,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
         *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
-        H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
+        hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=0 if dkdv_deep else BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first",
         HEADS_INSIDE=heads_inside, CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc,
-        IDX_DEEP=dkdv_deep, **common)
+        IDX_DEEP=dkdv_deep, SPLIT_GRID=kv_split, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
@@ -731,7 +742,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
             _ensure_allocator()
         kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad,
                       _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE", "IDX_DEEP"), variant=f"kv-{kv_tma}")
-        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B)  # noqa: E731
+        rows, split = grid_rows(B, H)
+        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
         dq_contiguous = contiguous and BWD_CONTIGUOUS
         dq_deep = deep and not dq_contiguous
         with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k,
@@ -740,9 +752,9 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k, l_starts, sm_scale,
                 *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
-                H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
+                H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
                 IDX_CHUNK=0 if dq_deep else BWD_IDX_CHUNK, KV_TMA=kv_tma, CONTIGUOUS=dq_contiguous,
-                WAVE=wave_ok and dq_order and not contiguous, IDX_DEEP=dq_deep, **common)
+                WAVE=wave_ok and dq_order and not contiguous, IDX_DEEP=dq_deep, SPLIT_GRID=split, **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)

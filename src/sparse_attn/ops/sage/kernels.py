@@ -2,7 +2,7 @@
 forward kernel with its QUANT flag). @triton.jit only.
 
 Symbol legend
-    i_b, i_h     program's batch and head (the grid is (row tiles, H, B))   o_m, o_d   row / head-dim offsets
+    i_b, i_h     program's batch and head (the grid is (row tiles, B * H), or (row tiles, H, B) with SPLIT_GRID)   o_m, o_d   row / head-dim offsets
     b_*          on-chip blocks                              m_*        masks
     SPAN, PERIOD a scale group: rows of one SPAN-row span that are equal modulo PERIOD
                  (PERIOD 1: SPAN contiguous rows; SageAttention's per-block / per-warp groups;
@@ -14,23 +14,23 @@ sequence; row offsets count from its first token, so scale groups start at every
 import triton
 import triton.language as tl
 
-from ..block_sparse.kernels import vt_column0
+from ..block_sparse.kernels import _batch_head, vt_column0
 
 INT8_MAX = tl.constexpr(127.0)
 
 
 @triton.jit
-def _row_tile(CU, L, TILE: tl.constexpr, D_PAD: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _row_tile(CU, H, L, TILE: tl.constexpr, D_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr):
     """(batch or sequence, head, row offsets within it, head-dim offsets, its first token, its
-    length) of a (row tile, head, batch) program."""
-    i_b = tl.program_id(2)
+    length) of a (row tile, batch * head) program (SPLIT_GRID: block_sparse.kernels' legend)."""
+    i_b, i_h = _batch_head(H, SPLIT_GRID)
     if IS_VARLEN:
         s0 = tl.load(CU + i_b)
         n = tl.load(CU + i_b + 1) - s0
     else:
         s0 = 0
         n = L
-    return i_b, tl.program_id(1), tl.program_id(0) * TILE + tl.arange(0, TILE), tl.arange(0, D_PAD), s0, n
+    return i_b, i_h, tl.program_id(0) * TILE + tl.arange(0, TILE), tl.arange(0, D_PAD), s0, n
 
 
 @triton.jit
@@ -40,14 +40,14 @@ def quant_rows_kernel(
     stride_mb, stride_mh,
     stride_qb, stride_qh, stride_qm,
     stride_sb, stride_sh,
-    L,
+    H, L,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr,
-    PERIOD: tl.constexpr, SMOOTH: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PERIOD: tl.constexpr, SMOOTH: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (row tiles, H, B), B the sequences when IS_VARLEN. int8 rows of X (minus MEAN [.., D]
+    """Grid (row tiles, B * H), B the sequences when IS_VARLEN. int8 rows of X (minus MEAN [.., D]
     when SMOOTH) with one fp32 scale per group, written per row to SCALE (token stride 1) so the
     attention kernel needs no group logic."""
-    i_b, i_h, o_m, o_d, s0, n = _row_tile(CU, L, TILE, D_PAD, IS_VARLEN)
+    i_b, i_h, o_m, o_d, s0, n = _row_tile(CU, H, L, TILE, D_PAD, IS_VARLEN, SPLIT_GRID)
     if tl.program_id(0) * TILE >= n:
         return
     m_m = o_m < n
@@ -84,14 +84,15 @@ def quant_v_fp8_kernel(
     stride_vb, stride_vh, stride_vm,
     stride_sb, stride_sh,
     stride_tb, stride_th, stride_td,
-    L,
+    H, L,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (row tiles, H, B), B the sequences when IS_VARLEN. V / SCALE (one scale per channel) as
+    """Grid (row tiles, B * H), B the sequences when IS_VARLEN. V / SCALE (one scale per channel) as
     FP8 e4m3, stored transposed [.., D, L] (token stride 1) so P.V reads V K-major, as FP8
     tensor-core MMAs want it. Varlen: sequence b's columns start at vt_column0(CU[b], b), a multiple of
     16 (TMA needs 16-byte aligned starts), and its columns up to the next multiple of 16 are zeros."""
-    i_b, i_h, o_m, o_d, s0, n = _row_tile(CU, L, TILE, D_PAD, IS_VARLEN)
+    i_b, i_h, o_m, o_d, s0, n = _row_tile(CU, H, L, TILE, D_PAD, IS_VARLEN, SPLIT_GRID)
     if tl.program_id(0) * TILE >= n:
         return
     m_d = o_d < HEAD_DIM
@@ -115,14 +116,15 @@ def seq_partials_kernel(
     X, OUT, CU,
     stride_xm, stride_xh,
     stride_ob, stride_oh, stride_oc,
+    H,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, ABS_MAX: tl.constexpr,
+    SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (chunks, H, S) over packed [T, H, D] rows: per (sequence, head, CHUNK-token chunk) the fp32
+    """Grid (chunks, S * H; SPLIT_GRID: H, S) over packed [T, H, D] rows: per (sequence, head, CHUNK-token chunk) the fp32
     sum of the rows (ABS_MAX: the max of |x|) into OUT [S, H, chunks, D]; chunks past a sequence's
     end write zeros, neutral for both, so the caller reduces over all chunks in a fixed order."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_b, i_h = _batch_head(H, SPLIT_GRID)
     s0 = tl.load(CU + i_b)
     n = tl.load(CU + i_b + 1) - s0
     o_d = tl.arange(0, D_PAD)

@@ -36,12 +36,15 @@ def _check_packed(cu: torch.Tensor | None, max_len: int | None) -> None:
 
 
 def _grid(varlen: bool, cu: torch.Tensor | None, B: int, H: int, L: int, max_len: int | None) -> tuple:
-    """(row tiles, H, B) over dense rows, or over the packed sequences of ``cu`` (int32 [S + 1],
-    the longest ``max_len``): (row tiles, H, S)."""
+    """(grid, SPLIT_GRID): (row tiles, B * H) over dense rows, or over the packed sequences of ``cu``
+    (int32 [S + 1], the longest ``max_len``); past 65535 (sequence, head) pairs (row tiles, H, B)
+    (bs_launch.grid_rows)."""
     if not varlen:
-        return triton.cdiv(L, TILE), *bs_launch.grid_heads_batch(B, H)
+        rows, split = bs_launch.grid_rows(B, H)
+        return (triton.cdiv(L, TILE), *rows), split
     _check_packed(cu, max_len)
-    return triton.cdiv(max(max_len, 1), TILE), *bs_launch.grid_heads_batch(cu.numel() - 1, H)
+    rows, split = bs_launch.grid_rows(cu.numel() - 1, H)
+    return (triton.cdiv(max(max_len, 1), TILE), *rows), split
 
 
 def vt_columns(total: int, num_seqs: int) -> int:
@@ -66,10 +69,11 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     scale = torch.empty((H, lp) if varlen else (B, H, lp), device=x.device, dtype=torch.float32)[..., :L]
     ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
     smb, smh = (mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)  # [B or S, H, D]
-    kernels.quant_rows_kernel[_grid(varlen, cu, B, H, L, max_len)](
-        x, mean, xq, scale, cu, sxb, sxh, sxm, smb, smh, sqb, sqh, sqm, ssb, ssh, L,
+    grid, split = _grid(varlen, cu, B, H, L, max_len)
+    kernels.quant_rows_kernel[grid](
+        x, mean, xq, scale, cu, sxb, sxh, sxm, smb, smh, sqb, sqh, sqm, ssb, ssh, H, L,
         HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, SPAN=span, PERIOD=period, SMOOTH=mean is not None,
-        IS_VARLEN=varlen, num_warps=ROW_WARPS)
+        IS_VARLEN=varlen, SPLIT_GRID=split, num_warps=ROW_WARPS)
     return xq, scale
 
 
@@ -80,7 +84,7 @@ def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None
     (vt_columns; zeros up to its next multiple of 16, the rest of the gaps never read)."""
     B, H, L, (svb, svh, svm) = _as_bhld(v, varlen)
     D = v.shape[-1]
-    grid = _grid(varlen, cu, B, H, L, max_len)
+    grid, split = _grid(varlen, cu, B, H, L, max_len)
     if varlen:  # per sequence [S, H, D]
         amax = seq_stats(v, cu, max_len, True)
     else:
@@ -93,8 +97,8 @@ def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None
         vt[..., L:].zero_()
     stb, sth, std = (0, vt.stride(0), vt.stride(1)) if varlen else (vt.stride(0), vt.stride(1), vt.stride(2))
     kernels.quant_v_fp8_kernel[grid](
-        v, scale, vt, cu, svb, svh, svm, scale.stride(0), scale.stride(1), stb, sth, std, L,
-        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, IS_VARLEN=varlen, num_warps=4)
+        v, scale, vt, cu, svb, svh, svm, scale.stride(0), scale.stride(1), stb, sth, std, H, L,
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, IS_VARLEN=varlen, SPLIT_GRID=split, num_warps=4)
     return vt, scale
 
 
@@ -107,9 +111,10 @@ def seq_stats(x: torch.Tensor, cu: torch.Tensor, max_len: int, abs_max: bool) ->
     S, (_, H, D) = cu.numel() - 1, x.shape
     chunks = triton.cdiv(max(max_len, 1), STAT_CHUNK)
     part = torch.empty(S, H, chunks, D, device=x.device, dtype=torch.float32)
-    kernels.seq_partials_kernel[(chunks, *bs_launch.grid_heads_batch(S, H))](
-        x, part, cu, x.stride(0), x.stride(1), part.stride(0), part.stride(1), part.stride(2),
-        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, ABS_MAX=abs_max, num_warps=4)
+    rows, split = bs_launch.grid_rows(S, H)
+    kernels.seq_partials_kernel[(chunks, *rows)](
+        x, part, cu, x.stride(0), x.stride(1), part.stride(0), part.stride(1), part.stride(2), H,
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, ABS_MAX=abs_max, SPLIT_GRID=split, num_warps=4)
     return part.amax(2) if abs_max else part.sum(2)
 
 
