@@ -2,7 +2,8 @@
 forward kernel with its QUANT flag). @triton.jit only.
 
 Symbol legend
-    i_b, i_h     program's batch and head (the grid is (row tiles, B * H), or (row tiles, H, B) with SPLIT_GRID)   o_m, o_d   row / head-dim offsets
+    i_b, i_h     program's batch and head (the grid is (row tiles, B * H))   o_m, o_d   row / head-dim offsets
+                 (with SPLIT_GRID (row tiles, H, B): block_sparse.kernels' legend)
     b_*          on-chip blocks                              m_*        masks
     SPAN, PERIOD a scale group: rows of one SPAN-row span that are equal modulo PERIOD
                  (PERIOD 1: SPAN contiguous rows; SageAttention's per-block / per-warp groups;
@@ -120,9 +121,10 @@ def seq_partials_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, ABS_MAX: tl.constexpr,
     SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (chunks, S * H; SPLIT_GRID: H, S) over packed [T, H, D] rows: per (sequence, head, CHUNK-token chunk) the fp32
-    sum of the rows (ABS_MAX: the max of |x|) into OUT [S, H, chunks, D]; chunks past a sequence's
-    end write zeros, neutral for both, so the caller reduces over all chunks in a fixed order."""
+    """Grid (chunks, S * H; SPLIT_GRID: H, S) over packed [T, H, D] rows: per (sequence, head,
+    CHUNK-token chunk) the fp32 sum of the rows (ABS_MAX: the max of |x|) into OUT [S, H, chunks, D];
+    chunks past a sequence's end write zeros, neutral for both, so the caller reduces over all chunks
+    in a fixed order."""
     i_c = tl.program_id(0)
     i_b, i_h = _batch_head(H, SPLIT_GRID)
     s0 = tl.load(CU + i_b)

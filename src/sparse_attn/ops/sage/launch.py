@@ -114,7 +114,8 @@ def seq_stats(x: torch.Tensor, cu: torch.Tensor, max_len: int, abs_max: bool) ->
     rows, split = bs_launch.grid_rows(S, H)
     kernels.seq_partials_kernel[(chunks, *rows)](
         x, part, cu, x.stride(0), x.stride(1), part.stride(0), part.stride(1), part.stride(2), H,
-        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, ABS_MAX=abs_max, SPLIT_GRID=split, num_warps=4)
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, ABS_MAX=abs_max, SPLIT_GRID=split,
+        num_warps=4)
     return part.amax(2) if abs_max else part.sum(2)
 
 
