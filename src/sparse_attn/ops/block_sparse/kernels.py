@@ -284,8 +284,7 @@ def fwd_kernel(
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
     WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (query tiles, B * H; SPLIT_GRID: H, B). Phase 1 visits the row's unmasked blocks, phase 2
-    the masked ones.
+    """Grid (query tiles, B * H; SPLIT_GRID: H, B). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
     PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step).
     K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
