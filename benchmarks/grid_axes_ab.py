@@ -58,7 +58,7 @@ def timed_case(case: str, hkv: int) -> dict:
         return torch.autograd.grad(flex_out, (qf, kf, vf), do, retain_graph=True)
 
     fns = {"ours_fwd": ours_fwd, "ours_bwd": ours_bwd, "flex_fwd": flex_fwd, "flex_bwd": flex_bwd}
-    # sanity before timing: our forward and backward agree with Flex's to bf16 rounding
+    # sanity before timing: our forward agrees with Flex's to bf16 rounding
     got, want = ours_fwd()[0].float(), flex_fwd().float()
     assert (got - want).abs().max().item() < 2e-2, f"{case}: forward differs from Flex"
     for fn in fns.values():

@@ -415,7 +415,7 @@ def test_split_grid_gives_the_usual_grids_results_on_packed_and_8_bit_inputs(mon
     quantization kernels (row scales, K's per-sequence mean, the attention on int8 Q/K)."""
     from sparse_attn import varlen
     from sparse_attn.ops.sage import sage_attention_op, sage_varlen_attention_op
-    attention_op, varlen_op = _ops()
+    _, varlen_op = _ops()
     lens = [17, 1, 40]
     cu = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
     stacked = varlen.stack(varlen.build_layouts(lens, lens, None, None, causal=True, block=16), 40, 40, 4)

@@ -676,7 +676,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     else:
         B, H, Lq, D = q.shape
         Lk, hkv = k.shape[2], k.shape[1]
-    grid_rows(B, H)  # refused before any allocation; the forward checked it too, direct callers may not have
+    rows, split = grid_rows(B, H)  # refused before any allocation (the forward checked it; direct callers may not)
     delta, lse2, l_strides, l_starts = _row_terms(out, do, lse, block_q, cu_q, seq_step, max_q, dlse)
     d_pad = _d_pad(D)
     # the fused kernel's extra dQ tile does not fit in shared memory beside d256 tiles: split there
@@ -742,7 +742,6 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
             _ensure_allocator()
         kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad,
                       _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE", "IDX_DEEP"), variant=f"kv-{kv_tma}")
-        rows, split = grid_rows(B, H)
         grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
         dq_contiguous = contiguous and BWD_CONTIGUOUS
         dq_deep = deep and not dq_contiguous
