@@ -266,3 +266,29 @@ def test_kernel_path_lse_alone_backward_and_none_layouts():
     lay = patterns.local(20, 4, kv_len=20, block_q=16, block_k=16)
     with pytest.raises(TypeError, match=r"layouts\[1\] is None but group 1 has 20 query and 40 key tokens"):
         sparse_attn.grouped_attention(q, k, v, [Group(0, 20, 0, 20), Group(20, 40, 0, 40)], layouts=[lay, None])
+
+
+@interpreted
+def test_split_grid_gives_the_usual_grids_results_bit_for_bit(monkeypatch):
+    """Past 65535 (sequence, head) pairs the kernels put heads and sequences on grid axes 1 and 2
+    (launch.SPLIT_GRID_ABOVE, lowered to 1 here so every launch splits). The grouped path reads each
+    program's (start, end) pairs by its sequence (seq_step 2) and, with overlapping K/V, sums dK/dV
+    through the scratch rows: outputs, LSE and gradients equal the usual grid's bit for bit. GQA 4/2, a
+    single-token group, an empty one and uncovered rows."""
+    from sparse_attn.ops.block_sparse import launch
+    groups = [Group(0, 40, 0, 70), Group(45, 46, 10, 11), Group(50, 110, 30, 100), Group(110, 118, 4, 4)]
+    q, k, v = _qkv(120, 100, 4, 2, seed=5)
+    assert grouped_plan(groups, 120, 100, causal=True, heads=4).dk_rows is not None  # the scratch path
+    g = torch.Generator().manual_seed(6)
+    do, dl = torch.randn(q.shape, generator=g), torch.randn(4, 120, generator=g)
+
+    def run():
+        out, lse = sparse_attn.grouped_attention(q, k, v, groups, causal=True, return_lse=True)
+        loss = (out.float() * do).sum() + (lse.float().nan_to_num(0.0, 0.0, 0.0) * dl).sum()
+        return (out, lse) + torch.autograd.grad(loss, (q, k, v))
+
+    usual = run()
+    monkeypatch.setattr(launch, "SPLIT_GRID_ABOVE", 1)
+    assert launch.grid_rows(4, 4) == ((4, 4), True)
+    for a, b in zip(usual, run()):
+        assert torch.equal(a, b)
