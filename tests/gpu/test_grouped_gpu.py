@@ -363,3 +363,42 @@ def test_fp32_on_cuda_is_a_clear_error():
     q = torch.randn(64, 2, 64, device=DEVICE)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         sparse_attn.grouped_attention(q, q, q, [Group(0, 64, 0, 64)])
+
+
+def test_more_than_65535_group_head_pairs_run_and_equal_calls_over_half_the_groups(monkeypatch):
+    """2100 groups x 32 heads (67200 (group, head) pairs): past CUDA's 65535 the kernels put heads and
+    groups on grid axes of their own (launch.grid_rows). Each group: 16 queries, causal over the 64 keys
+    ending at its own, so K/V slices overlap (the dK/dV scratch rows). Outputs, LSE and dQ equal calls over
+    each half of the groups bit for bit (the same programs on the same data); dK/dV equal the halves'
+    sum up to its rounding (keys shared across the cut are summed once in the whole call). Untuned
+    configs: both calls run the same tiles."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "AUTOTUNE", False)
+    monkeypatch.setattr(launch, "_TUNED", {})
+    n, step = 2100, 16
+    groups = [Group(i * step, (i + 1) * step, max(0, (i + 1) * step - 64), (i + 1) * step) for i in range(n)]
+    assert launch.grid_rows(n, 32)[1]
+    q = _rand((n * step, 32, 64), torch.bfloat16, grad=True)
+    k, v = (_rand((n * step, 8, 64), torch.bfloat16, grad=True) for _ in range(2))
+    do, dl = _rand(q.shape, torch.bfloat16), _rand((32, n * step), torch.float32)
+
+    def run(gs):
+        _poison()
+        out, lse = sparse_attn.grouped_attention(q, k, v, gs, causal=True, return_lse=True)
+        loss = (out.float() * do.float()).sum() + (lse.nan_to_num(0.0, 0.0, 0.0) * dl).sum()  # no group: -inf
+        return (out, lse) + torch.autograd.grad(loss, (q, k, v))
+
+    out, lse, dq, dk, dv = run(groups)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all() and torch.isfinite(dk).all()
+    dk_sum, dv_sum = torch.zeros_like(dk, dtype=torch.float32), torch.zeros_like(dv, dtype=torch.float32)
+    for half in (groups[:n // 2], groups[n // 2:]):
+        rows = slice(half[0].q_start, half[-1].q_end)
+        o_h, l_h, dq_h, dk_h, dv_h = run(half)
+        torch.testing.assert_close(out[rows], o_h[rows], atol=0, rtol=0)
+        torch.testing.assert_close(lse[:, rows], l_h[:, rows], atol=0, rtol=0)
+        torch.testing.assert_close(dq[rows], dq_h[rows], atol=0, rtol=0)
+        dk_sum += dk_h.float()
+        dv_sum += dv_h.float()
+    for g, w in ((dk, dk_sum), (dv, dv_sum)):
+        worst = (g.float() - w).abs().max().item() / w.abs().max().item()
+        assert worst <= 2 * torch.finfo(torch.bfloat16).eps, worst
