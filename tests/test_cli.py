@@ -94,6 +94,13 @@ def test_bench_rejects_unknown_provider(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+def test_bench_plan_rejects_unknown_provider(capsys):
+    """--plan estimated the rows first and failed with a KeyError traceback inside the cost model."""
+    assert main(["bench", "--device", "cpu", "--plan", "1", "--providers", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown provider(s) nope" in err and "Traceback" not in err
+
+
 def test_bench_skips_unavailable_provider(tmp_path, capsys):
     rc = main(["bench", "--device", "cpu", "--providers", "sdpa-cudnn", "reference", "--seq-lens", "128",
                "--patterns", "dense", "--modes", "fwd", "--reps", "1", "--out-dir", str(tmp_path), "--name", "x",
