@@ -476,6 +476,21 @@ def test_drop_done(tmp_path):
     assert drop_done(suite, tmp_path / "missing")[1] == 0
 
 
+def test_restrict_names_each_dtype_one_way(tmp_path):
+    """--dtype float32 / bfloat16 (accepted aliases) labelled the rows 'float32' / 'bfloat16', so the same rows as
+    'fp32' / 'bf16' ones were run again under --skip-done and formed another config in the report."""
+    from sparse_attn.bench.slices import drop_done
+    suite = restrict(get_suite("small"), patterns=["local"], seq_lens=[256], modes=["fwd"])
+    done = [Row(p.provider, p.case.pattern.name, p.seq_len, p.case.batch, p.case.heads, p.kv_heads,
+                p.case.head_dim, p.case.dtype, p.mode, p.case.pattern.causal, 0.5, 1.0) for p in expand(suite)]
+    write_json(tmp_path / "a.json", make_header("cpu", "small"), done)
+    again = restrict(get_suite("small"), patterns=["local"], seq_lens=[256], modes=["fwd"], dtype="float32")
+    assert {p.case.dtype for p in expand(again)} == {"fp32"}
+    assert drop_done(again, tmp_path)[1] == len(done) == 3
+    assert {c.dtype for c in restrict(get_suite("kernels"), dtype="bfloat16").cases} == {"bf16"}
+    with pytest.raises(ValueError, match="dtype must be one of .*bf16"):
+        restrict(get_suite("small"), dtype="int8")
+
 def test_drop_done_reads_annotated_rows(tmp_path):
     """Rows with annotation keys (merge_results.py's 'slice') load everywhere else (results.read_result);
     --skip-done over such a file refused the folder with 'unexpected keyword argument'."""

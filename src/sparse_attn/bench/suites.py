@@ -369,7 +369,13 @@ def restrict(suite: Suite, *, providers=None, patterns=None, seq_lens=None, mode
     given field replacing the suite's own (providers, seq_lens, modes, dtype, batch, heads,
     kv_heads, head_dim). ``pattern_options`` (builder argument -> value, plus ``block_q`` /
     ``block_k``) re-parameterise the selected patterns that take them (:func:`with_options`).
-    Rows that become duplicates are run once (see runner)."""
+    Rows that become duplicates are run once (see runner). ``dtype`` takes any :data:`DTYPES` name and
+    is stored as its short name (``float32`` -> ``fp32``)."""
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        # one name per dtype: rows of --dtype float32 were not the suite's fp32 rows (--skip-done, the report)
+        dtype = dtype_name(DTYPES[dtype])
     out = []
     for c in suite.cases:
         if patterns and not _match(c.pattern, patterns):
