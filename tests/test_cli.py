@@ -101,6 +101,15 @@ def test_bench_plan_rejects_unknown_provider(capsys):
     assert "unknown provider(s) nope" in err and "Traceback" not in err
 
 
+def test_bench_stress_refuses_seq_lens(tmp_path, capsys):
+    """--stress adds 2x and 4x each case's longest length; --seq-lens replaced the lengths after it, so the
+    stress rows silently vanished (a run of only the given lengths, recorded as a stress run)."""
+    assert main(["bench", "--suite", "all", "--stress", "--seq-lens", "256", "--device", "cpu", "--plan", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--stress" in err and "--seq-lens" in err
+    assert main(["bench", "--suite", "all", "--stress", "--device", "cpu", "--patterns", "local", "--plan", "1"]) == 0
+
+
 def test_bench_skips_unavailable_provider(tmp_path, capsys):
     rc = main(["bench", "--device", "cpu", "--providers", "sdpa-cudnn", "reference", "--seq-lens", "128",
                "--patterns", "dense", "--modes", "fwd", "--reps", "1", "--out-dir", str(tmp_path), "--name", "x",

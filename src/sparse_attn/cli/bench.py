@@ -114,6 +114,9 @@ def selected_suite(args, device: str = "cpu"):
     from ..bench.suites import ALL, suite_all, suite_for_device
     if getattr(args, "stress", False) and args.suite != ALL:
         raise KeyError("--stress only applies to --suite all")
+    if getattr(args, "stress", False) and args.seq_lens:  # restrict() would replace the stress lengths
+        raise KeyError("--stress adds 2x and 4x each case's longest length and --seq-lens replaces the lengths: "
+                       "give one of them")
     base = suite_all(device, stress=args.stress) if args.suite == ALL else suite_for_device(args.suite, device)
     try:
         suite = restrict(base, **restriction(args))
