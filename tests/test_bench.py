@@ -228,6 +228,16 @@ def test_time_interleaved_gives_every_fn_each_other_as_predecessor_equally_often
     assert len(set(pairs.values())) == 1 and len(pairs) == n * (n - 1)
 
 
+def test_time_interleaved_warms_every_fn_up_as_often_as_asked():
+    """Warm-up took the cycle's first warmup * n calls: with four fns and --warmup 1 (the kernels suite's four
+    providers) fn 1 got no warm-up call and fn 3 two."""
+    for n, warmup in ((4, 1), (4, 2), (5, 1), (5, 3)):
+        log = []
+        fns = [lambda i=i: log.append(i) for i in range(n)]
+        time_interleaved(fns, "cpu", reps=n - 1, warmup=warmup)
+        assert Counter(log[2 * n:2 * n + warmup * n]) == {i: warmup for i in range(n)}, (n, warmup)
+        assert Counter(log[2 * n + warmup * n:]) == {i: n - 1 for i in range(n)}  # then the timed cycle
+
 # ----------------------------------------------------------------------------- runner
 def tiny_suite(providers=("reference", "sdpa-math"), patterns_=("dense", "causal")) -> Suite:
     cases = tuple(Case(spec(p, causal=p == "causal"), seq_lens=(256,), providers=providers, heads=2, kv_heads=(1,),
@@ -466,6 +476,37 @@ def test_drop_done(tmp_path):
     assert drop_done(suite, tmp_path / "missing")[1] == 0
 
 
+def test_restrict_names_each_dtype_one_way(tmp_path):
+    """--dtype float32 / bfloat16 (accepted aliases) labelled the rows 'float32' / 'bfloat16', so the same rows as
+    'fp32' / 'bf16' ones were run again under --skip-done and formed another config in the report."""
+    from sparse_attn.bench.slices import drop_done
+    suite = restrict(get_suite("small"), patterns=["local"], seq_lens=[256], modes=["fwd"])
+    done = [Row(p.provider, p.case.pattern.name, p.seq_len, p.case.batch, p.case.heads, p.kv_heads,
+                p.case.head_dim, p.case.dtype, p.mode, p.case.pattern.causal, 0.5, 1.0) for p in expand(suite)]
+    write_json(tmp_path / "a.json", make_header("cpu", "small"), done)
+    again = restrict(get_suite("small"), patterns=["local"], seq_lens=[256], modes=["fwd"], dtype="float32")
+    assert {p.case.dtype for p in expand(again)} == {"fp32"}
+    assert drop_done(again, tmp_path)[1] == len(done) == 3
+    assert {c.dtype for c in restrict(get_suite("kernels"), dtype="bfloat16").cases} == {"bf16"}
+    with pytest.raises(ValueError, match="dtype must be one of .*bf16"):
+        restrict(get_suite("small"), dtype="int8")
+
+def test_drop_done_reads_annotated_rows(tmp_path):
+    """Rows with annotation keys (merge_results.py's 'slice') load everywhere else (results.read_result);
+    --skip-done over such a file refused the folder with 'unexpected keyword argument'."""
+    from dataclasses import asdict
+
+    from sparse_attn.bench.slices import drop_done
+    suite = restrict(get_suite("small"), patterns=["local"], seq_lens=[256], modes=["fwd"])
+    points = expand(suite)
+    p = points[0]
+    row = Row(p.provider, p.case.pattern.name, p.seq_len, p.case.batch, p.case.heads, p.kv_heads, p.case.head_dim,
+              p.case.dtype, p.mode, p.case.pattern.causal, 0.5, 1.0)
+    (tmp_path / "merged.json").write_text(json.dumps({"header": {}, "rows": [{**asdict(row), "slice": "k-1"}]}))
+    left, n = drop_done(suite, tmp_path)
+    assert n == 1 and [q.key() for q in expand(left)] == [q.key() for q in points[1:]]
+
+
 # ----------------------------------------------------------------------------- adaptive provider
 def test_adaptive_provider_times_prediction_and_checks_its_flops():
     ok = Suite("t", "", (Case(spec("adaptive", "causal", causal=True), (512,), ("adaptive",), head_dim=16),))
@@ -495,6 +536,23 @@ def test_kernels_suite_definition():
     assert dens["random-0.25"] == 0.25
     # every row the suite asks for has a registered provider
     assert {p for c in suite.cases for p in c.providers} <= set(provider_names())
+
+
+def test_pattern_option_replaces_the_builder_argument_it_stands_for():
+    """random takes exactly one of density= and top_k=: --top-k on a density pattern ('instead of --density',
+    its help says) and --density on a top-k one failed every row with a layout error."""
+    suite = restrict(get_suite("small"), patterns=["random*"], pattern_options={"top_k": 3})
+    by = {c.pattern.name: c.pattern for c in suite.cases}
+    assert set(by) == {"random[top_k=3]", "random_topk[top_k=3]"}
+    assert by["random[top_k=3]"].build(1024, heads=2).kv_counts.flatten().tolist() == [3] * 16
+    assert by["random_topk[top_k=3]"].build(1024, heads=2).kv_counts.flatten().tolist() == [
+        min(3, qb + 1) for _ in range(2) for qb in range(8)]
+    (case,) = restrict(get_suite("small"), patterns=["random_topk"], pattern_options={"density": 1.0}).cases
+    assert case.pattern.name == "random_topk[density=1.0]"
+    assert visited_blocks(case.pattern.build(1024, heads=2), batch=1, heads=2) == 2 * 8 * 9 // 2  # causal, all
+    (case,) = restrict(get_suite("small"), patterns=["random"], pattern_options={"density": 0.5, "top_k": 2}).cases
+    with pytest.raises(ValueError, match="exactly one of density= .* and top_k="):  # both given: the user's error
+        case.pattern.build(1024, heads=2)
 
 
 def test_suite_patterns_build():

@@ -94,6 +94,22 @@ def test_bench_rejects_unknown_provider(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+def test_bench_plan_rejects_unknown_provider(capsys):
+    """--plan estimated the rows first and failed with a KeyError traceback inside the cost model."""
+    assert main(["bench", "--device", "cpu", "--plan", "1", "--providers", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown provider(s) nope" in err and "Traceback" not in err
+
+
+def test_bench_stress_refuses_seq_lens(tmp_path, capsys):
+    """--stress adds 2x and 4x each case's longest length; --seq-lens replaced the lengths after it, so the
+    stress rows silently vanished (a run of only the given lengths, recorded as a stress run)."""
+    assert main(["bench", "--suite", "all", "--stress", "--seq-lens", "256", "--device", "cpu", "--plan", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--stress" in err and "--seq-lens" in err
+    assert main(["bench", "--suite", "all", "--stress", "--device", "cpu", "--patterns", "local", "--plan", "1"]) == 0
+
+
 def test_bench_skips_unavailable_provider(tmp_path, capsys):
     rc = main(["bench", "--device", "cpu", "--providers", "sdpa-cudnn", "reference", "--seq-lens", "128",
                "--patterns", "dense", "--modes", "fwd", "--reps", "1", "--out-dir", str(tmp_path), "--name", "x",

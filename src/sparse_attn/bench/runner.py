@@ -139,9 +139,9 @@ def run_suite(suite: Suite, device, *, reps: int | None = None, warmup: int | No
     By default each provider is called once (compile, autotune) and then timed alone, its
     repetitions back to back: its sustained speed as a user running it in a loop sees it. With
     ``interleave`` the providers of one row (same pattern, L, Hkv, mode) are timed together, their
-    repetitions interleaved in rotating order, all under one mix of clock and power states. On the
-    power-capped H100 the two differ by more than noise (benchmarks/NOTES.md, "How the numbers were
-    taken"), so result headers say which one was used."""
+    repetitions interleaved (each follows every other equally often, :func:`~.timing.balanced_order`),
+    all under one mix of clock and power states. On the power-capped H100 the two differ by more than
+    noise (benchmarks/NOTES.md, "How the numbers were taken"), so result headers say which one was used."""
     from tqdm.auto import tqdm
     device = torch.device(device)
     points = expand(suite)

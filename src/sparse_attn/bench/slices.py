@@ -225,12 +225,13 @@ def drop_done(suite: Suite, folder) -> tuple[Suite, int]:
     import json
     from pathlib import Path
 
-    from .results import Row
+    from .results import ROW_FIELDS, Row
     done = set()
     folder = Path(folder)
     for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         for r in json.loads(f.read_text()).get("rows", []):
-            row = Row(**r)
+            # keys beyond the row's fields are annotations (merge_results.py's 'slice'), as results.read_result
+            row = Row(**{k: v for k, v in r.items() if k in ROW_FIELDS})
             done.add(row.key() + (row.provider,))
     points = expand(suite)
     keep = [p for p in points if p.key() not in done]

@@ -309,15 +309,25 @@ def _match(spec_: PatternSpec, wanted) -> bool:
 BLOCK_OPTIONS = ("block_q", "block_k")  # Case fields, not builder arguments
 
 
+# builder arguments that stand for each other (random takes exactly one of density= and top_k=): an option
+# given for one drops the spec's other, as --top-k's help says ("instead of --density")
+ALTERNATIVES = {"density": "top_k", "top_k": "density"}
+
+
 def with_options(spec_: PatternSpec, options: dict) -> PatternSpec:
     """``spec_`` with the builder arguments in ``options`` that its builder (and each union part's)
     takes replaced, renamed ``NAME[k=v,...]`` after the values that changed (so rows of another
-    parameterisation never merge with the suite's own). Options its builder lacks are ignored."""
+    parameterisation never merge with the suite's own). Options its builder lacks are ignored; an option
+    replaces the spec's own value of its alternative (:data:`ALTERNATIVES`) unless both are given."""
     from sparse_attn import patterns
     params = inspect.signature(getattr(patterns, spec_.builder)).parameters
     kw = dict(spec_.kwargs)
     changed = {k: v for k, v in options.items() if k in params and k != "seq_len" and kw.get(k, object()) != v}
     kw.update(changed)
+    for k in changed:
+        alt = ALTERNATIVES.get(k)
+        if alt is not None and alt not in options:
+            kw.pop(alt, None)
     union = tuple(with_options(u, options) for u in spec_.union)
     if not changed and union == spec_.union:
         return spec_
@@ -359,7 +369,13 @@ def restrict(suite: Suite, *, providers=None, patterns=None, seq_lens=None, mode
     given field replacing the suite's own (providers, seq_lens, modes, dtype, batch, heads,
     kv_heads, head_dim). ``pattern_options`` (builder argument -> value, plus ``block_q`` /
     ``block_k``) re-parameterise the selected patterns that take them (:func:`with_options`).
-    Rows that become duplicates are run once (see runner)."""
+    Rows that become duplicates are run once (see runner). ``dtype`` takes any :data:`DTYPES` name and
+    is stored as its short name (``float32`` -> ``fp32``)."""
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        # one name per dtype: rows of --dtype float32 were not the suite's fp32 rows (--skip-done, the report)
+        dtype = dtype_name(DTYPES[dtype])
     out = []
     for c in suite.cases:
         if patterns and not _match(c.pattern, patterns):

@@ -17,7 +17,6 @@ beyond the saved forward graph that is alive throughout).
 """
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from typing import Callable, Sequence
@@ -121,9 +120,14 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device, *, reps: int |
     cycle = balanced_order(n)
     per_cycle = len(cycle) // n  # calls of each fn in one cycle
     reps = -(-reps // per_cycle) * per_cycle
-    for i in itertools.islice(itertools.cycle(cycle), warmup * n):
-        reset_grads(grads[i])
-        fns[i]()
+    # warm-up: each fn's first `warmup` calls in the cycle's order (the cycle's first warmup * n calls gave
+    # some fns more and some none: with four fns and warmup 1, fn 1 had no warm-up call)
+    left = [warmup] * n
+    for i in cycle * -(-warmup // per_cycle):
+        if left[i]:
+            left[i] -= 1
+            reset_grads(grads[i])
+            fns[i]()
     calls = cycle * (reps // per_cycle)
     if not cuda:
         times = [[] for _ in fns]

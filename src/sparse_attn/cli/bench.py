@@ -83,7 +83,8 @@ def add_parser(sub) -> None:
                    help="CPU intra-op threads while timing (default 1: on a busy shared machine torch's spinning "
                         "OpenMP threads made CPU timing ratios noise; 0 = torch's default)")
     p.add_argument("--interleave", action="store_true",
-                   help="time the providers of one row together, repetitions interleaved in rotating order "
+                   help="time the providers of one row together, repetitions interleaved (each follows every other "
+                        "equally often) "
                         "(default: each provider's repetitions back to back, its sustained speed alone; "
                         "on a power-capped GPU the two can rank kernels differently, see benchmarks/NOTES.md)")
     p.add_argument("--baseline", help="provider the speedup column compares with "
@@ -113,6 +114,9 @@ def selected_suite(args, device: str = "cpu"):
     from ..bench.suites import ALL, suite_all, suite_for_device
     if getattr(args, "stress", False) and args.suite != ALL:
         raise KeyError("--stress only applies to --suite all")
+    if getattr(args, "stress", False) and args.seq_lens:  # restrict() would replace the stress lengths
+        raise KeyError("--stress adds 2x and 4x each case's longest length and --seq-lens replaces the lengths: "
+                       "give one of them")
     base = suite_all(device, stress=args.stress) if args.suite == ALL else suite_for_device(args.suite, device)
     try:
         suite = restrict(base, **restriction(args))
@@ -309,6 +313,10 @@ def run(args) -> int:
         return error(f"--patterns {escape(' '.join(args.patterns or []))} selects no case of suite {base.name}; "
                      f"its cases: {escape(names)}")
     check_gqa(suite, args)
+    from ..bench import provider_names
+    unknown = sorted({p for c in suite.cases for p in c.providers} - set(provider_names()))
+    if unknown:  # before --plan, whose cost model looks every provider up (a KeyError traceback)
+        return error(f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(provider_names())}")
     if args.plan is not None:
         return print_plan(suite, args.plan, args.slice_limit, con, suite_arg=args.suite,
                           restricted=bool(restriction(args)))
@@ -333,10 +341,6 @@ def run(args) -> int:
     if args.suite not in (suite.name, "all"):
         con.print(f"[yellow]suite {args.suite} is sized for a GPU: on {device} running its tiny stand-in "
                   f"{suite.name} ({suite.description})[/yellow]")
-    from ..bench import provider_names
-    unknown = sorted({p for c in suite.cases for p in c.providers} - set(provider_names()))
-    if unknown:
-        return error(f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(provider_names())}")
     name, extra = args.name, {}
     restricted = restriction(args)
     if restricted:  # the report then compares against the restricted suite, not all of it
