@@ -10,6 +10,7 @@ still gets the pattern's own effective TFLOP/s (see :mod:`sparse_attn.bench.flop
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from dataclasses import dataclass
@@ -150,14 +151,18 @@ def run_suite(suite: Suite, device, *, reps: int | None = None, warmup: int | No
     rows: list[Row] = []
     bar = tqdm(total=len(points), desc=f"bench {suite.name}", unit="row", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
-    for group in (row_groups(points) if interleave else [[p] for p in points]):
-        bar.set_postfix_str(group[0].label().rsplit(" ", 1)[0] + " " + "/".join(p.provider for p in group),
-                            refresh=False)
-        for row in _run_group(group, device, inputs, layouts, dense_memo, reps, warmup):
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
-        bar.update(len(group))
+    # CUDA events, the L2 flush buffer and the memory counters follow the current device: on cuda:1 called
+    # from Python (the CLI sets it itself) they would have timed and measured cuda:0
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        for group in (row_groups(points) if interleave else [[p] for p in points]):
+            bar.set_postfix_str(group[0].label().rsplit(" ", 1)[0] + " " + "/".join(p.provider for p in group),
+                                refresh=False)
+            for row in _run_group(group, device, inputs, layouts, dense_memo, reps, warmup):
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+            bar.update(len(group))
     bar.close()
     return rows
 
