@@ -175,6 +175,20 @@ def _case_bad_option_on_one_rank(rank, world):
     _compare(rank, world, 2, 2, causal=True)  # the group is still usable afterwards
 
 
+def _case_second_backward_refused(rank, world):
+    """A gradient taken with create_graph=True came back detached (the backward's collectives and local
+    kernels record no graph), so a gradient penalty added to the loss was dropped without a word. As the
+    kernels' backward, the context-parallel one is once-differentiable: the second backward raises, on
+    every rank alike."""
+    q, k, v, _ = (zigzag_split(t, world, rank) for t in _inputs(world, 2, 2))
+    q.requires_grad_()
+    out = zigzag_llama3_attention(q, k, v)
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.sum() + gq.square().sum()).backward()
+    _compare(rank, world, 2, 2, causal=True)  # the group is still usable afterwards
+
+
 # ---- packed varlen batches ---------------------------------------------------------------------
 
 def _varlen_cu(world, units=(3, 0, 5, 1)):
@@ -310,7 +324,8 @@ def _case_varlen_mismatch(rank, world):
 
 CASES = {f.__name__.removeprefix("_case_"): f for f in
          (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_unchecked,
-          _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_bad_option_on_one_rank, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
+          _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_bad_option_on_one_rank,
+          _case_second_backward_refused, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
           _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense, _case_host_check_group,
           _case_varlen_mismatch)}
 

@@ -53,7 +53,11 @@ class _ZigzagAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
+        # the collectives and the local backward (kernels, or the reference under its own autograd.grad)
+        # record no graph: without this a create_graph=True gradient came back detached and a gradient
+        # penalty was silently dropped; a second backward now raises, as the kernels' own does
         q, k, v, out, lse = ctx.saved_tensors
         plan, group, causal, scale, head_step = ctx.args
         g, groups = q.shape[1] // k.shape[1], plan.groups(causal)
@@ -178,8 +182,9 @@ def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_loca
             (benchmarks/NOTES.md). The backward runs per group either way; the PyTorch reference
             path (CPU) computes the same per-group attention for every value.
 
-    Returns: ``out_local [B, Hq, 2C, Dv]``, this rank's zigzag share of the full output. Differentiable:
-    the backward re-gathers K/V, runs the local backward and reduce-scatters dK/dV (summed in fp32).
+    Returns: ``out_local [B, Hq, 2C, Dv]``, this rank's zigzag share of the full output. Differentiable
+    once: the backward re-gathers K/V, runs the local backward and reduce-scatters dK/dV (summed in fp32);
+    differentiating its gradients again (``create_graph=True``) raises.
 
     Every rank must call this with the same shapes and options; they are all-gathered and compared first
     (unless ``check_inputs=False``), and a mismatch raises ``ValueError`` on every rank naming the
@@ -223,7 +228,7 @@ def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor,
         scale, kv_head_chunk, group, check_inputs, use_grouped_attention: as
             :func:`zigzag_llama3_attention`.
 
-    Returns: ``out_local [T / W, Hq, Dv]``, this rank's share of the full output. Differentiable.
+    Returns: ``out_local [T / W, Hq, Dv]``, this rank's share of the full output. Differentiable once.
     Shapes, dtypes, options and cu_seqlens are compared across ranks first (mismatch: ``ValueError``
     on every rank), unless ``check_inputs=False``.
     """
