@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..layout import as_int
 from ..validation import check_causal, check_scale
 from . import local
 from .chunks import offsets
@@ -83,12 +84,15 @@ def _check_grouped(use_grouped_attention) -> None:
                          f"got {use_grouped_attention!r}")
 
 
-def _check_options(kv_head_chunk, hkv):
-    if kv_head_chunk is not None and (isinstance(kv_head_chunk, bool) or not isinstance(kv_head_chunk, int)
-                                      or kv_head_chunk < 1):
-        raise ValueError(f"kv_head_chunk must be a positive number of K/V heads (or None: all {hkv}), "
-                         f"got {kv_head_chunk!r}")
-    return hkv if kv_head_chunk is None else min(kv_head_chunk, hkv)
+def _check_options(kv_head_chunk, hkv: int | None):
+    """``kv_head_chunk`` as a Python int (numpy / torch integers too) or None; with ``hkv``, the head step."""
+    step = None if kv_head_chunk is None else as_int(kv_head_chunk)
+    if kv_head_chunk is not None and (step is None or step < 1):
+        raise ValueError(f"kv_head_chunk must be a positive number of K/V heads (or None: all "
+                         f"{'of them' if hkv is None else hkv}), got {kv_head_chunk!r}")
+    if step is None:
+        return hkv
+    return step if hkv is None else min(step, hkv)
 
 
 def _validate_dense(q, k, v):
@@ -117,7 +121,7 @@ def _validate_common(q, k, v):
 def _check_option_types(causal, scale, kv_head_chunk, grouped):
     """The options' own checks (no collective): ``(causal, scale)`` normalised, or TypeError/ValueError."""
     causal, scale = check_causal(causal), check_scale(scale)
-    _check_options(kv_head_chunk, 1)
+    _check_options(kv_head_chunk, None)
     _check_grouped(grouped)
     return causal, scale
 
