@@ -264,6 +264,9 @@ def _case_kernel_path(rank, world):
         _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(2, 1),
                         use_grouped_attention=False)
         assert counts == {"grouped": 1, "plain": 4}, counts
+        # the default for one packed sequence (two query chunks): two plain launches, as the README says
+        _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(2,))
+        assert counts == {"grouped": 1, "plain": 6}, counts
     finally:
         local.FORCE_KERNELS = False
         undo()
