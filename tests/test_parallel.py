@@ -8,6 +8,7 @@ import socket
 import time
 import traceback
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,6 +75,9 @@ def _case_noncausal(rank, world):
 def _case_kv_head_chunk(rank, world):
     _compare(rank, world, 4, 4, causal=True, kv_head_chunk=3)  # uneven head chunks: (0, 3), (3, 4)
     _compare(rank, world, 4, 2, causal=False, kv_head_chunk=1)
+    # an integer of numpy or torch is a head count too (np.int64(1) was refused as "not a positive number")
+    _compare(rank, world, 4, 2, causal=True, kv_head_chunk=np.int64(1))
+    _compare(rank, world, 4, 4, causal=True, kv_head_chunk=torch.tensor(3))
 
 
 def _case_all_reduce_fallback(rank, world):
@@ -175,6 +179,20 @@ def _case_bad_option_on_one_rank(rank, world):
     _compare(rank, world, 2, 2, causal=True)  # the group is still usable afterwards
 
 
+def _case_second_backward_refused(rank, world):
+    """A gradient taken with create_graph=True came back detached (the backward's collectives and local
+    kernels record no graph), so a gradient penalty added to the loss was dropped without a word. As the
+    kernels' backward, the context-parallel one is once-differentiable: the second backward raises, on
+    every rank alike."""
+    q, k, v, _ = (zigzag_split(t, world, rank) for t in _inputs(world, 2, 2))
+    q.requires_grad_()
+    out = zigzag_llama3_attention(q, k, v)
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.sum() + gq.square().sum()).backward()
+    _compare(rank, world, 2, 2, causal=True)  # the group is still usable afterwards
+
+
 # ---- packed varlen batches ---------------------------------------------------------------------
 
 def _varlen_cu(world, units=(3, 0, 5, 1)):
@@ -246,6 +264,9 @@ def _case_kernel_path(rank, world):
         _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(2, 1),
                         use_grouped_attention=False)
         assert counts == {"grouped": 1, "plain": 4}, counts
+        # the default for one packed sequence (two query chunks): two plain launches, as the README says
+        _compare_varlen(rank, world, 2, 1, causal=True, dtype=torch.float32, tol=2e-5, units=(2,))
+        assert counts == {"grouped": 1, "plain": 6}, counts
     finally:
         local.FORCE_KERNELS = False
         undo()
@@ -310,7 +331,8 @@ def _case_varlen_mismatch(rank, world):
 
 CASES = {f.__name__.removeprefix("_case_"): f for f in
          (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_unchecked,
-          _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_bad_option_on_one_rank, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
+          _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_bad_option_on_one_rank,
+          _case_second_backward_refused, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
           _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense, _case_host_check_group,
           _case_varlen_mismatch)}
 
@@ -524,6 +546,30 @@ def test_plan_rejects_bad_offsets():
         zigzag_plan([0, 8.5, 16], 2, 0)  # was cut to 8
     with pytest.raises(TypeError, match="integer offsets, got a torch.float32 tensor"):
         zigzag_cu_seqlens(torch.tensor([0.0, 8.0]), 2)
+
+
+_X16 = torch.arange(16.0)[None, None, :, None]
+_NOT_INTS = {"plan rank": lambda: zigzag_plan([0, 16], 2, 1.5), "plan world": lambda: zigzag_plan([0, 16], 2.5, 0),
+             "split world": lambda: zigzag_split(_X16, 2.0, 0), "split bool": lambda: zigzag_split(_X16, True, 0),
+             "split rank": lambda: zigzag_split(_X16, 2, 1.0), "cu_seqlens": lambda: zigzag_cu_seqlens([0, 16], 2.0),
+             "chunk ids": lambda: zigzag_chunk_ids(2, 1.5),
+             "split varlen": lambda: zigzag_split_varlen(_X16[0, 0], [0, 16], 2.0, 0)}
+
+
+@pytest.mark.parametrize("call", list(_NOT_INTS))
+def test_world_size_and_rank_must_be_ints(call):
+    """A float world size or rank was cut by zigzag_plan (rank 1.5 planned as rank 1, world 2.5 as 2), gave float
+    offsets from zigzag_cu_seqlens and float chunk ids, failed inside narrow() in zigzag_split, and a bool world
+    size split as one rank (the whole tensor)."""
+    with pytest.raises(TypeError, match=r"(world_size|rank) must be an int, got (1\.5|2\.5|2\.0|1\.0|True)"):
+        _NOT_INTS[call]()
+
+
+def test_world_size_and_rank_take_numpy_and_torch_ints():
+    assert zigzag_plan([0, 16], np.int64(2), torch.tensor(1)) is zigzag_plan([0, 16], 2, 1)
+    assert torch.equal(zigzag_split(_X16, np.int64(2), np.int32(1)), zigzag_split(_X16, 2, 1))
+    assert zigzag_chunk_ids(np.int64(2), np.int64(1)) == (1, 2)
+    assert zigzag_cu_seqlens([0, 16], np.int64(2)).tolist() == [0, 8]
 
 
 @pytest.mark.parametrize("causal", [True, False])

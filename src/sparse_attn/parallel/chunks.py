@@ -13,8 +13,18 @@ import torch
 from ..layout import as_int
 
 
+def as_count(value, name: str) -> int:
+    """``value`` (an int, or an integer numpy / torch scalar) as a Python int; a float or bool is a TypeError
+    (rank 1.5 was cut to 1 by zigzag_plan, a float world size failed inside narrow(), True split as one rank)."""
+    v = as_int(value)
+    if v is None:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return v
+
+
 def zigzag_chunk_ids(world_size: int, rank: int) -> tuple[int, int]:
     """The two chunk indices (of 2 * world_size) that ``rank`` holds, in local order."""
+    world_size, rank = as_count(world_size, "world_size"), as_count(rank, "rank")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return rank, 2 * world_size - 1 - rank
@@ -32,13 +42,15 @@ def offsets(cu_seqlens) -> list[int]:
     return ints
 
 
-def _check_world(world_size) -> None:
+def _check_world(world_size) -> int:
+    world_size = as_count(world_size, "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    return world_size
 
 
 def _chunk_len(length: int, world_size: int, what: str) -> int:
-    _check_world(world_size)
+    world_size = _check_world(world_size)
     if length % (2 * world_size):
         raise ValueError(f"{what} has length {length}, which is not divisible by 2 * world_size = "
                          f"{2 * world_size}: pad each sequence to a multiple of {2 * world_size}")
@@ -48,8 +60,8 @@ def _chunk_len(length: int, world_size: int, what: str) -> int:
 def zigzag_split(x: torch.Tensor, world_size: int, rank: int, dim: int = 2) -> torch.Tensor:
     """Rank ``rank``'s zigzag share of ``x`` along ``dim``: chunks r and 2W-1-r, concatenated
     (length ``x.shape[dim] / W``). ``dim=2`` is the sequence dim of ``[B, H, L, D]``."""
-    c = _chunk_len(x.shape[dim], world_size, f"dim {dim} of a tensor of shape {tuple(x.shape)}")
     a, b = zigzag_chunk_ids(world_size, rank)
+    c = _chunk_len(x.shape[dim], world_size, f"dim {dim} of a tensor of shape {tuple(x.shape)}")
     return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim)
 
 
@@ -86,7 +98,7 @@ def zigzag_cu_seqlens(cu_seqlens: torch.Tensor, world_size: int) -> torch.Tensor
     rank). ``cu_seqlens`` int ``[num_seqs + 1]`` (tensor or list) -> a tensor ``[num_seqs + 1]`` of its
     dtype (int64 for a list). Each sequence length must be divisible by 2W."""
     _seq_bounds(cu_seqlens, world_size)
-    return torch.div(torch.as_tensor(cu_seqlens), world_size, rounding_mode="floor")
+    return torch.div(torch.as_tensor(cu_seqlens), _check_world(world_size), rounding_mode="floor")
 
 
 def zigzag_split_varlen(x: torch.Tensor, cu_seqlens, world_size: int, rank: int, dim: int = 0) -> torch.Tensor:

@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from ..grouped import Group
-from .chunks import offsets, zigzag_chunk_ids
+from .chunks import as_count, offsets, zigzag_chunk_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,7 @@ def zigzag_plan(cu_seqlens, world_size: int, rank: int) -> ZigzagPlan:
     The helpers a training step needs: ``plan.cu_seqlens_local()`` (this rank's offsets, for other
     varlen ops), ``plan.max_seqlen_local``, ``plan.position_ids()`` (RoPE positions of the local
     tokens); shard the packed inputs with :func:`sparse_attn.parallel.zigzag_split_varlen`."""
-    return _plan(tuple(offsets(cu_seqlens)), int(world_size), int(rank))
+    return _plan(tuple(offsets(cu_seqlens)), as_count(world_size, "world_size"), as_count(rank, "rank"))
 
 
 def dense_plan(seq_len: int, world_size: int, rank: int) -> ZigzagPlan:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..layout import as_int
 from ..validation import check_causal, check_scale
 from . import local
 from .chunks import offsets
@@ -53,7 +54,11 @@ class _ZigzagAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
+        # the collectives and the local backward (kernels, or the reference under its own autograd.grad)
+        # record no graph: without this a create_graph=True gradient came back detached and a gradient
+        # penalty was silently dropped; a second backward now raises, as the kernels' own does
         q, k, v, out, lse = ctx.saved_tensors
         plan, group, causal, scale, head_step = ctx.args
         g, groups = q.shape[1] // k.shape[1], plan.groups(causal)
@@ -79,12 +84,15 @@ def _check_grouped(use_grouped_attention) -> None:
                          f"got {use_grouped_attention!r}")
 
 
-def _check_options(kv_head_chunk, hkv):
-    if kv_head_chunk is not None and (isinstance(kv_head_chunk, bool) or not isinstance(kv_head_chunk, int)
-                                      or kv_head_chunk < 1):
-        raise ValueError(f"kv_head_chunk must be a positive number of K/V heads (or None: all {hkv}), "
-                         f"got {kv_head_chunk!r}")
-    return hkv if kv_head_chunk is None else min(kv_head_chunk, hkv)
+def _check_options(kv_head_chunk, hkv: int | None):
+    """``kv_head_chunk`` as a Python int (numpy / torch integers too) or None; with ``hkv``, the head step."""
+    step = None if kv_head_chunk is None else as_int(kv_head_chunk)
+    if kv_head_chunk is not None and (step is None or step < 1):
+        raise ValueError(f"kv_head_chunk must be a positive number of K/V heads (or None: all "
+                         f"{'of them' if hkv is None else hkv}), got {kv_head_chunk!r}")
+    if step is None:
+        return hkv
+    return step if hkv is None else min(step, hkv)
 
 
 def _validate_dense(q, k, v):
@@ -113,7 +121,7 @@ def _validate_common(q, k, v):
 def _check_option_types(causal, scale, kv_head_chunk, grouped):
     """The options' own checks (no collective): ``(causal, scale)`` normalised, or TypeError/ValueError."""
     causal, scale = check_causal(causal), check_scale(scale)
-    _check_options(kv_head_chunk, 1)
+    _check_options(kv_head_chunk, None)
     _check_grouped(grouped)
     return causal, scale
 
@@ -178,8 +186,9 @@ def zigzag_llama3_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_loca
             (benchmarks/NOTES.md). The backward runs per group either way; the PyTorch reference
             path (CPU) computes the same per-group attention for every value.
 
-    Returns: ``out_local [B, Hq, 2C, Dv]``, this rank's zigzag share of the full output. Differentiable:
-    the backward re-gathers K/V, runs the local backward and reduce-scatters dK/dV (summed in fp32).
+    Returns: ``out_local [B, Hq, 2C, Dv]``, this rank's zigzag share of the full output. Differentiable
+    once: the backward re-gathers K/V, runs the local backward and reduce-scatters dK/dV (summed in fp32);
+    differentiating its gradients again (``create_graph=True``) raises.
 
     Every rank must call this with the same shapes and options; they are all-gathered and compared first
     (unless ``check_inputs=False``), and a mismatch raises ``ValueError`` on every rank naming the
@@ -223,7 +232,7 @@ def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor,
         scale, kv_head_chunk, group, check_inputs, use_grouped_attention: as
             :func:`zigzag_llama3_attention`.
 
-    Returns: ``out_local [T / W, Hq, Dv]``, this rank's share of the full output. Differentiable.
+    Returns: ``out_local [T / W, Hq, Dv]``, this rank's share of the full output. Differentiable once.
     Shapes, dtypes, options and cu_seqlens are compared across ranks first (mismatch: ``ValueError``
     on every rank), unless ``check_inputs=False``.
     """
