@@ -428,6 +428,28 @@ def test_sliding_window_mask_is_not_materialised(monkeypatch):
     assert [tuple(m.shape) for m in bands] == [(1, 1, 64, 64), (1, 1, 40, 40), (1, 1, 1, 20)]  # the sliding cache keeps 20 keys
 
 
+def test_pattern_placing_keys_by_position_is_refused_once_a_sliding_cache_drops_keys():
+    """A sliding-window cache keeps the last W keys, so on a decoding step key 0 of the call is token 21, not 0:
+    streaming's sinks (tokens 0..3) landed on the oldest cached keys, and the step's logits came out 1.6 off the
+    last row of a forward over the whole sequence, silently. Patterns placed relative to the diagonal (local,
+    dense) stay exact; the others are refused once the cache has dropped keys (and still run before that)."""
+    model = tiny_mistral(window=20)
+    x = ids(length=41)
+    with torch.no_grad():
+        enable(model, SparseAttnConfig("local", {"window": 8, **BLOCK}))
+        full = model(x).logits[:, -1]
+        pre = model(x[:, :40], use_cache=True)
+        step = model(x[:, 40:], past_key_values=pre.past_key_values, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+        enable(model, SparseAttnConfig(per_layer={1: ("streaming", {"window": 8, "num_sink": 4, **BLOCK})}))
+        model(x)  # no cache: the keys start at token 0
+        short = model(x[:, :10], use_cache=True)  # 11 of the 20 keys the cache keeps: nothing dropped yet
+        model(x[:, 10:11], past_key_values=short.past_key_values, use_cache=True)
+        pre = model(x[:, :40], use_cache=True)
+        with pytest.raises(NotImplementedError, match=r"layer 1's pattern streaming\(.*keys 21\.\.40"):
+            model(x[:, 40:], past_key_values=pre.past_key_values, use_cache=True)
+
+
 def test_band_marker_only_fits_its_own_call():
     from transformers.masking_utils import sliding_window_causal_mask_function
     marker = sat.sparse_attn_mask(1, 48, 48, mask_function=sliding_window_causal_mask_function(10), local_size=10)

@@ -21,6 +21,8 @@ from ..layout import BlockLayout
 ADAPTIVE = "adaptive"
 # options the integration fills in itself; a user never passes them in pattern_kwargs
 _FILLED = {"seq_len", "kv_len", "device"}
+# builders whose layout sits relative to the diagonal, token by token: the same whatever token key 0 of a call is
+_RELATIVE = {"dense", "causal", "local"}
 
 
 def _split(expr: str) -> tuple[list[str], list[str]]:
@@ -98,6 +100,18 @@ class PatternSpec:
     @property
     def is_dense(self) -> bool:
         return isinstance(self.pattern, str) and self.pattern.strip() in ("dense", "causal")
+
+    @property
+    def keys_by_position(self) -> bool:
+        """Whether the layout places keys by their position in the call (streaming's sinks, bigbird's global
+        and random blocks, strides, block diagonals, a callable's own rule, adaptive's ``attention_sink``):
+        right only while key 0 of the call is token 0 of the sequence. dense and local sit relative to the
+        diagonal."""
+        if callable(self.pattern):
+            return True
+        if self.is_adaptive:
+            return bool(self.options.get("attention_sink"))
+        return any(name not in _RELATIVE for name in _split(self.pattern)[0])
 
     def key(self):
         return (self.pattern if isinstance(self.pattern, str) else ("callable", id(self.pattern)),

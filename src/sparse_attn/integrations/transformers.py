@@ -21,7 +21,10 @@ which is how a KV-cached decoding step lines up). Returns ``([B, Lq, Hq, D], Non
 Masks: a plain causal (or bidirectional) mask is never materialised; a padded batch, a static cache
 whose key buffer runs past the last query, or any other custom mask raises ``NotImplementedError``
 rather than being silently ignored. Sliding-window layers (``sliding_window=`` from the model) are
-honoured by intersecting with :func:`sparse_attn.patterns.local`. Attention dropout > 0, softcap
+honoured by intersecting with :func:`sparse_attn.patterns.local`; once their cache has dropped its oldest keys
+(decoding past the window), a pattern that places keys by position (all but ``dense`` and ``local``: sinks,
+global / random / strided blocks) raises ``NotImplementedError``, as it would count from the oldest key kept
+instead of token 0. Attention dropout > 0, softcap
 and attention sinks (``s_aux``) are not supported (``NotImplementedError``).
 """
 from __future__ import annotations
@@ -281,6 +284,15 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     if attention_mask is not None:
         check_mask(attention_mask, query.shape[2], key.shape[2], causal, window)
     layer_idx = getattr(module, "layer_idx", None)
+    offset = _key_offset(attention_mask)
+    if offset and cfg.spec_for(layer_idx).keys_by_position:
+        lk = key.shape[2]
+        raise NotImplementedError(
+            f"sparse_attn: layer {layer_idx}'s pattern {cfg.spec_for(layer_idx).describe()} places keys by position "
+            f"(from token 0: sinks, global / random / strided blocks), but this sliding-window layer's cache holds "
+            f"only keys {offset}..{offset + lk - 1} (the first {offset} were dropped), so it would attend to other "
+            "keys than a forward over the whole sequence; run 'local' or 'dense' on sliding-window layers "
+            "(per_layer=...), or decode without a cache (use_cache=False)")
     layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling, causal)
     out = _api.attention(query, key, value, layout, causal=causal, scale=scaling)
     cfg.stats[layer_idx] = stats
@@ -372,7 +384,7 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     window, device = kwargs.get("local_size"), kwargs.get("device") or "cpu"
     if _is_causal_band(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, window, device,
                        bool(kwargs.get("use_vmap"))):
-        return _band_marker(batch_size, q_length, kv_length, window, device)
+        return _band_marker(batch_size, q_length, kv_length, window, device, kv_offset)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      allow_is_causal_skip=False, **{k: v for k, v in kwargs.items() if k in ("local_size", "use_vmap",
@@ -380,7 +392,7 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
 
 
 MASK_CHUNK = 1 << 24  # mask entries evaluated at a time when checking a mask function (16 MiB of bool)
-_BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window)) of the latest markers
+_BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window, kv_offset)) of the latest markers
 
 
 def _is_causal_band(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
@@ -406,13 +418,25 @@ def _is_causal_band(batch_size: int, q_length: int, kv_length: int, q_offset: in
     return True
 
 
-def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device) -> torch.Tensor:
+def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device,
+                 kv_offset: int = 0) -> torch.Tensor:
     """What the mask interface returns for a verified causal (sliding-window) mask: a
     ``[B, 1, Lq, Lk]`` all-False bool view of one element (no O(Lq * Lk) memory; anything else that
-    read it as a mask would mask everything, not attend silently), recognised by :func:`check_mask`."""
+    read it as a mask would mask everything, not attend silently), recognised by :func:`check_mask`.
+    ``kv_offset``: the token the call's first key is (> 0 once a sliding-window cache dropped keys)."""
     marker = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
-    _BANDS[:] = [(weakref.ref(marker), (q_length, kv_length, window))] + [b for b in _BANDS if b[0]() is not None][:3]
+    entry = (weakref.ref(marker), (q_length, kv_length, window, int(kv_offset)))
+    _BANDS[:] = [entry] + [b for b in _BANDS if b[0]() is not None][:3]
     return marker
+
+
+def _key_offset(mask) -> int:
+    """The token that key 0 of the call is, as the mask interface saw it (a band marker's ``kv_offset``);
+    0 for any other mask: only sliding-window caches drop keys, and their masks are band markers."""
+    for ref, (_, _, _, kv_offset) in _BANDS:
+        if mask is not None and ref() is mask:
+            return kv_offset
+    return 0
 
 
 def _reach(window: int | None, kv_len: int) -> int | None:
@@ -422,7 +446,7 @@ def _reach(window: int | None, kv_len: int) -> int | None:
 
 def _check_band(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
     """True when ``mask`` is a band marker that matches this call; raises when it does not."""
-    for ref, (q_len, kv_len, band_window) in _BANDS:
+    for ref, (q_len, kv_len, band_window, _) in _BANDS:
         if ref() is not mask:
             continue
         if (q_len, kv_len) != (lq, lk) or not causal or _reach(window, lk) != _reach(band_window, lk):
