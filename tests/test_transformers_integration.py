@@ -519,6 +519,26 @@ def test_config_errors():
         model(ids(length=8))
 
 
+def test_pattern_options_no_builder_takes_are_refused_when_the_config_is_made():
+    """An option none of the pattern's builders takes was dropped without a word, and still named in the
+    stats: ("local", {"window": 16, "num_sink": 4}) ran plain local reported as "local(num_sink=4, ...)". A
+    misspelt option, or one adaptive's predictor does not take, failed only inside the first forward."""
+    for pattern, kwargs, words in [
+        ("local", {"window": 16, "num_sink": 4}, "num_sink"),
+        ("dense", {"window": 16}, "window"),
+        ("local|random", {"window": 16, "density": 0.3, "stride": 2}, "stride"),
+        ("local", {"window": 16, "windw": 3}, "windw"),
+        ("adaptive", {"topk": 0.5, "windw": 3}, "windw"),
+        ("adaptive", {"topk": 0.5, "causal": True}, "causal"),
+    ]:
+        with pytest.raises(ValueError, match=f"pattern_kwargs {words} .*{pattern.split('|')[0]}"):
+            SparseAttnConfig(pattern, {**kwargs, **BLOCK})
+        with pytest.raises(ValueError, match=f"pattern_kwargs {words} "):
+            SparseAttnConfig(per_layer={0: (pattern, {**kwargs, **BLOCK})})
+    SparseAttnConfig("local|random", {"window": 16, "density": 0.3, "seed": 1, "causal": True, **BLOCK})
+    SparseAttnConfig("adaptive", {"topk": 0.5, "attention_sink": True, **BLOCK})
+
+
 def test_additive_position_bias_is_refused_not_dropped():
     """T5 hands its relative-position bias to the attention function as position_bias=; it was ignored
     (logits 0.28 off eager's, no warning)."""
