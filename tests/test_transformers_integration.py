@@ -232,6 +232,29 @@ def test_config_options_cannot_change_after_it_is_made():
     copy.deepcopy(model)
 
 
+def test_layers_set_after_the_config_is_made_are_checked_as_at_construction():
+    """layers is read on every call and may be set later, but a later value skipped the checks made at
+    construction: ["1"] (a split string) matched no layer and [5] on a 2-layer model named none, so every
+    layer ran dense, silently; an int failed inside the forward."""
+    model = tiny_llama(layers=2)
+    cfg = enable(model, SparseAttnConfig("local", {"window": 16, **BLOCK}, layers=["0"]))
+    cfg.layers = ["1"]
+    assert cfg.layers == frozenset({1})
+    with torch.no_grad():
+        model(ids(length=64))
+    assert cfg.stats[0].pattern == "dense(block_k=16, block_q=16)" and cfg.stats[1].pattern.startswith("local")
+    with pytest.raises(ValueError, match=r"layer indices \[5\] are out of range: the model has 2"):
+        cfg.layers = [1, 5]
+    for bad in (1, [True], [1.5], "x"):
+        with pytest.raises(TypeError, match="layers must be None or layer indices"):
+            cfg.layers = bad
+    with pytest.raises(TypeError, match="layers must be None or layer indices"):
+        SparseAttnConfig(layers=[0.5])
+    assert cfg.layers == frozenset({1})
+    cfg.layers = None
+    assert cfg.spec_for(0).name == "local"
+
+
 def test_output_attentions_warns():
     sat._WARNED.clear()
     model = tiny_llama(layers=1)

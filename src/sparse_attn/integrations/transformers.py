@@ -30,6 +30,7 @@ and attention sinks (``s_aux``) are not supported (``NotImplementedError``).
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -92,6 +93,8 @@ class SparseAttnConfig:
         pattern_kwargs: the builder options (``window``, ``num_sink``, ``density``, ``block_q``, ...; for
             adaptive the predictor's ``simthreshd1``, ``cdfthreshd``, ``topk``, ...).
         layers: layer indices that run ``pattern``; None = all. Other layers run dense (causal) attention.
+            Read on every call, so it may be set later (checked as here, and against the model's layers
+            once :func:`enable` has seen it).
         per_layer: ``{layer_idx: pattern}`` or ``{layer_idx: (pattern, kwargs)}``, overriding both.
         causal: intersect layouts with causal (bottom-right aligned). None (default): what each
             attention module says (``is_causal`` passed by the model, else ``module.is_causal``, else
@@ -122,7 +125,6 @@ class SparseAttnConfig:
         self._default = PatternSpec.make(self.pattern, self.pattern_kwargs)
         self._dense = PatternSpec.make("dense", {k: v for k, v in self.pattern_kwargs.items()
                                                  if k in ("block_q", "block_k")})
-        self.layers = None if self.layers is None else frozenset(int(i) for i in self.layers)
         self._per_layer = {}
         for idx, value in dict(self.per_layer).items():
             pattern, kwargs = tuple(value) if isinstance(value, (tuple, list)) else (value, {})
@@ -136,6 +138,10 @@ class SparseAttnConfig:
     def __setattr__(self, name, value):
         if name in self._READ_AT_INIT and getattr(self, "_initialised", False):
             raise AttributeError(f"SparseAttnConfig.{name} {_READ_ONCE}")
+        if name == "layers":  # a later value skipped these checks: ["1"] or [5] of 2 layers ran every layer dense
+            value = _layer_set(value)
+            if value and getattr(self, "_num_layers", None) is not None:
+                self._check_range(value, self._num_layers)
         object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ lookup
@@ -148,7 +154,13 @@ class SparseAttnConfig:
         return self._dense
 
     def check_layers(self, num_layers: int) -> None:
-        named = set(self._per_layer) | set(self.layers or ())
+        """ValueError for ``layers`` / ``per_layer`` indices past ``num_layers``; later ``layers`` are checked
+        against it too."""
+        self._check_range(set(self._per_layer) | set(self.layers or ()), num_layers)
+        object.__setattr__(self, "_num_layers", num_layers)
+
+    @staticmethod
+    def _check_range(named, num_layers: int) -> None:
         bad = sorted(i for i in named if not 0 <= i < num_layers)
         if bad:
             raise ValueError(f"layer indices {bad} are out of range: the model has {num_layers} attention layers")
@@ -214,6 +226,24 @@ class SparseAttnConfig:
         parts = [self._default.describe() + ("" if self.layers is None else f" on layers {sorted(self.layers)}")]
         parts += [f"layer {i}: {s.describe()}" for i, s in sorted(self._per_layer.items())]
         return "; ".join(parts)
+
+
+def _layer_set(value) -> frozenset | None:
+    """None, or ``value``'s layer indices (ints, numpy integers or digit strings) as a frozenset of ints."""
+    def index(i) -> int:
+        if isinstance(i, str) and i.strip().isdigit():
+            return int(i)
+        if isinstance(i, bool):
+            raise TypeError
+        return operator.index(i)
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (str, bytes)):  # "12" would be layers 1 and 2
+            raise TypeError
+        return frozenset(index(i) for i in value)
+    except TypeError:
+        raise TypeError(f"SparseAttnConfig.layers must be None or layer indices (ints), got {value!r}") from None
 
 
 @functools.lru_cache(maxsize=64)
