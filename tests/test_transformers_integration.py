@@ -485,6 +485,18 @@ def test_band_marker_only_fits_its_own_call():
     sat.check_mask(wide, 8, 8, True, None)  # a window over every earlier key is plain causal
 
 
+def test_static_cache_on_a_sliding_window_model_says_so():
+    """generate() with a static cache copies the masks it makes (.contiguous()): sparse_attn's one-element
+    band marker became an all-False mask, refused as a padded batch on an unpadded one. The refusal now
+    names static caches (as it does on a model without sliding windows)."""
+    model = tiny_mistral()
+    enable(model, SparseAttnConfig())
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="allows no key at all.*static"):
+        model.generate(ids(length=30), cache_implementation="static", max_new_tokens=2, do_sample=False)
+    with pytest.raises(NotImplementedError, match="padded batches"):  # a mask that allows some keys: as before
+        sat.check_mask(_band(8, 8, 8).clone().logical_and_(torch.arange(8) != 3), 8, 8, True, None)
+
+
 def test_other_mask_functions_are_still_materialised_and_checked():
     from transformers.masking_utils import and_masks, causal_mask_function
     holes = and_masks(causal_mask_function, lambda b, h, q, kv: kv != 3)

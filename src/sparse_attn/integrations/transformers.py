@@ -375,6 +375,12 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
     if window:
         expected = expected & (j > p - int(window))
     if not torch.equal(allowed, expected.expand_as(allowed)):
+        if not bool(allowed.any()):  # no plain mask is empty: the usual source is a copy of a band marker
+            raise NotImplementedError(
+                f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} that allows no key at all: a copy of "
+                "the one-element marker sparse_attn's mask interface returns for a sliding-window mask, which "
+                "generate() makes with a static cache (cache_implementation='static'); static / pre-allocated "
+                "caches are not supported yet: use the default DynamicCache")
         raise NotImplementedError(PADDED_MESSAGE + " (sparse_attn accepts no attention mask other than the plain "
                                   "causal one: got a padded or custom mask)")
     _CHECKED[:] = [weakref.ref(mask), sig]
