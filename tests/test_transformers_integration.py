@@ -232,6 +232,29 @@ def test_config_options_cannot_change_after_it_is_made():
     copy.deepcopy(model)
 
 
+def test_layers_set_after_the_config_is_made_are_checked_as_at_construction():
+    """layers is read on every call and may be set later, but a later value skipped the checks made at
+    construction: ["1"] (a split string) matched no layer and [5] on a 2-layer model named none, so every
+    layer ran dense, silently; an int failed inside the forward."""
+    model = tiny_llama(layers=2)
+    cfg = enable(model, SparseAttnConfig("local", {"window": 16, **BLOCK}, layers=["0"]))
+    cfg.layers = ["1"]
+    assert cfg.layers == frozenset({1})
+    with torch.no_grad():
+        model(ids(length=64))
+    assert cfg.stats[0].pattern == "dense(block_k=16, block_q=16)" and cfg.stats[1].pattern.startswith("local")
+    with pytest.raises(ValueError, match=r"layer indices \[5\] are out of range: the model has 2"):
+        cfg.layers = [1, 5]
+    for bad in (1, [True], [1.5], "x"):
+        with pytest.raises(TypeError, match="layers must be None or layer indices"):
+            cfg.layers = bad
+    with pytest.raises(TypeError, match="layers must be None or layer indices"):
+        SparseAttnConfig(layers=[0.5])
+    assert cfg.layers == frozenset({1})
+    cfg.layers = None
+    assert cfg.spec_for(0).name == "local"
+
+
 def test_output_attentions_warns():
     sat._WARNED.clear()
     model = tiny_llama(layers=1)
@@ -428,6 +451,28 @@ def test_sliding_window_mask_is_not_materialised(monkeypatch):
     assert [tuple(m.shape) for m in bands] == [(1, 1, 64, 64), (1, 1, 40, 40), (1, 1, 1, 20)]  # the sliding cache keeps 20 keys
 
 
+def test_pattern_placing_keys_by_position_is_refused_once_a_sliding_cache_drops_keys():
+    """A sliding-window cache keeps the last W keys, so on a decoding step key 0 of the call is token 21, not 0:
+    streaming's sinks (tokens 0..3) landed on the oldest cached keys, and the step's logits came out 1.6 off the
+    last row of a forward over the whole sequence, silently. Patterns placed relative to the diagonal (local,
+    dense) stay exact; the others are refused once the cache has dropped keys (and still run before that)."""
+    model = tiny_mistral(window=20)
+    x = ids(length=41)
+    with torch.no_grad():
+        enable(model, SparseAttnConfig("local", {"window": 8, **BLOCK}))
+        full = model(x).logits[:, -1]
+        pre = model(x[:, :40], use_cache=True)
+        step = model(x[:, 40:], past_key_values=pre.past_key_values, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+        enable(model, SparseAttnConfig(per_layer={1: ("streaming", {"window": 8, "num_sink": 4, **BLOCK})}))
+        model(x)  # no cache: the keys start at token 0
+        short = model(x[:, :10], use_cache=True)  # 11 of the 20 keys the cache keeps: nothing dropped yet
+        model(x[:, 10:11], past_key_values=short.past_key_values, use_cache=True)
+        pre = model(x[:, :40], use_cache=True)
+        with pytest.raises(NotImplementedError, match=r"layer 1's pattern streaming\(.*keys 21\.\.40"):
+            model(x[:, 40:], past_key_values=pre.past_key_values, use_cache=True)
+
+
 def test_band_marker_only_fits_its_own_call():
     from transformers.masking_utils import sliding_window_causal_mask_function
     marker = sat.sparse_attn_mask(1, 48, 48, mask_function=sliding_window_causal_mask_function(10), local_size=10)
@@ -438,6 +483,18 @@ def test_band_marker_only_fits_its_own_call():
             sat.check_mask(marker, lq, lk, causal, window)
     wide = sat.sparse_attn_mask(1, 8, 8, mask_function=sliding_window_causal_mask_function(64), local_size=64)
     sat.check_mask(wide, 8, 8, True, None)  # a window over every earlier key is plain causal
+
+
+def test_static_cache_on_a_sliding_window_model_says_so():
+    """generate() with a static cache copies the masks it makes (.contiguous()): sparse_attn's one-element
+    band marker became an all-False mask, refused as a padded batch on an unpadded one. The refusal now
+    names static caches (as it does on a model without sliding windows)."""
+    model = tiny_mistral()
+    enable(model, SparseAttnConfig())
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="allows no key at all.*static"):
+        model.generate(ids(length=30), cache_implementation="static", max_new_tokens=2, do_sample=False)
+    with pytest.raises(NotImplementedError, match="padded batches"):  # a mask that allows some keys: as before
+        sat.check_mask(_band(8, 8, 8).clone().logical_and_(torch.arange(8) != 3), 8, 8, True, None)
 
 
 def test_other_mask_functions_are_still_materialised_and_checked():
@@ -495,6 +552,26 @@ def test_config_errors():
     enable(model, SparseAttnConfig())
     with pytest.raises(NotImplementedError, match="dropout"):
         model(ids(length=8))
+
+
+def test_pattern_options_no_builder_takes_are_refused_when_the_config_is_made():
+    """An option none of the pattern's builders takes was dropped without a word, and still named in the
+    stats: ("local", {"window": 16, "num_sink": 4}) ran plain local reported as "local(num_sink=4, ...)". A
+    misspelt option, or one adaptive's predictor does not take, failed only inside the first forward."""
+    for pattern, kwargs, words in [
+        ("local", {"window": 16, "num_sink": 4}, "num_sink"),
+        ("dense", {"window": 16}, "window"),
+        ("local|random", {"window": 16, "density": 0.3, "stride": 2}, "stride"),
+        ("local", {"window": 16, "windw": 3}, "windw"),
+        ("adaptive", {"topk": 0.5, "windw": 3}, "windw"),
+        ("adaptive", {"topk": 0.5, "causal": True}, "causal"),
+    ]:
+        with pytest.raises(ValueError, match=f"pattern_kwargs {words} .*{pattern.split('|')[0]}"):
+            SparseAttnConfig(pattern, {**kwargs, **BLOCK})
+        with pytest.raises(ValueError, match=f"pattern_kwargs {words} "):
+            SparseAttnConfig(per_layer={0: (pattern, {**kwargs, **BLOCK})})
+    SparseAttnConfig("local|random", {"window": 16, "density": 0.3, "seed": 1, "causal": True, **BLOCK})
+    SparseAttnConfig("adaptive", {"topk": 0.5, "attention_sink": True, **BLOCK})
 
 
 def test_additive_position_bias_is_refused_not_dropped():

@@ -21,6 +21,8 @@ from ..layout import BlockLayout
 ADAPTIVE = "adaptive"
 # options the integration fills in itself; a user never passes them in pattern_kwargs
 _FILLED = {"seq_len", "kv_len", "device"}
+# builders whose layout sits relative to the diagonal, token by token: the same whatever token key 0 of a call is
+_RELATIVE = {"dense", "causal", "local"}
 
 
 def _split(expr: str) -> tuple[list[str], list[str]]:
@@ -62,7 +64,8 @@ class PatternSpec:
     ``"streaming"``, ``"random"``, ...), several joined by ``|`` (union) / ``&`` (intersection),
     ``"adaptive"`` (:func:`sparse_attn.predict.meansim` on each forward's q/k), or a callable
     ``fn(q_len, kv_len, device) -> BlockLayout``. ``kwargs``: the builders' options (``window``,
-    ``num_sink``, ``density``, ``block_q``, ...); each builder gets those its signature accepts.
+    ``num_sink``, ``density``, ``block_q``, ...); each builder gets those its signature accepts, and an
+    option none of them takes (adaptive: that the predictor does not take) is an error.
     Required options must be given (no length-dependent defaults: the same spec serves prefill
     and every decoding step).
     """
@@ -99,6 +102,18 @@ class PatternSpec:
     def is_dense(self) -> bool:
         return isinstance(self.pattern, str) and self.pattern.strip() in ("dense", "causal")
 
+    @property
+    def keys_by_position(self) -> bool:
+        """Whether the layout places keys by their position in the call (streaming's sinks, bigbird's global
+        and random blocks, strides, block diagonals, a callable's own rule, adaptive's ``attention_sink``):
+        right only while key 0 of the call is token 0 of the sequence. dense and local sit relative to the
+        diagonal."""
+        if callable(self.pattern):
+            return True
+        if self.is_adaptive:
+            return bool(self.options.get("attention_sink"))
+        return any(name not in _RELATIVE for name in _split(self.pattern)[0])
+
     def key(self):
         return (self.pattern if isinstance(self.pattern, str) else ("callable", id(self.pattern)),
                 _frozen(self.kwargs))
@@ -115,13 +130,16 @@ class PatternSpec:
         if not isinstance(self.pattern, str):
             raise TypeError(f"pattern must be a builder name, an expression or a callable, got "
                             f"{type(self.pattern).__name__}")
-        if self.is_adaptive:
-            adaptive_predictor()
+        opts = self.options
+        if self.is_adaptive:  # the integration passes q, k and causal itself
+            taken = set(inspect.signature(adaptive_predictor()).parameters) - {"q", "k", "causal"}
+            _refuse_unused(self.pattern, opts, taken)
             return
         names, _ = _split(self.pattern)
-        opts = self.options
+        taken = set()
         for name in names:
             params = inspect.signature(_builder(name)).parameters
+            taken |= set(params) - _FILLED
             missing = [p for p, par in params.items() if par.default is inspect.Parameter.empty
                        and par.kind not in (par.VAR_POSITIONAL, par.VAR_KEYWORD) and p not in _FILLED
                        and p not in opts]
@@ -130,6 +148,7 @@ class PatternSpec:
                                  f"(e.g. pattern_kwargs={{{', '.join(repr(m) + ': ...' for m in missing)}}})")
         if "random" in names and "density" not in opts and "top_k" not in opts:
             raise ValueError("pattern 'random' needs density=... or top_k=... in pattern_kwargs")
+        _refuse_unused(self.pattern, opts, taken)
 
     # ------------------------------------------------------------------ building
     def layout(self, q_len: int, kv_len: int, device, causal: bool) -> BlockLayout:
@@ -154,6 +173,17 @@ class PatternSpec:
             already_causal = len(names) == 1 and "causal" in inspect.signature(_builder(names[0])).parameters
         layout = build_pattern(self.pattern, q_len, kv_len=kv_len, device=device, **opts)
         return layout if already_causal else _causal_cut(layout, causal)
+
+
+def _refuse_unused(pattern: str, opts: dict, taken: set) -> None:
+    """ValueError for options that none of ``pattern``'s builders takes: each builder gets only those its
+    signature accepts, so they were dropped without a word (and still named in the stats), or failed inside
+    the first forward (a misspelt name, an option adaptive's predictor does not take)."""
+    unused = sorted(set(opts) - taken)
+    if unused:
+        hint = " (causal is set per call: SparseAttnConfig(causal=...))" if "causal" in unused else ""
+        raise ValueError(f"pattern_kwargs {', '.join(unused)} apply to no builder of pattern {pattern!r}{hint}; "
+                         f"it takes {', '.join(sorted(taken))}")
 
 
 def _causal_cut(layout: BlockLayout, causal: bool) -> BlockLayout:

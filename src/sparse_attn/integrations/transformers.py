@@ -21,12 +21,16 @@ which is how a KV-cached decoding step lines up). Returns ``([B, Lq, Hq, D], Non
 Masks: a plain causal (or bidirectional) mask is never materialised; a padded batch, a static cache
 whose key buffer runs past the last query, or any other custom mask raises ``NotImplementedError``
 rather than being silently ignored. Sliding-window layers (``sliding_window=`` from the model) are
-honoured by intersecting with :func:`sparse_attn.patterns.local`. Attention dropout > 0, softcap
+honoured by intersecting with :func:`sparse_attn.patterns.local`; once their cache has dropped its oldest keys
+(decoding past the window), a pattern that places keys by position (all but ``dense`` and ``local``: sinks,
+global / random / strided blocks) raises ``NotImplementedError``, as it would count from the oldest key kept
+instead of token 0. Attention dropout > 0, softcap
 and attention sinks (``s_aux``) are not supported (``NotImplementedError``).
 """
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -89,6 +93,8 @@ class SparseAttnConfig:
         pattern_kwargs: the builder options (``window``, ``num_sink``, ``density``, ``block_q``, ...; for
             adaptive the predictor's ``simthreshd1``, ``cdfthreshd``, ``topk``, ...).
         layers: layer indices that run ``pattern``; None = all. Other layers run dense (causal) attention.
+            Read on every call, so it may be set later (checked as here, and against the model's layers
+            once :func:`enable` has seen it).
         per_layer: ``{layer_idx: pattern}`` or ``{layer_idx: (pattern, kwargs)}``, overriding both.
         causal: intersect layouts with causal (bottom-right aligned). None (default): what each
             attention module says (``is_causal`` passed by the model, else ``module.is_causal``, else
@@ -119,7 +125,6 @@ class SparseAttnConfig:
         self._default = PatternSpec.make(self.pattern, self.pattern_kwargs)
         self._dense = PatternSpec.make("dense", {k: v for k, v in self.pattern_kwargs.items()
                                                  if k in ("block_q", "block_k")})
-        self.layers = None if self.layers is None else frozenset(int(i) for i in self.layers)
         self._per_layer = {}
         for idx, value in dict(self.per_layer).items():
             pattern, kwargs = tuple(value) if isinstance(value, (tuple, list)) else (value, {})
@@ -133,6 +138,10 @@ class SparseAttnConfig:
     def __setattr__(self, name, value):
         if name in self._READ_AT_INIT and getattr(self, "_initialised", False):
             raise AttributeError(f"SparseAttnConfig.{name} {_READ_ONCE}")
+        if name == "layers":  # a later value skipped these checks: ["1"] or [5] of 2 layers ran every layer dense
+            value = _layer_set(value)
+            if value and getattr(self, "_num_layers", None) is not None:
+                self._check_range(value, self._num_layers)
         object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ lookup
@@ -145,7 +154,13 @@ class SparseAttnConfig:
         return self._dense
 
     def check_layers(self, num_layers: int) -> None:
-        named = set(self._per_layer) | set(self.layers or ())
+        """ValueError for ``layers`` / ``per_layer`` indices past ``num_layers``; later ``layers`` are checked
+        against it too."""
+        self._check_range(set(self._per_layer) | set(self.layers or ()), num_layers)
+        object.__setattr__(self, "_num_layers", num_layers)
+
+    @staticmethod
+    def _check_range(named, num_layers: int) -> None:
         bad = sorted(i for i in named if not 0 <= i < num_layers)
         if bad:
             raise ValueError(f"layer indices {bad} are out of range: the model has {num_layers} attention layers")
@@ -211,6 +226,24 @@ class SparseAttnConfig:
         parts = [self._default.describe() + ("" if self.layers is None else f" on layers {sorted(self.layers)}")]
         parts += [f"layer {i}: {s.describe()}" for i, s in sorted(self._per_layer.items())]
         return "; ".join(parts)
+
+
+def _layer_set(value) -> frozenset | None:
+    """None, or ``value``'s layer indices (ints, numpy integers or digit strings) as a frozenset of ints."""
+    def index(i) -> int:
+        if isinstance(i, str) and i.strip().isdigit():
+            return int(i)
+        if isinstance(i, bool):
+            raise TypeError
+        return operator.index(i)
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (str, bytes)):  # "12" would be layers 1 and 2
+            raise TypeError
+        return frozenset(index(i) for i in value)
+    except TypeError:
+        raise TypeError(f"SparseAttnConfig.layers must be None or layer indices (ints), got {value!r}") from None
 
 
 @functools.lru_cache(maxsize=64)
@@ -281,6 +314,15 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     if attention_mask is not None:
         check_mask(attention_mask, query.shape[2], key.shape[2], causal, window)
     layer_idx = getattr(module, "layer_idx", None)
+    offset = _key_offset(attention_mask)
+    if offset and cfg.spec_for(layer_idx).keys_by_position:
+        lk = key.shape[2]
+        raise NotImplementedError(
+            f"sparse_attn: layer {layer_idx}'s pattern {cfg.spec_for(layer_idx).describe()} places keys by position "
+            f"(from token 0: sinks, global / random / strided blocks), but this sliding-window layer's cache holds "
+            f"only keys {offset}..{offset + lk - 1} (the first {offset} were dropped), so it would attend to other "
+            "keys than a forward over the whole sequence; run 'local' or 'dense' on sliding-window layers "
+            "(per_layer=...), or decode without a cache (use_cache=False)")
     layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling, causal)
     out = _api.attention(query, key, value, layout, causal=causal, scale=scaling)
     cfg.stats[layer_idx] = stats
@@ -333,6 +375,12 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
     if window:
         expected = expected & (j > p - int(window))
     if not torch.equal(allowed, expected.expand_as(allowed)):
+        if not bool(allowed.any()):  # no plain mask is empty: the usual source is a copy of a band marker
+            raise NotImplementedError(
+                f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} that allows no key at all: a copy of "
+                "the one-element marker sparse_attn's mask interface returns for a sliding-window mask, which "
+                "generate() makes with a static cache (cache_implementation='static'); static / pre-allocated "
+                "caches are not supported yet: use the default DynamicCache")
         raise NotImplementedError(PADDED_MESSAGE + " (sparse_attn accepts no attention mask other than the plain "
                                   "causal one: got a padded or custom mask)")
     _CHECKED[:] = [weakref.ref(mask), sig]
@@ -372,7 +420,7 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     window, device = kwargs.get("local_size"), kwargs.get("device") or "cpu"
     if _is_causal_band(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, window, device,
                        bool(kwargs.get("use_vmap"))):
-        return _band_marker(batch_size, q_length, kv_length, window, device)
+        return _band_marker(batch_size, q_length, kv_length, window, device, kv_offset)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      allow_is_causal_skip=False, **{k: v for k, v in kwargs.items() if k in ("local_size", "use_vmap",
@@ -380,7 +428,7 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
 
 
 MASK_CHUNK = 1 << 24  # mask entries evaluated at a time when checking a mask function (16 MiB of bool)
-_BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window)) of the latest markers
+_BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window, kv_offset)) of the latest markers
 
 
 def _is_causal_band(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
@@ -406,13 +454,25 @@ def _is_causal_band(batch_size: int, q_length: int, kv_length: int, q_offset: in
     return True
 
 
-def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device) -> torch.Tensor:
+def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device,
+                 kv_offset: int = 0) -> torch.Tensor:
     """What the mask interface returns for a verified causal (sliding-window) mask: a
     ``[B, 1, Lq, Lk]`` all-False bool view of one element (no O(Lq * Lk) memory; anything else that
-    read it as a mask would mask everything, not attend silently), recognised by :func:`check_mask`."""
+    read it as a mask would mask everything, not attend silently), recognised by :func:`check_mask`.
+    ``kv_offset``: the token the call's first key is (> 0 once a sliding-window cache dropped keys)."""
     marker = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
-    _BANDS[:] = [(weakref.ref(marker), (q_length, kv_length, window))] + [b for b in _BANDS if b[0]() is not None][:3]
+    entry = (weakref.ref(marker), (q_length, kv_length, window, int(kv_offset)))
+    _BANDS[:] = [entry] + [b for b in _BANDS if b[0]() is not None][:3]
     return marker
+
+
+def _key_offset(mask) -> int:
+    """The token that key 0 of the call is, as the mask interface saw it (a band marker's ``kv_offset``);
+    0 for any other mask: only sliding-window caches drop keys, and their masks are band markers."""
+    for ref, (_, _, _, kv_offset) in _BANDS:
+        if mask is not None and ref() is mask:
+            return kv_offset
+    return 0
 
 
 def _reach(window: int | None, kv_len: int) -> int | None:
@@ -422,7 +482,7 @@ def _reach(window: int | None, kv_len: int) -> int | None:
 
 def _check_band(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
     """True when ``mask`` is a band marker that matches this call; raises when it does not."""
-    for ref, (q_len, kv_len, band_window) in _BANDS:
+    for ref, (q_len, kv_len, band_window, _) in _BANDS:
         if ref() is not mask:
             continue
         if (q_len, kv_len) != (lq, lk) or not causal or _reach(window, lk) != _reach(band_window, lk):
