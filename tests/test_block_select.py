@@ -89,3 +89,30 @@ def test_select_pack_rejects_rows_longer_than_it_ranks():
     with pytest.raises(ValueError, match="key blocks"):
         select_pack(z, z[..., 0], z[0], torch.ones(1), torch.ones(1), topk=False, q_len=16, kv_len=16, block_q=16,
                     block_k=16, scale=1.0, causal=False, sink=False, has_mask=False)
+
+
+@pytest.mark.parametrize("grid", [(200, 333, 32, 16), (256, 256, 64, 16), (333, 150, 16, 32)],
+                         ids=lambda g: "Lq{}Lk{}_b{}x{}".format(*g))
+def test_select_pack_causal_keeps_every_rows_own_key(grid):
+    # rows of a query block that straddles key blocks (Lk - Lq not a multiple of block_k, or block_q >
+    # block_k): the kernel forces only the block of the query block's last row, so the first rows kept
+    # no key (output 0); the blocks holding the other rows' own keys are added after it, as the twin keeps them
+    Lq, Lk, bq, bk = grid
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 2, 1, 32, generator=g)
+    q = (base + 0.05 * torch.randn(1, 2, Lq, 32, generator=g)).to(device)
+    k = (base * torch.linspace(0.5, 2.0, Lk)[:, None] + 0.05 * torch.randn(1, 2, Lk, 32, generator=g)).to(device)
+    mq, sq = block_pool_sim(q, bq, torch.float32)
+    mk, sk = block_pool_sim(k, bk, torch.float32)
+    raw = mq @ mk.transpose(-1, -2)                 # later key blocks score higher: the diagonal's ranks first
+    sim_t = _per_head("simthreshd1", 0.5, 2, device, torch.float32)
+    cdf_t = _per_head("cdfthreshd", 0.5, 2, device, torch.float32, 0.0, 1.0)
+    kw = dict(q_len=Lq, kv_len=Lk, block_q=bq, block_k=bk, scale=32 ** -0.5, causal=True, sink=False)
+    layout = rank_and_pack(raw, sq, sk, sim_t, cdf_t, None, kernel=True, **kw).to("cpu")
+    tok = layout.to_token_mask()
+    rows = torch.arange(Lq)
+    pos = rows + Lk - Lq
+    sees = pos >= 0
+    assert layout.sparsity > 0.3 and bool(tok[:, :, rows[sees], pos[sees]].all())
+    assert torch.equal(schedule(layout).n_full, _build(layout, None, True).n_full)
