@@ -304,6 +304,8 @@ def test_adaptive_levels_order_and_causal_gqa():
     assert sp[0] < sp[1] < sp[2]
     alone = adaptive_attention(q, k, v, causal=True, return_layout=False, **level_params("medium"))
     assert isinstance(alone, torch.Tensor) and alone.shape == q.shape
+    with pytest.raises(TypeError, match="return_layout must be True or False, got str 'False'"):
+        adaptive_attention(q, k, v, causal=True, return_layout="False")  # returned (out, layout)
 
 
 def test_structured_inputs_are_sparsifiable_random_are_not():
