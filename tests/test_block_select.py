@@ -116,3 +116,26 @@ def test_select_pack_causal_keeps_every_rows_own_key(grid):
     sees = pos >= 0
     assert layout.sparsity > 0.3 and bool(tok[:, :, rows[sees], pos[sees]].all())
     assert torch.equal(schedule(layout).n_full, _build(layout, None, True).n_full)
+
+
+@pytest.mark.parametrize("rule", ["cdf0.9", "topk0.3"])
+def test_select_pack_nan_token_with_every_block_self_similar(rule):
+    # simthreshd1 <= 0 took a NaN token's block as self-similar (its sim read 0): its NaN pooled scores
+    # reached the ranking, where the twin kept one block of each row and the kernel every block
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, _ = structured_qkv(1, 2, 256, 32, dtype=torch.float32, device=device)
+    q[0, 0, 40, 3], k[0, 1, 200, 5] = float("nan"), float("nan")
+    mq, sq = block_pool_sim(q, 32, torch.float32)
+    mk, sk = block_pool_sim(k, 32, torch.float32)
+    raw = mq @ mk.transpose(-1, -2)
+    thr = [_per_head(*a) for a in (("simthreshd1", -1.0, 2, device, torch.float32),
+                                   ("t", RULES[rule][1] or RULES[rule][2], 2, device, torch.float32, 0.0, 1.0))]
+    cdf_t, topk_t = (thr[1], None) if rule == "cdf0.9" else (None, thr[1])
+    kw = dict(q_len=256, kv_len=256, block_q=32, block_k=32, scale=32 ** -0.5, causal=False, sink=False)
+    kernel = rank_and_pack(raw, sq, sk, thr[0], cdf_t, topk_t, kernel=True, **kw).to("cpu")
+    twin = rank_and_pack(raw.cpu(), sq.cpu(), sk.cpu(), thr[0].cpu(), None if cdf_t is None else cdf_t.cpu(),
+                         None if topk_t is None else topk_t.cpu(), kernel=False, **kw)
+    states = viz.block_states(twin)
+    assert bool((states[0, 0, 1] > 0).all()) and bool((states[0, 1, :, 6] > 0).all())  # row / column kept
+    assert 0.0 < twin.sparsity < 1.0
+    assert torch.equal(viz.block_states(kernel), states)

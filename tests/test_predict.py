@@ -399,3 +399,23 @@ def test_meansim_cdfthreshd_one_keeps_every_candidate_even_when_its_mass_underfl
     lay = meansim(q, k, simthreshd1=0.5, cdfthreshd=1.0, block=16)
     assert lay.kv_counts.tolist() == [[[4, 4]]]
     assert meansim(q, k, simthreshd1=0.5, cdfthreshd=0.999, block=16).kv_counts.tolist() == [[[1, 1]]]
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_meansim_block_with_a_non_finite_token_is_never_self_similar(where):
+    """A NaN token made its block's pooled mean NaN but its similarity 0 (a NaN norm reads as no norm):
+    with simthreshd1 <= 0 the block counted as self-similar and its NaN pooled scores took the softmax,
+    so a row kept one ranked key block (the CUDA kernel kept them all): the 15 finite queries beside a
+    NaN one lost every other block. Now such a block is always computed, its row or its column."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 1, 1, 16, generator=g)
+    q, k, v = (base + 0.3 * torch.randn(1, 1, 128, 16, generator=g) for _ in range(3))
+    (q if where == "q" else k)[0, 0, 40, 0] = float("nan")  # token 40: block 2 of 16
+    layout = meansim(q, k, simthreshd1=-1.0, cdfthreshd=0.5, block=16)
+    blocks = layout.to_block_mask()[0, 0]                            # [Qb, Kb]
+    assert bool((blocks[2] if where == "q" else blocks[:, 2]).all())
+    assert int(blocks.sum()) < 64 and bool((blocks.sum(-1) > 1).all())  # the others still ranked, on finite scores
+    if where == "q":  # the finite queries of block 2 attend every key, as dense attention does
+        out, dense = sparse_attn.attention(q, k, v, layout), sparse_attn.attention(q, k, v)
+        rows = [r for r in range(32, 48) if r != 40]
+        torch.testing.assert_close(out[:, :, rows], dense[:, :, rows])

@@ -6,7 +6,8 @@ The rule, per (batch b, query head h), with ``g = Hq // Hkv`` and kv head ``h //
    ``Kb = ceil(Lk / block_k)``; the last block of each may be a tail with fewer tokens.
 2. Pooling and self-similarity, per block of ``n`` *valid* tokens ``x_1..x_n`` (tails use only
    their valid tokens): ``m = mean(x_a)`` (the pooled vector) and
-   ``sim = mean_a cos(x_a, m)`` (``cos = 0`` when a norm is 0). The block is *self-similar*
+   ``sim = mean_a cos(x_a, m)`` (``cos = 0`` when a norm is 0; ``sim`` is NaN when ``m`` is not
+   finite, a NaN or inf token, so that block is never self-similar). The block is *self-similar*
    iff ``sim >= simthreshd1``. Shapes: pooled Q ``[B, Hq, Qb, D]``, pooled K ``[B, Hkv, Kb, D]``,
    sim Q ``[B, Hq, Qb]``, sim K ``[B, Hkv, Kb]``.
 3. Visibility. Without ``causal`` every key block is visible to every query block. With
