@@ -155,7 +155,7 @@ def own_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, device) -> t
 @functools.lru_cache(maxsize=256)
 def own_past_diagonal(q_len: int, kv_len: int, block_q: int, block_k: int) -> bool:
     """Whether some query block's rows hold their own keys in a key block before its diagonal one (on
-    the host, O(Qb)): ``Lk - Lq`` not a multiple of ``block_k``, or ``block_q > block_k``."""
+    the host, O(Qb)): e.g. ``Lk - Lq`` not a multiple of ``block_k`` (a KV cache), or ``block_q > block_k``."""
     for qb in range(math.ceil(q_len / block_q)):
         p_first = qb * block_q + kv_len - q_len
         p_last = min((qb + 1) * block_q, q_len) - 1 + kv_len - q_len
