@@ -89,3 +89,53 @@ def test_select_pack_rejects_rows_longer_than_it_ranks():
     with pytest.raises(ValueError, match="key blocks"):
         select_pack(z, z[..., 0], z[0], torch.ones(1), torch.ones(1), topk=False, q_len=16, kv_len=16, block_q=16,
                     block_k=16, scale=1.0, causal=False, sink=False, has_mask=False)
+
+
+@pytest.mark.parametrize("grid", [(200, 333, 32, 16), (256, 256, 64, 16), (333, 150, 16, 32)],
+                         ids=lambda g: "Lq{}Lk{}_b{}x{}".format(*g))
+def test_select_pack_causal_keeps_every_rows_own_key(grid):
+    # rows of a query block that straddles key blocks (Lk - Lq not a multiple of block_k, or block_q >
+    # block_k): the kernel forces only the block of the query block's last row, so the first rows kept
+    # no key (output 0); the blocks holding the other rows' own keys are added after it, as the twin keeps them
+    Lq, Lk, bq, bk = grid
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 2, 1, 32, generator=g)
+    q = (base + 0.05 * torch.randn(1, 2, Lq, 32, generator=g)).to(device)
+    k = (base * torch.linspace(0.5, 2.0, Lk)[:, None] + 0.05 * torch.randn(1, 2, Lk, 32, generator=g)).to(device)
+    mq, sq = block_pool_sim(q, bq, torch.float32)
+    mk, sk = block_pool_sim(k, bk, torch.float32)
+    raw = mq @ mk.transpose(-1, -2)                 # later key blocks score higher: the diagonal's ranks first
+    sim_t = _per_head("simthreshd1", 0.5, 2, device, torch.float32)
+    cdf_t = _per_head("cdfthreshd", 0.5, 2, device, torch.float32, 0.0, 1.0)
+    kw = dict(q_len=Lq, kv_len=Lk, block_q=bq, block_k=bk, scale=32 ** -0.5, causal=True, sink=False)
+    layout = rank_and_pack(raw, sq, sk, sim_t, cdf_t, None, kernel=True, **kw).to("cpu")
+    tok = layout.to_token_mask()
+    rows = torch.arange(Lq)
+    pos = rows + Lk - Lq
+    sees = pos >= 0
+    assert layout.sparsity > 0.3 and bool(tok[:, :, rows[sees], pos[sees]].all())
+    assert torch.equal(schedule(layout).n_full, _build(layout, None, True).n_full)
+
+
+@pytest.mark.parametrize("rule", ["cdf0.9", "topk0.3"])
+def test_select_pack_nan_token_with_every_block_self_similar(rule):
+    # simthreshd1 <= 0 took a NaN token's block as self-similar (its sim read 0): its NaN pooled scores
+    # reached the ranking, where the twin kept one block of each row and the kernel every block
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, _ = structured_qkv(1, 2, 256, 32, dtype=torch.float32, device=device)
+    q[0, 0, 40, 3], k[0, 1, 200, 5] = float("nan"), float("nan")
+    mq, sq = block_pool_sim(q, 32, torch.float32)
+    mk, sk = block_pool_sim(k, 32, torch.float32)
+    raw = mq @ mk.transpose(-1, -2)
+    thr = [_per_head(*a) for a in (("simthreshd1", -1.0, 2, device, torch.float32),
+                                   ("t", RULES[rule][1] or RULES[rule][2], 2, device, torch.float32, 0.0, 1.0))]
+    cdf_t, topk_t = (thr[1], None) if rule == "cdf0.9" else (None, thr[1])
+    kw = dict(q_len=256, kv_len=256, block_q=32, block_k=32, scale=32 ** -0.5, causal=False, sink=False)
+    kernel = rank_and_pack(raw, sq, sk, thr[0], cdf_t, topk_t, kernel=True, **kw).to("cpu")
+    twin = rank_and_pack(raw.cpu(), sq.cpu(), sk.cpu(), thr[0].cpu(), None if cdf_t is None else cdf_t.cpu(),
+                         None if topk_t is None else topk_t.cpu(), kernel=False, **kw)
+    states = viz.block_states(twin)
+    assert bool((states[0, 0, 1] > 0).all()) and bool((states[0, 1, :, 6] > 0).all())  # row / column kept
+    assert 0.0 < twin.sparsity < 1.0
+    assert torch.equal(viz.block_states(kernel), states)

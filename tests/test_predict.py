@@ -71,8 +71,9 @@ def slow_block_keep(q, k, *, simthreshd1, cdfthreshd, topk, bq, bk, causal, sink
                 if sq[qb] < thr:
                     kept |= set(visible)
                 kept |= {kb for kb in visible if sk[kb] < thr}
-                if causal and 0 <= d < nk:
-                    kept.add(d)
+                if causal:  # every key block holding some row's own position p >= 0
+                    own = range(max(qb * bq + Lk - Lq, 0), p_last + 1)
+                    kept |= {kb for kb in visible if any(kb * bk <= p < (kb + 1) * bk for p in own)}
                 if sink and 0 in visible:
                     kept.add(0)
                 cands = [kb for kb in visible if sk[kb] >= thr]
@@ -192,11 +193,39 @@ def test_limits_give_dense(causal):
     b = meansim(q, k, simthreshd1=-1.0, cdfthreshd=1.0, block=32, causal=causal)
     assert torch.equal(b.to_token_mask(), want)
     assert a.num_blocks == b.num_blocks == full.num_blocks * 8
-    # a tiny mass keeps one ranked block per row (plus the causal diagonal)
+    # a tiny mass keeps one ranked block per row (plus, causal, the 2 blocks of its rows' own keys: Lk - Lq = 30)
     c = meansim(q, k, simthreshd1=-1.0, cdfthreshd=1e-6, block=32, causal=causal)
     counts = c.kv_counts
     visible_rows = full.kv_counts.expand_as(counts) > 0
-    assert bool((counts[visible_rows] >= 1).all()) and bool((counts <= (2 if causal else 1)).all())
+    assert bool((counts[visible_rows] >= 1).all()) and bool((counts <= (3 if causal else 1)).all())
+
+
+def ramp_qk(Lq, Lk, D=32, seed=0):
+    """float64 q/k, every block self-similar, later keys scoring higher: the top-ranked key block of a
+    causal row is its diagonal block, so a tiny mass keeps nothing before it."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, 2, 1, D, generator=g, dtype=torch.float64)
+    q = base + 0.05 * torch.randn(1, 2, Lq, D, generator=g, dtype=torch.float64)
+    ramp = torch.linspace(0.5, 2.0, Lk, dtype=torch.float64)[:, None]
+    return q, base * ramp + 0.05 * torch.randn(1, 2, Lk, D, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("Lq, Lk, block",
+                         [(512, 1000, 128), (256, 256, (128, 64)), (100, 130, 32), (130, 50, (32, 16))])
+def test_causal_prediction_keeps_every_rows_own_key(Lq, Lk, block):
+    """A query block whose rows straddle two key blocks (Lk - Lq not a multiple of block_k, as with a
+    KV cache, or block_q > block_k): only the block of its last row was forced, so its first rows kept
+    no key at all and attention gave them output 0 (Lq=512, Lk=1000 in 128-blocks: 192 of 1024 rows)."""
+    q, k = ramp_qk(Lq, Lk)
+    layout = meansim(q, k, block=block, causal=True, simthreshd1=0.5, cdfthreshd=0.5)
+    assert layout.sparsity > 0.3  # the rule still prunes
+    tok = layout.to_token_mask()                                     # [1, 2, Lq, Lk]
+    rows = torch.arange(Lq)
+    pos = rows + Lk - Lq
+    sees = pos >= 0                                                  # rows that may see a key
+    assert bool(tok[:, :, rows[sees], pos[sees]].all())              # each keeps its own key
+    out = sparse_attn.attention(q, k, torch.randn_like(k), layout, causal=True)
+    assert bool((out[:, :, sees].abs().sum(-1) > 0).all())
 
 
 def test_attention_sink_keeps_first_block():
@@ -275,6 +304,8 @@ def test_adaptive_levels_order_and_causal_gqa():
     assert sp[0] < sp[1] < sp[2]
     alone = adaptive_attention(q, k, v, causal=True, return_layout=False, **level_params("medium"))
     assert isinstance(alone, torch.Tensor) and alone.shape == q.shape
+    with pytest.raises(TypeError, match="return_layout must be True or False, got str 'False'"):
+        adaptive_attention(q, k, v, causal=True, return_layout="False")  # returned (out, layout)
 
 
 def test_structured_inputs_are_sparsifiable_random_are_not():
@@ -368,3 +399,23 @@ def test_meansim_cdfthreshd_one_keeps_every_candidate_even_when_its_mass_underfl
     lay = meansim(q, k, simthreshd1=0.5, cdfthreshd=1.0, block=16)
     assert lay.kv_counts.tolist() == [[[4, 4]]]
     assert meansim(q, k, simthreshd1=0.5, cdfthreshd=0.999, block=16).kv_counts.tolist() == [[[1, 1]]]
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_meansim_block_with_a_non_finite_token_is_never_self_similar(where):
+    """A NaN token made its block's pooled mean NaN but its similarity 0 (a NaN norm reads as no norm):
+    with simthreshd1 <= 0 the block counted as self-similar and its NaN pooled scores took the softmax,
+    so a row kept one ranked key block (the CUDA kernel kept them all): the 15 finite queries beside a
+    NaN one lost every other block. Now such a block is always computed, its row or its column."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 1, 1, 16, generator=g)
+    q, k, v = (base + 0.3 * torch.randn(1, 1, 128, 16, generator=g) for _ in range(3))
+    (q if where == "q" else k)[0, 0, 40, 0] = float("nan")  # token 40: block 2 of 16
+    layout = meansim(q, k, simthreshd1=-1.0, cdfthreshd=0.5, block=16)
+    blocks = layout.to_block_mask()[0, 0]                            # [Qb, Kb]
+    assert bool((blocks[2] if where == "q" else blocks[:, 2]).all())
+    assert int(blocks.sum()) < 64 and bool((blocks.sum(-1) > 1).all())  # the others still ranked, on finite scores
+    if where == "q":  # the finite queries of block 2 attend every key, as dense attention does
+        out, dense = sparse_attn.attention(q, k, v, layout), sparse_attn.attention(q, k, v)
+        rows = [r for r in range(32, 48) if r != 40]
+        torch.testing.assert_close(out[:, :, rows], dense[:, :, rows])

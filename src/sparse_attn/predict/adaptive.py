@@ -5,6 +5,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..validation import check_flag
 from .meansim import meansim
 
 # sparse level -> (simthreshd1, cdfthreshd), calibrated on sparse_attn.accuracy.structured_qkv (L 512-4096):
@@ -78,6 +79,7 @@ def adaptive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
     ``layout.sparsity`` is the fraction of blocks skipped (batch B, heads Hq).
     """
     import sparse_attn
+    check_flag("return_layout", return_layout)  # 'False' is truthy: it returned (out, layout)
     layout = meansim(q, k, causal=causal, scale=scale, **meansim_kwargs)
     out = sparse_attn.attention(q, k, v, layout, causal=causal, scale=scale)
     return (out, layout) if return_layout else out

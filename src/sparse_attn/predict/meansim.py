@@ -6,7 +6,8 @@ The rule, per (batch b, query head h), with ``g = Hq // Hkv`` and kv head ``h //
    ``Kb = ceil(Lk / block_k)``; the last block of each may be a tail with fewer tokens.
 2. Pooling and self-similarity, per block of ``n`` *valid* tokens ``x_1..x_n`` (tails use only
    their valid tokens): ``m = mean(x_a)`` (the pooled vector) and
-   ``sim = mean_a cos(x_a, m)`` (``cos = 0`` when a norm is 0). The block is *self-similar*
+   ``sim = mean_a cos(x_a, m)`` (``cos = 0`` when a norm is 0; ``sim`` is NaN when ``m`` is not
+   finite, a NaN or inf token, so that block is never self-similar). The block is *self-similar*
    iff ``sim >= simthreshd1``. Shapes: pooled Q ``[B, Hq, Qb, D]``, pooled K ``[B, Hkv, Kb, D]``,
    sim Q ``[B, Hq, Qb]``, sim K ``[B, Hkv, Kb]``.
 3. Visibility. Without ``causal`` every key block is visible to every query block. With
@@ -15,8 +16,11 @@ The rule, per (batch b, query head h), with ``g = Hq // Hkv`` and kv head ``h //
    ``d(qb) = p_last(qb) // block_k`` is the *diagonal* block (``p_last`` the position of the
    block's last real row); blocks wholly above the diagonal are never kept.
 4. Always kept (among visible blocks): every block of a row whose query block is not
-   self-similar; every key block that is not self-similar (in every row); the diagonal block
-   ``d(qb)`` under ``causal`` (when ``0 <= d < Kb``); key block 0 with ``attention_sink``.
+   self-similar; every key block that is not self-similar (in every row); under ``causal``
+   every key block holding some row's own key position ``p >= 0`` (from
+   ``max(p_first(qb), 0) // block_k`` to the diagonal block ``d(qb)``; the diagonal block alone
+   when ``Lk - Lq`` is a multiple of ``block_k`` and ``block_k`` of ``block_q``), so every query row
+   that may see a key keeps its own; key block 0 with ``attention_sink``.
 5. Ranking. Candidates of row ``qb`` are the visible, self-similar key blocks. Their pooled
    scores ``s[kb] = scale * <mq[qb], mk[kb]>`` (``scale`` default ``1/sqrt(D)``) are
    soft-maxed over the candidates only and sorted descending (ties: lower ``kb`` first).
@@ -37,16 +41,20 @@ layout (``max_k = Kb``: rows are packed in place). Nothing reads a value back to
 thresholds are plain numbers: on CUDA the pooling is one Triton kernel (``ops/block_pool``) and the
 layout arrives with the kernels' schedule, so a fresh prediction adds no host sync to attention. Steps 3-6
 and the packing run as one more Triton kernel on CUDA (``ops/block_select``, rows up to 4096 key
-blocks; its twin is :func:`select_ranked` + :func:`~sparse_attn.predict.pack.layout_from_keep`).
+blocks; its twin is :func:`select_ranked` + :func:`~sparse_attn.predict.pack.layout_from_keep`). The
+kernel forces the diagonal block alone: where a query block's rows hold their own keys in earlier
+blocks too (:func:`own_past_diagonal`), those are added after it and the rows packed again.
 
 Differences from SpargeAttn's ``get_block_map_meansim``: self-similarity there is the mean
 pairwise cosine of the block's tokens (``|mean of unit vectors|^2``), here the mean cosine to
 the pooled vector; its CDF rule keeps the ranks whose *inclusive* mass is ``<= cdfthreshd``
 (at least one), this one the shortest prefix *reaching* it; top-k there counts all ``Kb``
-blocks, here the visible ones.
+blocks, here the visible ones; it forces no block on the causal diagonal, here a row's own key is
+always kept.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -55,6 +63,7 @@ import torch
 from ..layout import BlockLayout, as_int, check_block_size
 from ..ops import block_select
 from ..ops.block_pool import block_pool_sim
+from ..patterns._common import row_positions
 from ..validation import check_causal, check_flag, check_scale
 from .pack import causal_masks, layout_from_keep, layout_from_packed
 
@@ -133,6 +142,28 @@ def visible_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: 
     return vis, d
 
 
+def own_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, device) -> torch.Tensor:
+    """bool ``[Qb, Kb]``: under causal, the key blocks holding some row's own key position ``p >= 0``
+    (step 4 of the module docstring; the diagonal block among them)."""
+    nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_k)
+    p_first, p_last = row_positions(torch.arange(nq, device=device), q_len, kv_len, block_q)
+    k_first = torch.arange(nk, device=device) * block_k
+    k_last = torch.clamp(k_first + block_k, max=kv_len) - 1
+    return (k_first[None, :] <= p_last[:, None]) & (k_last[None, :] >= p_first.clamp(min=0)[:, None])
+
+
+@functools.lru_cache(maxsize=256)
+def own_past_diagonal(q_len: int, kv_len: int, block_q: int, block_k: int) -> bool:
+    """Whether some query block's rows hold their own keys in a key block before its diagonal one (on
+    the host, O(Qb)): e.g. ``Lk - Lq`` not a multiple of ``block_k`` (a KV cache), or ``block_q > block_k``."""
+    for qb in range(math.ceil(q_len / block_q)):
+        p_first = qb * block_q + kv_len - q_len
+        p_last = min((qb + 1) * block_q, q_len) - 1 + kv_len - q_len
+        if p_last >= 0 and max(p_first, 0) // block_k < p_last // block_k:
+            return True
+    return False
+
+
 TOPK_SLACK = 1.0 - 1e-6  # ceil(topk * N * TOPK_SLACK): see the module docstring (2.)
 
 
@@ -187,7 +218,8 @@ def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[f
         block_q, block_k: block sizes (multiples of 16 in [16, 256]); ``block`` (an int or a
             ``(block_q, block_k)`` pair) overrides both.
         causal: bottom-right aligned (query ``i`` sees key ``j <= i + Lk - Lq``): blocks wholly
-            above the diagonal are excluded, the diagonal block is always kept and cut token-exactly.
+            above the diagonal are excluded; the blocks the diagonal crosses (those holding a row's
+            own key ``i + Lk - Lq``) are always kept, cut token-exactly.
         attention_sink: always keep key block 0 (the first ``block_k`` keys).
         scale: temperature of the pooled scores, default ``1/sqrt(D)`` (the attention scale).
 
@@ -239,18 +271,24 @@ def rank_and_pack(raw: torch.Tensor, sq: torch.Tensor, sk: torch.Tensor, sim_thr
             raw, sq, sk, sim_thr.view(Hq), (topk_t if topk_t is not None else cdf_t).view(Hq),
             topk=topk_t is not None, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k, scale=scale,
             causal=causal, sink=sink, has_mask=causal and bool(causal_masks(q_len, kv_len, block_q, block_k)))
-        return layout_from_packed(counts, indices, mask_ids, n_full, q_len=q_len, kv_len=kv_len, block_q=block_q,
-                                  block_k=block_k, causal=causal)
+        if not (causal and own_past_diagonal(q_len, kv_len, block_q, block_k)):
+            return layout_from_packed(counts, indices, mask_ids, n_full, q_len=q_len, kv_len=kv_len,
+                                      block_q=block_q, block_k=block_k, causal=causal)
+        # the kernel forces only the diagonal block d(qb): the rows before its first key would keep no key
+        # (output 0); unpack its rows, add the blocks of those rows' own keys and pack again
+        slots = torch.where(indices >= 0, indices, nk).long()
+        keep = torch.zeros(B, Hq, nq, nk + 1, dtype=torch.bool, device=dev).scatter_(-1, slots, True)[..., :nk]
+        return layout_from_keep(keep | own_blocks(q_len, kv_len, block_q, block_k, dev), q_len=q_len,
+                                kv_len=kv_len, block_q=block_q, block_k=block_k, causal=causal)
     sk = sk[:, :, None].expand(B, Hkv, Hq // Hkv, nk).reshape(B, Hq, nk)  # [B, Hq, Kb]
     q_similar = sq >= sim_thr                                   # [B, Hq, Qb]
     k_similar = sk >= sim_thr                                   # [B, Hq, Kb]
-    vis, diag = visible_blocks(q_len, kv_len, block_q, block_k, causal, dev)  # [Qb, Kb], [Qb]
+    vis, _ = visible_blocks(q_len, kv_len, block_q, block_k, causal, dev)  # [Qb, Kb]
     always = ~q_similar[..., :, None] | ~k_similar[..., None, :]      # [B, Hq, Qb, Kb]
-    kbs = torch.arange(nk, device=dev)
-    if causal:
-        always = always | (kbs[None, :] == diag[:, None])
+    if causal:  # the diagonal block, and those of the rows before its first key
+        always = always | own_blocks(q_len, kv_len, block_q, block_k, dev)
     if sink:
-        always = always | (kbs == 0)
+        always = always | (torch.arange(nk, device=dev) == 0)
     cand = vis & k_similar[..., None, :]
     ranked = select_ranked(raw * scale, cand, cdfthreshd=cdf_t, topk=topk_t, n_visible=vis.sum(-1))
     keep = (ranked | always) & vis
