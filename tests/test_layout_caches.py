@@ -77,6 +77,20 @@ def test_replace_and_copy_start_without_the_caches(path):
         sparse_attn.attention(q, k, v, bad)
 
 
+def test_masks_given_as_a_list_and_edited_in_place(path):
+    """A hand-built layout's masks may be a list (validate() takes one); replacing an element in place
+    kept the id the caches were keyed on, so the kernels ran the old mask table and causal cut."""
+    q, k, v = _qkv()
+    base = patterns.local(64, 8, block_q=16, block_k=16)
+    lay = BlockLayout(16, 16, 64, 64, base.kv_counts, base.kv_indices, base.kv_mask_ids, list(base.masks))
+    for causal in (False, True):
+        sparse_attn.attention(q, k, v, lay, causal=causal)
+    lay.masks[0] = ElementMask((window_term(2, 0),))  # a narrower window inside the same blocks
+    assert lay.mask_table()[0][0, 0, 4].item() == 2
+    for causal in (False, True):
+        _close(sparse_attn.attention(q, k, v, lay, causal=causal), _expect(q, k, v, lay, causal))
+
+
 @kernels
 @pytest.mark.interpreter
 def test_non_contiguous_counts_are_read_per_row(monkeypatch):

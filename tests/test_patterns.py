@@ -599,6 +599,42 @@ def test_random_sampling_in_row_chunks_is_the_one_draw_and_bounded(monkeypatch):
     assert seen and max(seen) <= 1 << 16
 
 
+def test_bigbird_without_global_rows_builds_no_block_grid(monkeypatch):
+    """Without global rows a BigBird layout holds Qb * (window + random) entries (the docstring's advice
+    at long lengths), but the builder made several [Qb, Kb] masks to find them: 2.8 GB peak at 1M tokens
+    in 64-blocks for a 0.7 MiB layout. Now the fixed blocks come from row ranges and the random draw
+    reads its eligible rows a chunk at a time; the layout (and its random draws) are unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sparse_attn.patterns import _common
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+    kw = dict(num_global_blocks=0, window_blocks=3, num_random_blocks=2, heads=2, seed=5, block_q=16, block_k=16)
+    monkeypatch.setattr(_common, "SAMPLE_CHUNK", 1 << 16)
+    with Largest():
+        lay = P.bigbird(16 * 1024, **kw)  # Qb = Kb = 1024
+    assert Largest.numel <= 1 << 16
+    listed, _ = listed_and_full(lay)
+    fixed = bigbird_fixed(16 * 1024, 16 * 1024, 16, 16, 0, 3)
+    assert (listed >= fixed).all() and ((listed & ~fixed).sum(-1) == 2).all()
+    for g, w, r, lq, lk in ((0, 3, 2, 1000, 700), (1, 2, 3, 700, 1000), (2, 0, 1, 500, 500), (0, 5, 40, 300, 200)):
+        small = dict(kw, num_global_blocks=g, window_blocks=w, num_random_blocks=r, block_q=32, block_k=16)
+        layouts = []
+        for chunk in (37, 1 << 22):  # the draws do not depend on the chunking
+            monkeypatch.setattr(_common, "SAMPLE_CHUNK", chunk)
+            layouts.append(P.bigbird(lq, kv_len=lk, **small))
+        a, b = layouts
+        assert torch.equal(a.kv_indices, b.kv_indices) and torch.equal(a.kv_counts, b.kv_counts)
+
+
 def test_random_density_count_is_exact_where_float_products_round_up():
     """k = ceil(density * n) of the row's n candidates: 0.28 * 25 is 7.000000000000001 in floating
     point and must keep 7 key blocks per row, not 8 (likewise 0.14 * 50 -> 7)."""

@@ -9,6 +9,7 @@ import torch
 
 import sparse_attn
 from sparse_attn import patterns, reference, varlen
+from sparse_attn.grouped import groups_from_cu_seqlens
 from sparse_attn.layout import BlockLayout, LayoutError
 from sparse_attn.testing import assert_close_to_oracle
 
@@ -293,6 +294,26 @@ def test_layout_not_a_blocklayout_or_batched():
     batched = patterns.random(3, density=1.0, kv_len=6, batch=2, block_q=16, block_k=16)
     with pytest.raises(LayoutError, match=r"layout 1 has batch 2"):
         _call(a, layouts=[patterns.dense(5, 4, block_q=16, block_k=16), batched])
+
+
+def test_a_transposed_layout_is_refused():
+    """transpose() is the backward's block-level view (its masks keep the original (query, key) frame):
+    attention refuses it, and so must varlen / grouped attention and the reference oracle, which ran it
+    as a pattern of its own (wrong inside partial blocks, silently). A square sequence (5 x 5) so that
+    the transpose fits its lengths."""
+    a = _args(q_lens=(5, 3), k_lens=(5, 6))
+    t = patterns.local(5, 2, block_q=16, block_k=16).transpose()
+    ok = patterns.dense(3, 6, block_q=16, block_k=16)
+    with pytest.raises(LayoutError, match=r"varlen_attention \(layout 0\): this layout is a transpose\(\)"):
+        _call(a, layouts=[t, ok])
+    with pytest.raises(LayoutError, match=r"varlen_attention \(layout 0\): this layout is a transpose\(\)"):
+        _call(a, pattern=lambda lq, lk: t if lq == lk else ok)
+    q, k, v = (x.transpose(0, 1)[None] for x in a[:3])
+    with pytest.raises(LayoutError, match=r"reference.attention: this layout is a transpose\(\)"):
+        reference.attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], t)
+    groups = groups_from_cu_seqlens(a[3], a[4])
+    with pytest.raises(LayoutError, match=r"grouped_attention \(layout 0\): this layout is a transpose\(\)"):
+        sparse_attn.grouped_attention(a[0], a[1], a[2], groups, layouts=[t, ok], causal=False)
 
 
 @pytest.mark.parametrize("heads", [2, 3])

@@ -115,11 +115,16 @@ class BlockLayout:
     def _fingerprint(self) -> tuple:
         """What the caches depend on, read without a device sync: each tensor's identity and version
         counter (bumped by every in-place write; tensors made under torch.inference_mode have none, so
-        their in-place edits go unseen), the masks' identity and the four sizes."""
+        their in-place edits go unseen), the masks' identity and the four sizes. A list of masks (a
+        hand-built layout's; builders give tuples) also by its contents, which an in-place edit changes
+        (ElementMask compares and hashes by value; anything else, refused by validate(), by identity)."""
         def version(t):
             return -1 if not isinstance(t, torch.Tensor) or t.is_inference() else t._version
         tensors = (self.kv_counts, self.kv_indices, self.kv_mask_ids)
-        return (tuple((id(t), version(t)) for t in tensors), id(self.masks), self.block_q, self.block_k,
+        masks = ()
+        if isinstance(self.masks, list):
+            masks = tuple(m if isinstance(m, ElementMask) else id(m) for m in self.masks)
+        return (tuple((id(t), version(t)) for t in tensors), id(self.masks), masks, self.block_q, self.block_k,
                 self.q_len, self.kv_len)
 
     def _drop_stale_caches(self) -> None:

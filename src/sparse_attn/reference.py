@@ -81,7 +81,9 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _check_frame(layout: BlockLayout, B: int, Hq: int, Lq: int, Lk: int) -> None:
     """The layout's own shape facts against q/k's (no device sync): this module is public as the test
-    oracle, and a layout for other lengths gave a silently wrong result or an IndexError deep inside."""
+    oracle, and a layout for other lengths gave a silently wrong result or an IndexError deep inside; a
+    transpose() ran as a pattern of its own, its masks in the wrong frame."""
+    layout.check_token_frame("reference.attention")
     if (layout.q_len, layout.kv_len) != (Lq, Lk) or layout.batch not in (1, B) or layout.heads not in (1, Hq):
         raise LayoutError(f"reference.attention: the layout is for q_len={layout.q_len}, kv_len={layout.kv_len}, "
                           f"batch={layout.batch}, heads={layout.heads} but q/k have Lq={Lq}, Lk={Lk}, B={B}, Hq={Hq} "

@@ -103,6 +103,8 @@ def check_unit_layout(lay, lq: int, lk: int, heads: int | None, unit: str, i: in
     ``heads`` heads."""
     if not isinstance(lay, BlockLayout):
         raise TypeError(f"layout {i} must be a BlockLayout, got {type(lay).__name__}")
+    # attention() refuses a transpose() too: its masks keep the original frame (wrong inside partial blocks)
+    lay.check_token_frame(f"{'varlen' if unit == 'sequence' else 'grouped'}_attention (layout {i})")
     if (lay.q_len, lay.kv_len) != (lq, lk):
         raise LayoutError(f"layout {i} was built for q_len={lay.q_len}, kv_len={lay.kv_len} but {unit} {i} "
                           f"has {lq} query and {lk} key tokens")

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
-from ._common import check_int, generator, grid, lengths, layout_from_entries, row_positions, sample_blocks
+from . import _common
+from ._common import (check_int, generator, grid, lengths, layout_from_entries, ranges_to_entries, row_positions,
+                      sample_blocks)
 
 
 def bigbird(seq_len: int, *, num_global_blocks: int = 1, window_blocks: int = 3, num_random_blocks: int = 2,
@@ -28,6 +30,7 @@ def bigbird(seq_len: int, *, num_global_blocks: int = 1, window_blocks: int = 3,
     ``num_global_blocks >= 1`` the layout holds ``heads * Qb * Kb`` entries however sparse it is
     (1 GiB for 8 heads at 256K tokens in 64-blocks, density 0.002; 1.4 MB with ``num_global_blocks=0``).
     At long lengths use larger blocks (the entries fall with ``block_q * block_k``) or no global rows.
+    Building it holds no ``[Qb, Kb]`` mask (the random draw reads a chunk of rows at a time).
     """
     q_len, kv_len = lengths(seq_len, kv_len)
     g = check_int("num_global_blocks", num_global_blocks, 0)
@@ -38,13 +41,25 @@ def bigbird(seq_len: int, *, num_global_blocks: int = 1, window_blocks: int = 3,
     qb = torch.arange(nq)
     _, p_last = row_positions(qb, q_len, kv_len, block_q)
     d = torch.div(p_last, block_k, rounding_mode="floor")
-    kb = torch.arange(nk)
-    fixed = (qb[:, None] < g) | (kb[None, :] < g)  # [Qb, Kb]
+    w_lo, w_hi = d - (w - 1) // 2, d + w // 2
+    # the fixed blocks as row ranges (duplicates are fine: layout_from_entries drops them), and the
+    # random draw's eligible blocks a chunk of rows at a time: no [Qb, Kb] mask (with no global rows
+    # the layout is Qb * (w + r) entries, but [Qb, Kb] masks took 2.8 GB at 1M tokens in 64-blocks)
+    top = torch.full_like(qb, nk - 1)
+    ranges = [(qb, torch.zeros_like(qb), torch.where(qb < g, top, min(g, nk) - 1))]  # global rows / columns
     if w:
-        fixed |= (kb[None, :] >= (d - (w - 1) // 2)[:, None]) & (kb[None, :] <= (d + w // 2)[:, None])
-    q_fix, k_fix = fixed.nonzero(as_tuple=True)
-    eligible = ~fixed
-    k_row = torch.clamp(eligible.sum(1), max=r)
+        ranges.append((qb, w_lo.clamp(min=0), w_hi.clamp(max=nk - 1)))
+    q_fix, k_fix = (torch.cat(x) for x in zip(*(ranges_to_entries(*rg) for rg in ranges)))
+
+    def eligible(r0: int, r1: int) -> torch.Tensor:  # rows r0..r1-1: bool [r1 - r0, Kb], not fixed
+        kb = torch.arange(nk)[None, :]
+        fixed = (qb[r0:r1, None] < g) | (kb < g)
+        if w:
+            fixed |= (kb >= w_lo[r0:r1, None]) & (kb <= w_hi[r0:r1, None])
+        return ~fixed
+    step = max(1, _common.SAMPLE_CHUNK // max(nk, 1))
+    n_eligible = [eligible(r0, min(r0 + step, nq)).sum(1) for r0 in range(0, nq, step)]
+    k_row = torch.clamp(torch.cat(n_eligible) if n_eligible else torch.zeros(0, dtype=torch.long), max=r)
     gen = generator(seed)
     parts = []
     for h in range(heads):
