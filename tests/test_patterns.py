@@ -298,16 +298,21 @@ def test_random(lq, lk, bq, bk, causal, kw):
     listed, _ = listed_and_full(lay)
     nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
     for qb in range(nq):
-        d = row_pos(qb, lq, lk, bq)[1] // bk
+        p_first, p_last = row_pos(qb, lq, lk, bq)
+        d = p_last // bk
         n = min(max(d + 1, 0), nk) if causal else nk
         k = min(kw["top_k"], n) if "top_k" in kw else math.ceil(round(kw["density"] * n, 9))
+        own = []  # the blocks of the rows' own keys (not causal: at least the nearest block)
+        if kw.get("include_diagonal", True) and n:
+            last = d if causal else min(max(d, 0), nk - 1)
+            own = list(range(min(max(p_first, 0) // bk, last), last + 1))
+            k = max(k, len(own))
         for b in range(2):
             for h in range(3):
                 row = listed[b, h, qb]
                 assert row.sum() == k, (b, h, qb)
                 assert not row[n:].any()  # only candidate blocks
-                if k and kw.get("include_diagonal", True):
-                    assert row[min(max(d, 0), nk - 1)]
+                assert all(row[o] for o in own), (b, h, qb, own)
     want = expand(listed, lq, lk, bq, bk)
     if causal:
         want = want & token_mask(causal_rule, lq, lk)
@@ -398,11 +403,14 @@ def test_topk(lq, lk, bq, bk, causal, kw):
     for b in range(2):
         for h in range(3):
             for qb in range(nq):
-                d = row_pos(qb, lq, lk, bq)[1] // bk
+                p_first, p_last = row_pos(qb, lq, lk, bq)
+                d = p_last // bk
                 cand = [kb for kb in range(nk) if not causal or kb <= d]
-                forced = [d] if causal and 0 <= d < nk else []
+                # the blocks of the rows' own keys (the diagonal block, and an earlier one where the rows
+                # straddle a key-block edge) are always kept, one more than k if need be
+                forced = list(range(max(p_first, 0) // bk, d + 1)) if causal else []
                 rest = sorted((kb for kb in cand if kb not in forced), key=lambda kb: -float(scores[b, h, qb, kb]))
-                for kb in (forced + rest)[:k]:
+                for kb in (forced + rest)[:max(k, len(forced))]:
                     expect[b, h, qb, kb] = True
     assert (listed == expect).all()
     want = expand(expect, lq, lk, bq, bk)
@@ -705,3 +713,22 @@ def test_linear_dilated_windows_beyond_the_grid_cost_nothing():
     """window_blocks=300000 on a 256-block grid built 300000 offsets per row (4.3 GB)."""
     big = P.dilated(4096, 300_000, 3, block_q=16, block_k=16)
     assert torch.equal(big.to_block_mask(), P.dilated(4096, 256, 3, block_q=16, block_k=16).to_block_mask())
+
+
+@pytest.mark.parametrize("lq,lk,bq,bk", [(512, 1000, 128, 128), (256, 256, 128, 64), (100, 300, 16, 16),
+                                         (300, 100, 48, 32), (97, 97, 32, 16)])
+def test_causal_random_and_topk_keep_every_rows_own_key(lq, lk, bq, bk):
+    """Under causal every query row that may see a key sees its own (``j = i + Lk - Lq``), also where a query
+    block's rows straddle a key-block edge (an offset KV cache, block_q > block_k): forcing the diagonal
+    block alone left those rows with no key at all (output 0; 96 of 512 rows at 512 x 1000, k=1)."""
+    nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
+    scores = torch.randn(1, 2, nq, nk, generator=torch.Generator().manual_seed(3))
+    layouts = [P.topk(scores, k=1, seq_len=lq, kv_len=lk, block_q=bq, block_k=bk, causal=True),
+               P.random(lq, top_k=1, kv_len=lk, heads=2, seed=1, causal=True, block_q=bq, block_k=bk),
+               P.random(lq, density=0.01, kv_len=lk, heads=2, seed=1, causal=True, block_q=bq, block_k=bk)]
+    rows = torch.arange(lq)
+    p = rows + lk - lq
+    for lay in layouts:
+        m = lay.to_token_mask()  # [B, H, Lq, Lk]
+        assert m[..., rows[p >= 0], p[p >= 0]].all()
+        assert lay.kv_counts.max() <= 2  # k = 1, and one more only for rows straddling an edge

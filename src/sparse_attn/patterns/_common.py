@@ -48,6 +48,19 @@ def row_positions(qb: torch.Tensor, q_len: int, kv_len: int, block_q: int) -> tu
     return p_first, p_last
 
 
+def own_key_blocks(qb: torch.Tensor, q_len: int, kv_len: int, block_q: int, block_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) key blocks of each query block holding its real rows' own key positions
+    ``p = i + Lk - Lq >= 0`` (bottom-right causal: the last key a row may see). ``last`` is the diagonal
+    block (:func:`diagonal_block`); ``first`` equals it when ``Lk - Lq`` is a multiple of ``block_k``
+    and ``block_k`` of ``block_q``, and is earlier when the rows straddle a key-block edge (a KV cache's
+    offset, ``block_q > block_k``): forcing the diagonal block alone left those earlier rows without
+    their own key. An empty range (``first > last``) where no row has ``p >= 0``."""
+    p_first, p_last = row_positions(qb, q_len, kv_len, block_q)
+    return (torch.div(p_first.clamp(min=0), block_k, rounding_mode="floor"),
+            torch.div(p_last, block_k, rounding_mode="floor"))
+
+
 def diagonal_block(qb: torch.Tensor, q_len: int, kv_len: int, block_q: int, block_k: int) -> torch.Tensor:
     """The *diagonal* key block of each query block: the one holding its last row's position.
 
@@ -134,8 +147,9 @@ def sample_blocks(eligible, k_row: torch.Tensor, gen: torch.Generator,
 
     eligible: bool [Qb, Kb] (on the CPU, where ``gen`` lives), or a function ``(r0, r1) -> bool
     [r1 - r0, Kb]`` giving rows r0..r1-1 (so no [Qb, Kb] mask need exist); k_row: int64 [Qb], at most
-    the row's eligible count; forced: optional int64 [Qb] (-1 = none), an eligible block each row
-    takes first (it counts toward ``k_row``). Returns (qb, kb) int64 entries, row-major.
+    the row's eligible count; forced: optional (first, last) int64 [Qb] each, a range of eligible blocks
+    each row takes first (empty where first > last; they count toward ``k_row``, which must hold them).
+    Returns (qb, kb) int64 entries, row-major.
     Rows are drawn in chunks of about :data:`SAMPLE_CHUNK` scores: the CPU generator fills them in
     the same order as one [Qb, Kb] draw, so the result does not depend on the chunking, and memory
     is O(SAMPLE_CHUNK + entries) instead of O(Qb * Kb) (2.3 GiB at 1M tokens in 64-blocks).
@@ -150,10 +164,9 @@ def sample_blocks(eligible, k_row: torch.Tensor, gen: torch.Generator,
         r1 = min(r0 + step, nq)
         ok = rows_of(r0, r1)
         score = torch.where(ok, torch.rand(ok.shape, generator=gen), -1.0)
-        if forced is not None:
-            f = forced[r0:r1]
-            rows = (f >= 0).nonzero(as_tuple=True)[0]
-            score[rows, f[rows]] = 2.0
+        if forced is not None:  # ranked above every drawn score; the draw itself is unchanged
+            kb = torch.arange(ok.shape[1])[None, :]
+            score = torch.where(ok & (kb >= forced[0][r0:r1, None]) & (kb <= forced[1][r0:r1, None]), 2.0, score)
         picked = torch.topk(score, k_max, dim=1).indices if k_max else torch.zeros(r1 - r0, 0, dtype=torch.long)
         keep = torch.arange(k_max)[None, :] < k_row[r0:r1, None]
         q_out.append((torch.arange(r0, r1)[:, None].expand(r1 - r0, k_max))[keep])

@@ -5,7 +5,7 @@ import torch
 
 from ..layout import BlockLayout
 from ..validation import check_flag
-from ._common import (check_fraction, check_int, generator, grid, lengths, layout_from_entries, row_positions,
+from ._common import (check_fraction, check_int, generator, grid, lengths, layout_from_entries, own_key_blocks,
                       sample_blocks)
 
 
@@ -19,9 +19,12 @@ def random(seq_len: int, *, density: float | None = None, top_k: int | None = No
     key-frame position ``i + Lk - Lq`` of the block's last real row), i.e. those holding at
     least one key the block may see. Each row keeps ``k`` of its ``n`` candidates:
     ``k = min(top_k, n)`` or ``k = ceil(density * n)`` (exactly one of ``top_k >= 1`` and
-    ``0 < density <= 1``). With ``include_diagonal`` the diagonal block ``clamp(d, 0, Kb-1)`` is
-    always one of the ``k``. Chosen blocks are full; with ``causal`` tokens are then cut to
-    ``j <= p`` (diagonal blocks partial, causal mask).
+    ``0 < density <= 1``). With ``include_diagonal`` the blocks holding the rows' own key positions
+    ``p >= 0`` are always among the ``k``: the diagonal block ``clamp(d, 0, Kb-1)`` alone when ``Lk - Lq``
+    is a multiple of ``block_k`` and ``block_k`` of ``block_q``; where the rows straddle a key-block
+    edge (an offset KV cache, ``block_q > block_k``) the earlier one too, and such a row may keep one
+    more than ``k`` (with the diagonal block alone its first rows had no key). Chosen blocks are full;
+    with ``causal`` tokens are then cut to ``j <= p`` (diagonal blocks partial, causal mask).
 
     Sampling uses a CPU ``torch.Generator`` seeded with ``seed``, so the layout is the same on
     every device. Returns a BlockLayout with ``batch`` x ``heads`` rows
@@ -42,8 +45,7 @@ def random(seq_len: int, *, density: float | None = None, top_k: int | None = No
         density = check_fraction("density", density)
     nq, nk = grid(q_len, kv_len, block_q, block_k)
     qb = torch.arange(nq)
-    _, p_last = row_positions(qb, q_len, kv_len, block_q)
-    d = torch.div(p_last, block_k, rounding_mode="floor")
+    first, d = own_key_blocks(qb, q_len, kv_len, block_q, block_k)
     n_cand = torch.clamp(d + 1, 0, nk) if causal else torch.full((nq,), nk)
     if top_k is not None:
         k_row = torch.clamp(n_cand, max=top_k)
@@ -51,7 +53,12 @@ def random(seq_len: int, *, density: float | None = None, top_k: int | None = No
         k_row = torch.ceil(n_cand.double() * float(density) - 1e-9).long().clamp(min=1).minimum(n_cand)
     def eligible(r0: int, r1: int) -> torch.Tensor:  # rows r0..r1-1: their candidate prefix of key blocks
         return torch.arange(nk)[None, :] < n_cand[r0:r1, None]
-    forced = torch.where(n_cand > 0, d.clamp(0, max(nk - 1, 0)), -1) if include_diagonal else None
+    forced = None
+    if include_diagonal:  # the blocks of the rows' own keys (not causal: at least the nearest block)
+        last = torch.where(n_cand > 0, d if causal else d.clamp(0, max(nk - 1, 0)), -1)
+        first = first.minimum(last.clamp(min=0))
+        forced = (first, last)
+        k_row = torch.maximum(k_row, (last - first + 1).clamp(min=0))
     gen = generator(seed)
     parts = []
     for b in range(batch):

@@ -7,7 +7,7 @@ import torch
 
 from ..layout import BlockLayout, LayoutError
 from ..validation import check_flag
-from ._common import check_fraction, check_int, grid, lengths, layout_from_entries, row_positions
+from ._common import check_fraction, check_int, grid, lengths, layout_from_entries, own_key_blocks
 
 
 def topk(scores: torch.Tensor, *, k: int | None = None, ratio: float | None = None, seq_len: int,
@@ -20,8 +20,11 @@ def topk(scores: torch.Tensor, *, k: int | None = None, ratio: float | None = No
         k: key blocks kept per row (>= 1); or ratio: keep ``ceil(ratio * Kb)``, ``0 < ratio <= 1``.
             Exactly one of the two.
         causal: rank only the blocks ``kb <= d`` (``d = p_last // block_k``, the block holding the
-            key-frame position ``i + Lk - Lq`` of the row's last real query); the diagonal block
-            ``d`` is always kept (it is one of the ``k``), then tokens are cut to ``j <= p``.
+            key-frame position ``i + Lk - Lq`` of the row's last real query); the blocks holding the
+            rows' own positions ``p >= 0`` are always kept and count among the ``k`` (the diagonal
+            block alone when ``Lk - Lq`` is a multiple of ``block_k`` and ``block_k`` of
+            ``block_q``; where the rows straddle a key-block edge the earlier one too, which may make
+            the row keep one more than ``k``), then tokens are cut to ``j <= p``.
     Rows with fewer candidates than ``k`` keep them all. Ties follow ``torch.topk``.
     Returns: a BlockLayout with batch B and heads H; blocks full except causal diagonal blocks.
     """
@@ -50,20 +53,23 @@ def topk(scores: torch.Tensor, *, k: int | None = None, ratio: float | None = No
     finfo = torch.finfo(work)
     # candidates rank above every non-candidate: clamp them to finite values, non-candidates -inf
     key = scores.to(work).clamp(finfo.min, finfo.max)
+    per_row = torch.full((nq,), k_keep, device=scores.device)
     if causal:
-        qb = torch.arange(nq, device=scores.device)
-        _, p_last = row_positions(qb, q_len, kv_len, block_q)
-        d = torch.div(p_last, block_k, rounding_mode="floor")
-        cand = torch.arange(nk, device=scores.device)[None, :] <= d[:, None]  # [Qb, Kb]
-        key = torch.where(cand, key, float("-inf"))
-        diag = (d >= 0) & (d < nk)
-        key[..., diag.nonzero(as_tuple=True)[0], d[diag]] = float("inf")
-    if k_keep == 0 or nq == 0:
+        first, d = own_key_blocks(torch.arange(nq, device=scores.device), q_len, kv_len, block_q, block_k)
+        kb = torch.arange(nk, device=scores.device)[None, :]
+        key = torch.where(kb <= d[:, None], key, float("-inf"))  # [B, H, Qb, Kb]
+        # the blocks of the rows' own keys rank first: with the diagonal block alone, the rows before its
+        # first key (an offset KV cache, block_q > block_k) had no key at all
+        own = (kb >= first[:, None]) & (kb <= d[:, None])
+        key = torch.where(own, float("inf"), key)
+        per_row = per_row.maximum(own.sum(-1))
+    k_top = min(int(per_row.max()), nk) if nq else 0
+    if k_top == 0:
         kept = torch.zeros(B, H, nq, 0, dtype=torch.bool, device=scores.device)
         top = torch.zeros(B, H, nq, 0, dtype=torch.long, device=scores.device)
     else:
-        val, top = torch.topk(key, k_keep, dim=-1)
-        kept = val > float("-inf")
+        val, top = torch.topk(key, k_top, dim=-1)
+        kept = (val > float("-inf")) & (torch.arange(k_top, device=scores.device) < per_row[:, None])
     b, h, q, s = kept.nonzero(as_tuple=True)
     return layout_from_entries(b, h, q, top[b, h, q, s], batch=B, heads=H, q_len=q_len, kv_len=kv_len,
                                block_q=block_q, block_k=block_k, causal=causal)

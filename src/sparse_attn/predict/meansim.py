@@ -63,7 +63,7 @@ import torch
 from ..layout import BlockLayout, as_int, check_block_size
 from ..ops import block_select
 from ..ops.block_pool import block_pool_sim
-from ..patterns._common import row_positions
+from ..patterns._common import own_key_blocks
 from ..validation import check_causal, check_flag, check_scale
 from .pack import causal_masks, layout_from_keep, layout_from_packed
 
@@ -146,10 +146,9 @@ def own_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, device) -> t
     """bool ``[Qb, Kb]``: under causal, the key blocks holding some row's own key position ``p >= 0``
     (step 4 of the module docstring; the diagonal block among them)."""
     nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_k)
-    p_first, p_last = row_positions(torch.arange(nq, device=device), q_len, kv_len, block_q)
-    k_first = torch.arange(nk, device=device) * block_k
-    k_last = torch.clamp(k_first + block_k, max=kv_len) - 1
-    return (k_first[None, :] <= p_last[:, None]) & (k_last[None, :] >= p_first.clamp(min=0)[:, None])
+    first, last = own_key_blocks(torch.arange(nq, device=device), q_len, kv_len, block_q, block_k)
+    kb = torch.arange(nk, device=device)[None, :]
+    return (kb >= first[:, None]) & (kb <= last[:, None])
 
 
 @functools.lru_cache(maxsize=256)
