@@ -569,3 +569,35 @@ def test_int8_varlen_with_other_key_lengths_equals_per_sequence_calls():
                                        v[c:f].transpose(0, 1)[None], causal=True, quant="int8", return_lse=True)
         torch.testing.assert_close(out[a:e], o1[0].transpose(0, 1))
         torch.testing.assert_close(lse[:, a:e], l1[0])
+
+
+@interp
+@pytest.mark.interpreter
+def test_compiled_8bit_kernels_take_transposed_inputs(one_thread):
+    """The 8-bit op's fake gave the output q's strides (empty_like) while the op returns it contiguous: a
+    compiled graph over [B, L, H, D] activations viewed as [B, H, L, D] failed (inductor's stride assert on
+    the H100; here the reshape after attention), for dense and packed inputs alike."""
+    import sparse_attn
+    from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.sage import sage_attention_op, sage_varlen_attention_op
+    B, L, H, D = 1, 40, 2, 32
+    lay = sparse_attn.prepare(_kernel_layout(None, True, L, L, "cpu"), backward=False)
+    x = [torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(i)).half() for i in range(3)]
+
+    def dense(q, k, v):
+        out, _ = sage_attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lay, quant="int8",
+                                   granularity="per_warp", smooth_k=True)
+        return out.transpose(1, 2).reshape(B, L, H * D)
+
+    cu = torch.tensor([0, L], dtype=torch.int32)
+
+    def packed(q, k, v):  # [T, H, D] views of [H, T, D] tensors
+        out, _ = sage_varlen_attention_op(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                          lay, cu, cu, L, L, (L,), quant="int8", granularity="per_warp",
+                                          smooth_k=True)
+        return out.transpose(0, 1).reshape(H * L, D)
+
+    for fn, inputs in ((dense, x), (packed, [t.transpose(1, 2).contiguous() for t in x])):
+        want = fn(*inputs)  # eager first: it also caches the packed call's schedule
+        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*inputs)
+        assert torch.equal(got, want), fn.__name__
