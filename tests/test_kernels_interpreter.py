@@ -435,3 +435,26 @@ def test_split_grid_gives_the_usual_grids_results_on_packed_and_8_bit_inputs(mon
 
     for a, b in zip(*_split_and_usual(monkeypatch, run)):
         assert torch.equal(a, b)
+
+
+def test_compiled_attention_without_a_layout_on_the_kernel_path(monkeypatch):
+    """attention(q, k, v) with no layout runs a default dense / causal layout cached per shape. The cache was a
+    functools.lru_cache, which Dynamo ignores: it traced the builder, and torch.compile(fullgraph=True) failed on a
+    data-dependent guard (on the H100 too), even after an eager call had built the layout. Compiled now equals
+    eager, forward and backward; a shape that never ran eagerly is an error that says what to do."""
+    monkeypatch.setattr(sparse_attn.api, "_use_kernels", lambda q: True)  # the kernels' path, interpreted
+    for causal in (False, True):
+        q, k, v = _qkv(1, 2, 1, 40, 56, 16, torch.float32, True)
+
+        def f(q, k, v):
+            return sparse_attn.attention(q, k, v, causal=causal, return_lse=True)
+
+        out, lse = f(q, k, v)
+        grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+        c_out, c_lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+        assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
+        for got, want in zip(torch.autograd.grad(c_out.square().sum() + c_lse.sum(), (q, k, v)), grads):
+            assert torch.equal(got, want)
+    q, k, v = _qkv(1, 1, 1, 24, 24, 16, torch.float32, False)
+    with pytest.raises(RuntimeError, match="once eagerly"):  # Dynamo's error holds the message
+        torch.compile(lambda q, k, v: sparse_attn.attention(q, k, v), backend="aot_eager", fullgraph=True)(q, k, v)

@@ -35,11 +35,33 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
     return caches[key]
 
 
-@functools.lru_cache(maxsize=32)
+_DEFAULT_LAYOUTS: dict = {}  # (causal, lq, lk, device) -> BlockLayout, the last DEFAULT_LAYOUTS_KEPT used
+DEFAULT_LAYOUTS_KEPT = 32
+
+
 def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
-    """Dense or causal layout with 128x128 blocks, cached per shape (a few recent shapes)."""
-    builder = patterns.causal if causal else patterns.dense  # entries built directly, no per-block counting
-    return builder(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
+    """Dense or causal layout with 128x128 blocks, cached per shape (the last 32 used; their schedules are
+    cached on them at first use). A plain dict, which Dynamo reads: it ignores a functools.lru_cache and
+    traced the builder, whose block counting is data-dependent, so torch.compile(fullgraph=True) of
+    attention() without a layout failed on CUDA even after an eager call. While compiling it is only read."""
+    key = (causal, lq, lk, device)
+    if torch.compiler.is_compiling():
+        if key not in _DEFAULT_LAYOUTS:
+            kind = "causal" if causal else "dense"
+            raise RuntimeError(f"sparse_attn: attention() without a layout runs a default {kind} layout built on "
+                               f"first use per shape (Lq={lq}, Lk={lk}), which cannot be traced; call attention once "
+                               "eagerly with these lengths (with grad enabled if the compiled code trains) before "
+                               f"torch.compile, or pass layout=sparse_attn.prepare(patterns.{kind}(Lq, Lk, "
+                               "device=...))")
+        return _DEFAULT_LAYOUTS[key]
+    layout = _DEFAULT_LAYOUTS.pop(key, None)
+    if layout is None:
+        builder = patterns.causal if causal else patterns.dense  # entries built directly, no per-block counting
+        layout = builder(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
+    _DEFAULT_LAYOUTS[key] = layout  # (re)inserted last: the first key is the least recently used
+    if len(_DEFAULT_LAYOUTS) > DEFAULT_LAYOUTS_KEPT:
+        del _DEFAULT_LAYOUTS[next(iter(_DEFAULT_LAYOUTS))]
+    return layout
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | str | None = None, *,
