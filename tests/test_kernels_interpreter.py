@@ -353,6 +353,29 @@ def test_forward_into_refuses_an_output_its_kernels_cannot_write():
     assert (out - reference.attention(q, k, v, lay)).abs().max() < 1e-5 and (buf[..., 16:] == 7).all()
 
 
+def test_forward_into_refuses_an_lse_its_kernels_cannot_write():
+    """The LSE buffer's shape and dtype went unchecked: one shorter than the rows was written past its end (a view
+    of 20 of a [2, 40] buffer's entries had the other 60 overwritten), a bf16 one got the fp32 LSE rounded."""
+    from sparse_attn.ops.block_sparse import forward_into
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16, torch.float32, False)
+    lay = _causal_layout(40, 40)
+    out, buf = torch.empty(1, 2, 40, 16), torch.full((2, 40), 7.0)
+    for bad in (buf[:1, :20].view(1, 1, 20), torch.empty(1, 2, 40, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="lse shaped"):
+            forward_into(q, k, v, lay, out, bad)
+    assert (buf == 7).all()
+    lse = buf.view(40, 2).t()[None]  # [1, 2, 40] of any strides is fine
+    forward_into(q, k, v, lay, out, lse)
+    _, want = reference.attention(q, k, v, lay, return_lse=True)
+    assert (lse - want).abs().max() < 1e-5
+    # packed [T, H, D] inputs take an [H, T] LSE
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    qp, kp, vp = (t[0].transpose(0, 1) for t in (q, k, v))
+    with pytest.raises(ValueError, match=r"lse shaped \(2, 40\)"):
+        forward_into(qp, kp, vp, lay, out[0].transpose(0, 1), torch.empty(1, 2, 40), cu_q=cu, cu_k=cu, max_q=40,
+                     max_k=40, kv_lens=(40,))
+
+
 def test_more_sequences_or_heads_than_cuda_allows_is_a_clear_error():
     """The grid's axes 1 and 2 hold heads and sequences, 65535 each at most in CUDA (both on one axis,
     B x H = 2048 x 32 failed at launch with a bare 'Triton Error [CUDA]: invalid argument' on the
