@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import operator
 
 import torch
@@ -111,7 +112,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     check_flags(return_lse=return_lse, return_layout=return_layout, smooth_k=smooth_k)
     _check_unused_granularity(quant, quant_granularity)
     if pv_threshold is not None:
-        _check_pv_threshold(pv_threshold, q, k, v, quant)
+        pv_threshold = _check_pv_threshold(pv_threshold, q, k, v, quant)
     if isinstance(layout, str) or adaptive is not None:
         from .predict.adaptive import predicted_layout
         layout = predicted_layout(layout, q, k, causal=causal, scale=scale, options=adaptive)
@@ -144,8 +145,9 @@ def _check_unused_granularity(quant, granularity) -> None:
         check_granularity(granularity)
 
 
-def _check_pv_threshold(value, q, k, v, quant) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+def _check_pv_threshold(value, q, k, v, quant) -> float:
+    """``value`` as a Python float (numpy scalars too, as scale= takes them) once it may run."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < 1.0:
         raise ValueError(f"pv_threshold must be a number in (0, 1) (a probability), got {value!r}")
     if quant is not None:
         raise ValueError("pv_threshold runs in the fp16/bf16 kernels; drop quant= or pv_threshold=")
@@ -155,6 +157,7 @@ def _check_pv_threshold(value, q, k, v, quant) -> None:
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError("pv_threshold is for inference: the output drops tiles that exact gradients need; run under "
                          "torch.no_grad() or drop pv_threshold=")
+    return float(value)
 
 
 def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) -> BlockLayout:
