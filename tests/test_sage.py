@@ -601,3 +601,17 @@ def test_compiled_8bit_kernels_take_transposed_inputs(one_thread):
         want = fn(*inputs)  # eager first: it also caches the packed call's schedule
         got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*inputs)
         assert torch.equal(got, want), fn.__name__
+
+
+@interp
+@pytest.mark.interpreter
+def test_fp8_kernels_without_keys_give_zeros(one_thread):
+    """quant='int8-fp8' on the kernels with no keys (Lk = 0) failed in V's channel amax (torch.aminmax over an
+    empty token dim: IndexError) where the twin and quant='int8' give output 0 and LSE -inf."""
+    from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.sage import sage_attention_op
+    q, k, v = _qkv(2, 2, 5, 0, 32, dtype=torch.float16)
+    for quant in ("int8", "int8-fp8"):
+        out, lse = sage_attention_op(q, k, v, _kernel_layout(None, False, 5, 0, "cpu"), quant=quant,
+                                     granularity="per_warp", smooth_k=True, unsmoothed_lse=True)
+        assert torch.equal(out, torch.zeros_like(out)) and bool(lse.isneginf().all()), quant
