@@ -615,3 +615,26 @@ def test_fp8_kernels_without_keys_give_zeros(one_thread):
         out, lse = sage_attention_op(q, k, v, _kernel_layout(None, False, 5, 0, "cpu"), quant=quant,
                                      granularity="per_warp", smooth_k=True, unsmoothed_lse=True)
         assert torch.equal(out, torch.zeros_like(out)) and bool(lse.isneginf().all()), quant
+
+
+@interp
+@pytest.mark.interpreter
+def test_int8_varlen_kernels_read_strided_cu_seqlens_as_their_values(one_thread):
+    """A stride-2 cu_seqlens view (which varlen_attention accepts: it reads the offsets on the host) reached the
+    8-bit kernels as it was, read as if packed: other sequences' bounds, outputs off by 3e4. The fp16/bf16 op
+    made its offsets unit-stride (_offsets); the 8-bit op now does too."""
+    from sparse_attn import varlen
+    from sparse_attn.ops.sage import sage_varlen_attention_op
+    lens = [17, 1, 40]
+    cu = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
+    strided = torch.stack([cu, cu.roll(-1)], 1).flatten()[::2]
+    assert strided.stride(0) == 2 and torch.equal(strided, cu)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(58, 2, 32, generator=g).half() for _ in range(3))
+    stacked = varlen.stack(varlen.build_layouts(lens, lens, None, None, causal=True), 40, 40, 2)
+    for smooth in (False, True):
+        want, want_lse = sage_varlen_attention_op(q, k, v, stacked, cu, cu, 40, 40, tuple(lens), quant="int8",
+                                                  granularity="per_warp", smooth_k=smooth, unsmoothed_lse=True)
+        got, lse = sage_varlen_attention_op(q, k, v, stacked, strided, strided, 40, 40, tuple(lens), quant="int8",
+                                            granularity="per_warp", smooth_k=smooth, unsmoothed_lse=True)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse), smooth
