@@ -466,6 +466,7 @@ def test_compiled_attention_without_a_layout_on_the_kernel_path(monkeypatch):
     data-dependent guard (on the H100 too), even after an eager call had built the layout. Compiled now equals
     eager, forward and backward; a shape that never ran eagerly is an error that says what to do."""
     monkeypatch.setattr(sparse_attn.api, "_use_kernels", lambda q: True)  # the kernels' path, interpreted
+    monkeypatch.setattr(sparse_attn.api, "_DEFAULT_LAYOUTS", {})  # no shape built by an earlier test
     for causal in (False, True):
         q, k, v = _qkv(1, 2, 1, 40, 56, 16, torch.float32, True)
 
