@@ -353,6 +353,29 @@ def test_forward_into_refuses_an_output_its_kernels_cannot_write():
     assert (out - reference.attention(q, k, v, lay)).abs().max() < 1e-5 and (buf[..., 16:] == 7).all()
 
 
+def test_forward_into_refuses_an_lse_its_kernels_cannot_write():
+    """The LSE buffer's shape and dtype went unchecked: one shorter than the rows was written past its end (a view
+    of 20 of a [2, 40] buffer's entries had the other 60 overwritten), a bf16 one got the fp32 LSE rounded."""
+    from sparse_attn.ops.block_sparse import forward_into
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16, torch.float32, False)
+    lay = _causal_layout(40, 40)
+    out, buf = torch.empty(1, 2, 40, 16), torch.full((2, 40), 7.0)
+    for bad in (buf[:1, :20].view(1, 1, 20), torch.empty(1, 2, 40, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="lse shaped"):
+            forward_into(q, k, v, lay, out, bad)
+    assert (buf == 7).all()
+    lse = buf.view(40, 2).t()[None]  # [1, 2, 40] of any strides is fine
+    forward_into(q, k, v, lay, out, lse)
+    _, want = reference.attention(q, k, v, lay, return_lse=True)
+    assert (lse - want).abs().max() < 1e-5
+    # packed [T, H, D] inputs take an [H, T] LSE
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    qp, kp, vp = (t[0].transpose(0, 1) for t in (q, k, v))
+    with pytest.raises(ValueError, match=r"lse shaped \(2, 40\)"):
+        forward_into(qp, kp, vp, lay, out[0].transpose(0, 1), torch.empty(1, 2, 40), cu_q=cu, cu_k=cu, max_q=40,
+                     max_k=40, kv_lens=(40,))
+
+
 def test_more_sequences_or_heads_than_cuda_allows_is_a_clear_error():
     """The grid's axes 1 and 2 hold heads and sequences, 65535 each at most in CUDA (both on one axis,
     B x H = 2048 x 32 failed at launch with a bare 'Triton Error [CUDA]: invalid argument' on the
@@ -435,3 +458,27 @@ def test_split_grid_gives_the_usual_grids_results_on_packed_and_8_bit_inputs(mon
 
     for a, b in zip(*_split_and_usual(monkeypatch, run)):
         assert torch.equal(a, b)
+
+
+def test_compiled_attention_without_a_layout_on_the_kernel_path(monkeypatch):
+    """attention(q, k, v) with no layout runs a default dense / causal layout cached per shape. The cache was a
+    functools.lru_cache, which Dynamo ignores: it traced the builder, and torch.compile(fullgraph=True) failed on a
+    data-dependent guard (on the H100 too), even after an eager call had built the layout. Compiled now equals
+    eager, forward and backward; a shape that never ran eagerly is an error that says what to do."""
+    monkeypatch.setattr(sparse_attn.api, "_use_kernels", lambda q: True)  # the kernels' path, interpreted
+    monkeypatch.setattr(sparse_attn.api, "_DEFAULT_LAYOUTS", {})  # no shape built by an earlier test
+    for causal in (False, True):
+        q, k, v = _qkv(1, 2, 1, 40, 56, 16, torch.float32, True)
+
+        def f(q, k, v):
+            return sparse_attn.attention(q, k, v, causal=causal, return_lse=True)
+
+        out, lse = f(q, k, v)
+        grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+        c_out, c_lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+        assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
+        for got, want in zip(torch.autograd.grad(c_out.square().sum() + c_lse.sum(), (q, k, v)), grads):
+            assert torch.equal(got, want)
+    q, k, v = _qkv(1, 1, 1, 24, 24, 16, torch.float32, False)
+    with pytest.raises(RuntimeError, match="once eagerly"):  # Dynamo's error holds the message
+        torch.compile(lambda q, k, v: sparse_attn.attention(q, k, v), backend="aot_eager", fullgraph=True)(q, k, v)

@@ -77,6 +77,23 @@ def test_bad_threshold_is_refused(value):
         sparse_attn.attention(q, q, q, pv_threshold=value)
 
 
+def test_numpy_thresholds_are_numbers():
+    """A numpy float32 threshold was refused as 'must be a number in (0, 1)' (only Python floats passed), unlike
+    scale= and the block sizes, which take numpy scalars; it now reaches the next check (the kernels' device)."""
+    import numpy as np
+    q = torch.randn(1, 1, 16, 16)
+    for value in (np.float32(1e-3), np.float64(1e-3)):
+        if torch.cuda.is_available():
+            q = q.cuda().half()
+            assert torch.equal(sparse_attn.attention(q, q, q, pv_threshold=value),
+                               sparse_attn.attention(q, q, q, pv_threshold=float(value)))
+        else:
+            with pytest.raises(ValueError, match="inside the CUDA kernels"):
+                sparse_attn.attention(q, q, q, pv_threshold=value)
+    with pytest.raises(ValueError, match="pv_threshold must be a number in"):
+        sparse_attn.attention(q, q, q, pv_threshold=np.float32(1.5))
+
+
 def test_threshold_needs_the_kernels_no_grad_and_no_quant():
     q = torch.randn(1, 1, 16, 16)
     if not torch.cuda.is_available():

@@ -569,3 +569,72 @@ def test_int8_varlen_with_other_key_lengths_equals_per_sequence_calls():
                                        v[c:f].transpose(0, 1)[None], causal=True, quant="int8", return_lse=True)
         torch.testing.assert_close(out[a:e], o1[0].transpose(0, 1))
         torch.testing.assert_close(lse[:, a:e], l1[0])
+
+
+@interp
+@pytest.mark.interpreter
+def test_compiled_8bit_kernels_take_transposed_inputs(one_thread):
+    """The 8-bit op's fake gave the output q's strides (empty_like) while the op returns it contiguous: a
+    compiled graph over [B, L, H, D] activations viewed as [B, H, L, D] failed (inductor's stride assert on
+    the H100; here the reshape after attention), for dense and packed inputs alike."""
+    import sparse_attn
+    from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.sage import sage_attention_op, sage_varlen_attention_op
+    B, L, H, D = 1, 40, 2, 32
+    lay = sparse_attn.prepare(_kernel_layout(None, True, L, L, "cpu"), backward=False)
+    x = [torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(i)).half() for i in range(3)]
+
+    def dense(q, k, v):
+        out, _ = sage_attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lay, quant="int8",
+                                   granularity="per_warp", smooth_k=True)
+        return out.transpose(1, 2).reshape(B, L, H * D)
+
+    cu = torch.tensor([0, L], dtype=torch.int32)
+
+    def packed(q, k, v):  # [T, H, D] views of [H, T, D] tensors
+        out, _ = sage_varlen_attention_op(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                          lay, cu, cu, L, L, (L,), quant="int8", granularity="per_warp",
+                                          smooth_k=True)
+        return out.transpose(0, 1).reshape(H * L, D)
+
+    for fn, inputs in ((dense, x), (packed, [t.transpose(1, 2).contiguous() for t in x])):
+        want = fn(*inputs)  # eager first: it also caches the packed call's schedule
+        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*inputs)
+        assert torch.equal(got, want), fn.__name__
+
+
+@interp
+@pytest.mark.interpreter
+def test_fp8_kernels_without_keys_give_zeros(one_thread):
+    """quant='int8-fp8' on the kernels with no keys (Lk = 0) failed in V's channel amax (torch.aminmax over an
+    empty token dim: IndexError) where the twin and quant='int8' give output 0 and LSE -inf."""
+    from sparse_attn.api import _kernel_layout
+    from sparse_attn.ops.sage import sage_attention_op
+    q, k, v = _qkv(2, 2, 5, 0, 32, dtype=torch.float16)
+    for quant in ("int8", "int8-fp8"):
+        out, lse = sage_attention_op(q, k, v, _kernel_layout(None, False, 5, 0, "cpu"), quant=quant,
+                                     granularity="per_warp", smooth_k=True, unsmoothed_lse=True)
+        assert torch.equal(out, torch.zeros_like(out)) and bool(lse.isneginf().all()), quant
+
+
+@interp
+@pytest.mark.interpreter
+def test_int8_varlen_kernels_read_strided_cu_seqlens_as_their_values(one_thread):
+    """A stride-2 cu_seqlens view (which varlen_attention accepts: it reads the offsets on the host) reached the
+    8-bit kernels as it was, read as if packed: other sequences' bounds, outputs off by 3e4. The fp16/bf16 op
+    made its offsets unit-stride (_offsets); the 8-bit op now does too."""
+    from sparse_attn import varlen
+    from sparse_attn.ops.sage import sage_varlen_attention_op
+    lens = [17, 1, 40]
+    cu = torch.tensor([0, 17, 18, 58], dtype=torch.int32)
+    strided = torch.stack([cu, cu.roll(-1)], 1).flatten()[::2]
+    assert strided.stride(0) == 2 and torch.equal(strided, cu)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(58, 2, 32, generator=g).half() for _ in range(3))
+    stacked = varlen.stack(varlen.build_layouts(lens, lens, None, None, causal=True), 40, 40, 2)
+    for smooth in (False, True):
+        want, want_lse = sage_varlen_attention_op(q, k, v, stacked, cu, cu, 40, 40, tuple(lens), quant="int8",
+                                                  granularity="per_warp", smooth_k=smooth, unsmoothed_lse=True)
+        got, lse = sage_varlen_attention_op(q, k, v, stacked, strided, strided, 40, 40, tuple(lens), quant="int8",
+                                            granularity="per_warp", smooth_k=smooth, unsmoothed_lse=True)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse), smooth

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import operator
 
 import torch
@@ -35,11 +36,33 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
     return caches[key]
 
 
-@functools.lru_cache(maxsize=32)
+_DEFAULT_LAYOUTS: dict = {}  # (causal, lq, lk, device) -> BlockLayout, the last DEFAULT_LAYOUTS_KEPT used
+DEFAULT_LAYOUTS_KEPT = 32
+
+
 def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
-    """Dense or causal layout with 128x128 blocks, cached per shape (a few recent shapes)."""
-    builder = patterns.causal if causal else patterns.dense  # entries built directly, no per-block counting
-    return builder(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
+    """Dense or causal layout with 128x128 blocks, cached per shape (the last 32 used; their schedules are
+    cached on them at first use). A plain dict, which Dynamo reads: it ignores a functools.lru_cache and
+    traced the builder, whose block counting is data-dependent, so torch.compile(fullgraph=True) of
+    attention() without a layout failed on CUDA even after an eager call. While compiling it is only read."""
+    key = (causal, lq, lk, device)
+    if torch.compiler.is_compiling():
+        if key not in _DEFAULT_LAYOUTS:
+            kind = "causal" if causal else "dense"
+            raise RuntimeError(f"sparse_attn: attention() without a layout runs a default {kind} layout built on "
+                               f"first use per shape (Lq={lq}, Lk={lk}), which cannot be traced; call attention once "
+                               "eagerly with these lengths (with grad enabled if the compiled code trains) before "
+                               f"torch.compile, or pass layout=sparse_attn.prepare(patterns.{kind}(Lq, Lk, "
+                               "device=...))")
+        return _DEFAULT_LAYOUTS[key]
+    layout = _DEFAULT_LAYOUTS.pop(key, None)
+    if layout is None:
+        builder = patterns.causal if causal else patterns.dense  # entries built directly, no per-block counting
+        layout = builder(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
+    _DEFAULT_LAYOUTS[key] = layout  # (re)inserted last: the first key is the least recently used
+    if len(_DEFAULT_LAYOUTS) > DEFAULT_LAYOUTS_KEPT:
+        del _DEFAULT_LAYOUTS[next(iter(_DEFAULT_LAYOUTS))]
+    return layout
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | str | None = None, *,
@@ -89,7 +112,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     check_flags(return_lse=return_lse, return_layout=return_layout, smooth_k=smooth_k)
     _check_unused_granularity(quant, quant_granularity)
     if pv_threshold is not None:
-        _check_pv_threshold(pv_threshold, q, k, v, quant)
+        pv_threshold = _check_pv_threshold(pv_threshold, q, k, v, quant)
     if isinstance(layout, str) or adaptive is not None:
         from .predict.adaptive import predicted_layout
         layout = predicted_layout(layout, q, k, causal=causal, scale=scale, options=adaptive)
@@ -122,8 +145,9 @@ def _check_unused_granularity(quant, granularity) -> None:
         check_granularity(granularity)
 
 
-def _check_pv_threshold(value, q, k, v, quant) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+def _check_pv_threshold(value, q, k, v, quant) -> float:
+    """``value`` as a Python float (numpy scalars too, as scale= takes them) once it may run."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < 1.0:
         raise ValueError(f"pv_threshold must be a number in (0, 1) (a probability), got {value!r}")
     if quant is not None:
         raise ValueError("pv_threshold runs in the fp16/bf16 kernels; drop quant= or pv_threshold=")
@@ -133,6 +157,7 @@ def _check_pv_threshold(value, q, k, v, quant) -> None:
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError("pv_threshold is for inference: the output drops tiles that exact gradients need; run under "
                          "torch.no_grad() or drop pv_threshold=")
+    return float(value)
 
 
 def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) -> BlockLayout:

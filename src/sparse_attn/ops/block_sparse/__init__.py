@@ -119,6 +119,11 @@ def forward_into(q, k, v, layout: BlockLayout, out: torch.Tensor, lse: torch.Ten
         # the kernels store a row's channels contiguously: out[..., ::2] got its neighbours overwritten
         raise ValueError(f"forward_into needs out shaped {tuple(q.shape[:-1] + v.shape[-1:])} in {q.dtype} with unit "
                          f"stride in its last dim, got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    lse_shape = q.shape[:3] if cu_q is None else (q.shape[1], q.shape[0])  # dense [B, H, Lq], packed [H, T]
+    if tuple(lse.shape) != tuple(lse_shape) or lse.dtype != torch.float32:
+        # the kernels store every row's LSE in fp32 at lse's strides: a shorter lse was written past its end
+        raise ValueError(f"forward_into needs lse shaped {tuple(lse_shape)} in torch.float32 (any strides), got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
     cu_q, cu_k = _offsets(cu_q), _offsets(cu_k)
     if cu_q is None:
         max_q, max_k = q.shape[2], k.shape[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...layout import BlockLayout
-from ..block_sparse import check_kernel_inputs, forward_layout_inputs, softmax_scale
+from ..block_sparse import _offsets, check_kernel_inputs, forward_layout_inputs, softmax_scale
 from .granularity import GRANULARITY, QUANT_MODES, check_quant, check_quant_shapes
 
 __all__ = ["GRANULARITY", "QUANT_MODES", "check_quant", "check_fp8_device", "sage_attention_op",
@@ -52,5 +52,6 @@ def sage_varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: i
     mode, (q, k, v) = _prepare(q, k, v, quant, granularity, stacked.block_k)
     scale = softmax_scale(q, scale)
     fwd = forward_layout_inputs(stacked, kv_lens)
-    return sage_fwd(q, k, v, *fwd, cu_q, cu_k, stacked.block_q, stacked.block_k, scale, max_q, max_k,
-                    mode, granularity, smooth_k, unsmoothed_lse)
+    # offsets at unit stride, as the kernels read them (a strided view was read as packed: other sequences' bounds)
+    return sage_fwd(q, k, v, *fwd, _offsets(cu_q), _offsets(cu_k), stacked.block_q, stacked.block_k, scale, max_q,
+                    max_k, mode, granularity, smooth_k, unsmoothed_lse)

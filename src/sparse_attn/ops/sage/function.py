@@ -30,4 +30,6 @@ def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms,
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     else:
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    return torch.empty_like(q), lse
+    # contiguous, as launch.forward allocates it: empty_like kept a transposed q's strides, and compiled graphs
+    # over [B, L, H, D] activations failed on them
+    return q.new_empty(q.shape), lse

@@ -87,6 +87,8 @@ def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None
     grid, split = _grid(varlen, cu, B, H, L, max_len)
     if varlen:  # per sequence [S, H, D]
         amax = seq_stats(v, cu, max_len, True)
+    elif L == 0:  # no keys: scale 1, as the twin (aminmax refuses an empty token dim)
+        amax = v.new_zeros(B, H, D, dtype=torch.float32)
     else:
         mn, mx = torch.aminmax(v, dim=2)  # one read of V; abs() would write a copy first
         amax = torch.maximum(mx, -mn).float()
