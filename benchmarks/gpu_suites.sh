@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suites in shards that each finish inside one device call (the six suites together took
 # 520 s on 8 workers of an H100, too close to the 600 s a call may run), and extra fuzz seeds.
-#   bash benchmarks/gpu_suites.sh a          # kernels + fuzz suites
+#   bash benchmarks/gpu_suites.sh a          # kernels + fuzz suites, and the gpu-marked tests beside CPU ones
 #   bash benchmarks/gpu_suites.sh b          # 8-bit, integration, grouped, tools, backward variants
 #   bash benchmarks/gpu_suites.sh fuzz START # six fuzz_more.py workers from seed START (+1000 each), 100 s
 # Carry .whl (sageattention's wheel, for shard b). Summaries land in $OUT (default out/gpu).
@@ -19,7 +19,10 @@ suites() {  # $1: shard name, rest: test files
   grep -E "^(E  |_{5,} )" "$OUT/gpu-suites-$name.log" | cut -c1-240 | head -60
 }
 case "${1:-a}" in
-  a) suites a tests/gpu/test_kernels_gpu.py tests/gpu/test_fuzz_gpu.py ;;
+  a) suites a tests/gpu/test_kernels_gpu.py tests/gpu/test_fuzz_gpu.py
+     # the GPU cases that live beside their CPU tests (meansim's kernels vs CPU, bench, integration)
+     suites a-beside -m gpu tests/test_bench.py tests/test_predict.py tests/test_predict_pack.py \
+       tests/test_transformers_integration.py ;;
   b) suites b tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_grouped_gpu.py \
        tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py ;;
   fuzz)

@@ -320,9 +320,9 @@ def test_structured_inputs_are_sparsifiable_random_are_not():
 @pytest.mark.gpu
 def test_meansim_cuda_matches_cpu():
     q, k = mixed_qk(2, 4, 2, 300, 333, 64, 64, 64)
-    for causal in (False, True):
-        cpu = meansim(q.float(), k.float(), simthreshd1=0.5, cdfthreshd=0.9, block=64, causal=causal)
-        gpu = meansim(q.float().cuda(), k.float().cuda(), simthreshd1=0.5, cdfthreshd=0.9, block=64, causal=causal)
+    for causal, block in ((False, 64), (True, 64), (True, (128, 64))):  # 300 x 333 and 128 x 64: rows straddle edges
+        cpu = meansim(q.float(), k.float(), simthreshd1=0.5, cdfthreshd=0.9, block=block, causal=causal)
+        gpu = meansim(q.float().cuda(), k.float().cuda(), simthreshd1=0.5, cdfthreshd=0.9, block=block, causal=causal)
         assert gpu.device.type == "cuda"
         assert torch.equal(gpu.to("cpu").to_token_mask(), cpu.to_token_mask())
     qs, ks, vs = structured_qkv(1, 8, 4096, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")

@@ -428,6 +428,46 @@ def test_compiled_attention_over_bshd_inputs():
         torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
 
 
+def test_compiled_attention_without_a_layout_after_one_eager_call():
+    """attention() without a layout builds its default dense / causal layout on first use per shape; once an
+    eager call has built it, a fullgraph compile reads it (an lru_cache made Dynamo trace the builder and
+    fail on its data-dependent block counting). A shape never run eagerly is refused with what to do."""
+    from sparse_attn import api
+    api._DEFAULT_LAYOUTS.clear()
+    q, k, v = (_rand((1, 4, 333, 64), torch.bfloat16).requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        return sparse_attn.attention(q, k, v, causal=True)
+
+    want = f(q, k, v)
+    grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    compiled = torch.compile(f, fullgraph=True)
+    got = compiled(q, k, v)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for g, w in zip(torch.autograd.grad(got.float().square().sum(), (q, k, v)), grads):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    other = [_rand((1, 4, 200, 64), torch.bfloat16) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="once eagerly"):  # Dynamo's error holds the message
+        torch.compile(lambda q, k, v: sparse_attn.attention(q, k, v), fullgraph=True)(*other)
+
+
+def test_compiled_8_bit_attention_over_bshd_inputs():
+    """The 8-bit op's fake gave the output a transposed q's strides (empty_like); the op returns it
+    contiguous, and inductor's stride assert failed on [B, L, H, D] activations."""
+    B, H, L, D = 2, 4, 300, 64
+    layout = sparse_attn.prepare(BlockLayout.from_mask(_mask("causal"), q_len=L, block_q=64, block_k=64,
+                                                       device="cuda"), backward=False)
+    x = [_rand((B, L, H, D), torch.bfloat16) for _ in range(3)]
+
+    def f(q, k, v):
+        out = sparse_attn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, causal=True,
+                                    quant="int8")
+        return out.transpose(1, 2).reshape(B, L, H * D)
+
+    want = f(*x)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(*x), want, atol=0, rtol=0)
+
+
 def test_more_than_65535_sequence_head_pairs_run_and_equal_smaller_calls():
     """4096 sequences x 32 heads (8 kv heads): with (sequence, head) pairs on one grid axis, anything past
     CUDA's 65535 failed at launch ('Triton Error [CUDA]: invalid argument', 2048 x 32). Heads and
