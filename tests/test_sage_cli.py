@@ -130,6 +130,23 @@ def test_cli_size_and_pattern_flags_size_every_section(tmp_path, capsys, one_thr
     assert "| 256 | 0.75 (1/2 per row, 50.0% kept) |" in md and "| 512 | 0.75 (3/4 per row, 75.0% kept) |" in md
 
 
+def test_cli_header_sizes_are_the_lengths_that_ran(tmp_path, one_thread):
+    """--seq-lens replaced the lengths of every section, but the JSON header's sizes kept the preset's
+    (seq_len 512, bench_lens [256, 512] beside checks and rows at 200)."""
+    from sparse_attn.cli.main import build_parser
+    from sparse_attn.cli.sage_test import run_sizes
+    rc = _run_cli(tmp_path, "--test-patterns", "--benchmark-perf", "--quant", "int8", "--seq-lens", "200",
+                  "--pattern", "local", "--top-k-ratios", "0.5", "--reps", "1")
+    assert rc == 0
+    data = json.loads((tmp_path / "sage_test.json").read_text())
+    sizes = data["header"]["sizes"]
+    assert sizes["seq_len"] == 200 and sizes["bench_lens"] == [200] and data["header"]["check_lens"] == [200]
+    assert [r["seq_len"] for r in data["benchmark"]] == [200]
+    assert [c["extra"]["seq_len"] for c in data["checks"]] == [200]
+    args = build_parser().parse_args(["sage-test", "--seq-lens", "300", "1k"])
+    assert (run_sizes(args, "cpu").seq_len, run_sizes(args, "cpu").bench_lens) == (300, (300, 1024))
+
+
 def test_cli_correctness_cases_fit_any_head_count_and_length(tmp_path, capsys, one_thread):
     """9 heads: the GQA case took H // 4 = 2 KV heads, which 9 is no multiple of, and the run failed;
     L=165: the 'odd length' case was L - 37 = 128, whole blocks."""

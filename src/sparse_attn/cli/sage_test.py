@@ -107,10 +107,17 @@ def selected_patterns(args) -> tuple[str, ...]:
 
 
 def run_sizes(args, device: str):
-    """The preset Sizes of ``device`` / ``--stress`` with --batch-size / --num-heads / --head-dim applied."""
+    """The preset Sizes of ``device`` / ``--stress`` with --batch-size / --num-heads / --head-dim applied,
+    and --seq-lens: the benchmark's lengths, the checks' first (check_lens lists them all). The header
+    records these sizes: it kept the preset's lengths beside checks and rows run at others."""
+    import dataclasses
+
     from .. import sage_suite as ss
-    return ss.with_sizes(ss.sizes_for(device, args.stress), batch=args.batch_size, heads=args.num_heads,
-                         head_dim=args.head_dim)
+    sizes = ss.with_sizes(ss.sizes_for(device, args.stress), batch=args.batch_size, heads=args.num_heads,
+                          head_dim=args.head_dim)
+    if args.seq_lens:
+        sizes = dataclasses.replace(sizes, seq_len=args.seq_lens[0], bench_lens=tuple(args.seq_lens))
+    return sizes
 
 
 def _sections(args) -> tuple[bool, bool, bool]:
@@ -228,7 +235,7 @@ def run_suite(args, device: str, quant: str, con) -> int:
     lens = check_lens(args, sizes)
     con.print(f"sizes {sizes.name}: checks B={sizes.batch} H={sizes.heads} L={'/'.join(map(str, lens))} "
               f"D={sizes.head_dim}"
-              + (f"; benchmark B={sizes.bench_batch} H={sizes.bench_heads} L={list(args.seq_lens or sizes.bench_lens)}"
+              + (f"; benchmark B={sizes.bench_batch} H={sizes.bench_heads} L={list(sizes.bench_lens)}"
                  if perf else ""))
     common = dict(dtype=dtype, device=device, seed=args.seed)
     progress = not args.no_progress
@@ -242,7 +249,7 @@ def run_suite(args, device: str, quant: str, con) -> int:
                                                                       names=selected_patterns(args), **common)],
                             desc="patterns", progress=progress)
     if perf:
-        bench = run_steps(ss.benchmark_steps(qz, sizes, args.top_k_ratios, args.seq_lens, reps=args.reps, **common),
+        bench = run_steps(ss.benchmark_steps(qz, sizes, args.top_k_ratios, reps=args.reps, **common),
                           desc="benchmark", progress=progress)
     header["seconds"] = time.perf_counter() - t0
     out = Path(args.out)
