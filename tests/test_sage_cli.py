@@ -239,6 +239,9 @@ def test_random_block_index_properties():
     assert layout.num_blocks == B * H * nq * top_k
     with pytest.raises(ValueError, match="top_k=13 must be in 1..12"):
         sage_suite.random_block_index(1, 1, L, 13, kv_len=Lk)
+    # no keys: the error named seq_len as the kv_len (kv_len=0 is falsy)
+    with pytest.raises(ValueError, match=r"top_k=1 must be in 1\.\.0 \(the key blocks of kv_len=0 at block_k=128\)"):
+        sage_suite.random_block_index(1, 1, L, 1, kv_len=0)
 
 
 @pytest.mark.parametrize("name", sage_suite.PATTERNS)

@@ -125,7 +125,7 @@ def random_block_index(batch: int, heads: int, seq_len: int, top_k: int, *, kv_l
     ``patterns.random(top_k=...)``, vectorised (that builder samples row by row, ~100x slower at 32K).
     """
     nq, nk = block_grid(seq_len, kv_len, block_q, block_k)
-    _check_top_k(top_k, nk, kv_len or seq_len, block_k)
+    _check_top_k(top_k, nk, seq_len if kv_len is None else kv_len, block_k)  # (kv_len 0 is no key, not seq_len)
     gen = torch.Generator().manual_seed(seed)
     diag = diagonal_blocks(seq_len, kv_len, block_q, block_k)
     out = torch.empty(batch, heads, nq, top_k, dtype=torch.int32)
