@@ -215,3 +215,27 @@ def test_thresholds_no_result_can_meet_are_usage_errors(cli, flag, value, capsys
     with pytest.raises(SystemExit) as e:
         run_cli(cli, [name, flag, value])
     assert e.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cli, extra, words", [
+    (accuracy_cli, ["--dtype", "fp32"], "--dtype fp32"), (quick_cli, ["--dtype", "fp32"], "--dtype fp32"),
+    (accuracy_cli, ["--head-dim", "512"], "--head-dim 512"), (quick_cli, ["--head-dim", "512"], "--head-dim 512"),
+])
+def test_inputs_the_cuda_kernels_cannot_take_are_refused_before_the_run(cli, extra, words, tmp_path, capsys):
+    """On CUDA the kernels take fp16/bf16 and head dims up to 256: ``accuracy --dtype fp32`` (offered by
+    --dtype) ended in a TypeError traceback at the first case, quick in a message about casting tensors.
+    Refused before any input is made (on this CPU-only machine "cuda" is reached past --device's check)."""
+    name = "quick" if cli is quick_cli else "accuracy"
+    parser = argparse.ArgumentParser(prog="sparse-attn")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([name, "--out-dir", str(tmp_path)] if cli is accuracy_cli else [name])
+    for flag, value in zip(extra[::2], extra[1::2]):
+        setattr(args, flag[2:].replace("-", "_"), value if flag == "--dtype" else int(value))
+    with pytest.raises(SystemExit) as e:
+        if cli is quick_cli:
+            quick_cli.check(args, "cuda", quick_cli.console())
+        else:
+            accuracy_cli.run_suite(args, "cuda")
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and words in captured.err and "--device cpu" in captured.err
+    assert "Cossim" not in captured.out and "pass" not in captured.out

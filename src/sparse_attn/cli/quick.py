@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import (add_accuracy_options, console, default_device, error, nonneg_int, positive_int,
-                      positive_tokens, device_scope)
+from ._common import (accuracy_dtype, add_accuracy_options, console, default_device, error, nonneg_int,
+                      positive_int, positive_tokens, device_scope)
 
 DESCRIPTION = """Quick accuracy check of adaptive sparse attention (sparse_attn.predict.adaptive_attention:
 meansim block prediction from pooled Q/K, then the block-sparse call) against dense attention on
@@ -155,13 +155,11 @@ def run(args) -> int:
 
 
 def check(args, device: str, con) -> int:
-    import torch
     from rich.markup import escape
     import sparse_attn
     from .. import accuracy
     from ..predict import adaptive_attention
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-        args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    dtype = accuracy_dtype(args.dtype, device, None if args.qkv is not None else args.head_dim)
     try:
         kw = predictor_kwargs(args)
         q, k, v = make_inputs(args, device, dtype)
