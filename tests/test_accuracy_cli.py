@@ -239,3 +239,14 @@ def test_inputs_the_cuda_kernels_cannot_take_are_refused_before_the_run(cli, ext
     captured = capsys.readouterr()
     assert e.value.code == 2 and words in captured.err and "--device cpu" in captured.err
     assert "Cossim" not in captured.out and "pass" not in captured.out
+
+
+@pytest.mark.gpu
+def test_quick_plot_of_cuda_inputs(tmp_path, capsys):
+    """quick --plot on CUDA (the default device there) drew maps computed on the inputs' device with
+    ``.numpy()``: 'can't convert cuda:0 device type tensor to numpy' after the checks had printed."""
+    png = tmp_path / "maps.png"
+    rc = run_cli(quick_cli, TINY + ["--device", "cuda", "--plot", str(png), "--head", "1", "--min-sparsity", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert_png(png)
