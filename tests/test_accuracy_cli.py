@@ -250,3 +250,14 @@ def test_quick_plot_of_cuda_inputs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert_png(png)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.bool])
+def test_quick_refuses_qkv_that_are_not_real_floats(tmp_path, capsys, dtype):
+    """A complex q (e.g. captured after a complex-number RoPE) lost its imaginary part in the cast to --dtype
+    (only a UserWarning) and integer or bool tensors were read as numbers: results of other inputs."""
+    q = torch.ones(1, 2, 64, 16, dtype=dtype)
+    torch.save({"q": q, "k": torch.randn(1, 2, 64, 16), "v": torch.randn(1, 2, 64, 16)}, tmp_path / "t.pt")
+    assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "t.pt"), "--block", "16"]) == 2
+    captured = capsys.readouterr()
+    assert f"q is {dtype}" in captured.err and "Cossim" not in captured.out

@@ -82,8 +82,8 @@ def predictor_kwargs(args) -> dict:
 
 
 def load_qkv(path: Path, device, dtype):
-    """q, k, v ``[B, H, L, D]`` from a ``torch.save`` file: a dict with keys q, k, v or a sequence of three
-    tensors (loaded with weights_only=True: tensors only, no code runs)."""
+    """Floating-point q, k, v ``[B, H, L, D]`` from a ``torch.save`` file: a dict with keys q, k, v or a sequence
+    of three tensors (loaded with weights_only=True: tensors only, no code runs)."""
     import torch
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
@@ -101,6 +101,10 @@ def load_qkv(path: Path, device, dtype):
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         raise ValueError(f"--qkv {path}: q, k, v must be 4-D [B, H, L, D] tensors, got "
                          f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (q, k, v)]}")
+    for name, t in zip("qkv", (q, k, v)):  # complex lost its imaginary part in the cast; ints were read as numbers
+        if not t.is_floating_point():
+            raise ValueError(f"--qkv {path}: {name} is {t.dtype}; q, k, v must be real floating-point tensors (for a "
+                             "complex one save torch.view_as_real(t).flatten(-2))")
     for name, t in zip("qkv", (q, k, v)):  # an empty L passed every check on "0 of 0 blocks", as --seq-len 0 may not
         empty = [dim for dim, n in zip(("B", "H", "L", "D"), t.shape) if n == 0]
         if empty:
