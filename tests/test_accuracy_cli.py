@@ -261,3 +261,18 @@ def test_quick_refuses_qkv_that_are_not_real_floats(tmp_path, capsys, dtype):
     assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "t.pt"), "--block", "16"]) == 2
     captured = capsys.readouterr()
     assert f"q is {dtype}" in captured.err and "Cossim" not in captured.out
+
+
+def test_report_says_whether_the_sweep_was_causal(tmp_path):
+    """write_markdown called every sweep "non-causal", also one of run_sweep(causal=True) (its JSON and
+    CSV rows say causal)."""
+    from sparse_attn import accuracy
+    header = {"device": "cpu", "dtype": "fp32", "torch": torch.__version__, "seconds": 0.0, "quick": True,
+              "head_dim": 16, "block": 128, "thresholds": {"min_cosine": 0.95, "max_l1": 0.1, "min_sparsity": 0.05},
+              "levels": {}, "data": ""}
+    for causal in (False, True):
+        sweep = accuracy.run_sweep(256, sims=(0.6,), cdfs=(0.9,), causal=causal, heads=1, head_dim=16)
+        assert sweep[0]["causal"] is causal
+        md = accuracy.write_markdown(tmp_path / "r.md", header, [], images={}, sweep=sweep).read_text()
+        line = next(s for s in md.splitlines() if s.startswith("L = 256"))
+        assert ("non-causal" in line) is not causal and ("causal" in line)

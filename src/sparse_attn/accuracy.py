@@ -460,7 +460,8 @@ def write_markdown(path, header: dict, rows: list[dict], *, images: dict[str, Pa
         lines += [f"### {title}", "", f"![{title}]({img.name})", ""]
     if sweep:
         lines += ["## Threshold sweep", "",
-                  f"L = {sweep[0]['seq_len']}, non-causal, the same structured input for every point.", ""]
+                  f"L = {sweep[0]['seq_len']}, {'causal' if sweep[0]['causal'] else 'non-causal'}, the same "
+                  "structured input for every point.", ""]
         lines += sweep_table(sweep) + [""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
