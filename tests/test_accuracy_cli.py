@@ -215,3 +215,64 @@ def test_thresholds_no_result_can_meet_are_usage_errors(cli, flag, value, capsys
     with pytest.raises(SystemExit) as e:
         run_cli(cli, [name, flag, value])
     assert e.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cli, extra, words", [
+    (accuracy_cli, ["--dtype", "fp32"], "--dtype fp32"), (quick_cli, ["--dtype", "fp32"], "--dtype fp32"),
+    (accuracy_cli, ["--head-dim", "512"], "--head-dim 512"), (quick_cli, ["--head-dim", "512"], "--head-dim 512"),
+])
+def test_inputs_the_cuda_kernels_cannot_take_are_refused_before_the_run(cli, extra, words, tmp_path, capsys):
+    """On CUDA the kernels take fp16/bf16 and head dims up to 256: ``accuracy --dtype fp32`` (offered by
+    --dtype) ended in a TypeError traceback at the first case, quick in a message about casting tensors.
+    Refused before any input is made (on this CPU-only machine "cuda" is reached past --device's check)."""
+    name = "quick" if cli is quick_cli else "accuracy"
+    parser = argparse.ArgumentParser(prog="sparse-attn")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([name, "--out-dir", str(tmp_path)] if cli is accuracy_cli else [name])
+    for flag, value in zip(extra[::2], extra[1::2]):
+        setattr(args, flag[2:].replace("-", "_"), value if flag == "--dtype" else int(value))
+    with pytest.raises(SystemExit) as e:
+        if cli is quick_cli:
+            quick_cli.check(args, "cuda", quick_cli.console())
+        else:
+            accuracy_cli.run_suite(args, "cuda")
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and words in captured.err and "--device cpu" in captured.err
+    assert "Cossim" not in captured.out and "pass" not in captured.out
+
+
+@pytest.mark.gpu
+def test_quick_plot_of_cuda_inputs(tmp_path, capsys):
+    """quick --plot on CUDA (the default device there) drew maps computed on the inputs' device with
+    ``.numpy()``: 'can't convert cuda:0 device type tensor to numpy' after the checks had printed."""
+    png = tmp_path / "maps.png"
+    rc = run_cli(quick_cli, TINY + ["--device", "cuda", "--plot", str(png), "--head", "1", "--min-sparsity", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert_png(png)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.bool])
+def test_quick_refuses_qkv_that_are_not_real_floats(tmp_path, capsys, dtype):
+    """A complex q (e.g. captured after a complex-number RoPE) lost its imaginary part in the cast to --dtype
+    (only a UserWarning) and integer or bool tensors were read as numbers: results of other inputs."""
+    q = torch.ones(1, 2, 64, 16, dtype=dtype)
+    torch.save({"q": q, "k": torch.randn(1, 2, 64, 16), "v": torch.randn(1, 2, 64, 16)}, tmp_path / "t.pt")
+    assert run_cli(quick_cli, ["quick", "--device", "cpu", "--qkv", str(tmp_path / "t.pt"), "--block", "16"]) == 2
+    captured = capsys.readouterr()
+    assert f"q is {dtype}" in captured.err and "Cossim" not in captured.out
+
+
+def test_report_says_whether_the_sweep_was_causal(tmp_path):
+    """write_markdown called every sweep "non-causal", also one of run_sweep(causal=True) (its JSON and
+    CSV rows say causal)."""
+    from sparse_attn import accuracy
+    header = {"device": "cpu", "dtype": "fp32", "torch": torch.__version__, "seconds": 0.0, "quick": True,
+              "head_dim": 16, "block": 128, "thresholds": {"min_cosine": 0.95, "max_l1": 0.1, "min_sparsity": 0.05},
+              "levels": {}, "data": ""}
+    for causal in (False, True):
+        sweep = accuracy.run_sweep(256, sims=(0.6,), cdfs=(0.9,), causal=causal, heads=1, head_dim=16)
+        assert sweep[0]["causal"] is causal
+        md = accuracy.write_markdown(tmp_path / "r.md", header, [], images={}, sweep=sweep).read_text()
+        line = next(s for s in md.splitlines() if s.startswith("L = 256"))
+        assert ("non-causal" in line) is not causal and ("causal" in line)

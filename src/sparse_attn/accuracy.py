@@ -337,7 +337,8 @@ def plot_attention_comparison(path, *, seq_len: int = 768, block: int = 64, leve
     panels = ((p_dense, "dense attention P"), (p_sparse, "sparse attention P (predicted blocks)"),
               (diff, f"|difference| (max {float(diff.max()):.3g})"))
     for ax, (img, title) in zip(axes, panels):
-        shown = ax.imshow(img.clamp(min=1e-6).numpy(), norm=norm, cmap="magma", interpolation="nearest")
+        # the maps live on the inputs' device (quick --plot on CUDA): .numpy() needs a CPU tensor
+        shown = ax.imshow(img.clamp(min=1e-6).cpu().numpy(), norm=norm, cmap="magma", interpolation="nearest")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("key")
         ax.set_ylabel("query")
@@ -459,7 +460,8 @@ def write_markdown(path, header: dict, rows: list[dict], *, images: dict[str, Pa
         lines += [f"### {title}", "", f"![{title}]({img.name})", ""]
     if sweep:
         lines += ["## Threshold sweep", "",
-                  f"L = {sweep[0]['seq_len']}, non-causal, the same structured input for every point.", ""]
+                  f"L = {sweep[0]['seq_len']}, {'causal' if sweep[0]['causal'] else 'non-causal'}, the same "
+                  "structured input for every point.", ""]
         lines += sweep_table(sweep) + [""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

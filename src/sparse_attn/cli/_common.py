@@ -217,7 +217,8 @@ def add_accuracy_options(p: argparse.ArgumentParser) -> None:
     thresholds (cosine > 0.95, relative L1 < 0.1, sparsity > 5% by default)."""
     p.add_argument("--device", type=device_arg, default=None,
                    help="cpu or cuda (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="input dtype (default: fp32 on cpu, bf16 on cuda)")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="input dtype (default: fp32 on cpu, bf16 on cuda; the CUDA kernels take fp16 or bf16)")
     p.add_argument("--head-dim", type=positive_int, default=64, help="head dim (default 64)")
     p.add_argument("--seed", type=seed_arg, default=0, help="input seed (default 0)")
     t = p.add_argument_group("thresholds")
@@ -228,6 +229,27 @@ def add_accuracy_options(p: argparse.ArgumentParser) -> None:
                    default=0.1, help="pass if relative L1 < this (default 0.1)")
     t.add_argument("--min-sparsity", type=threshold_type(below_1.format("sparsity"), lambda x: x < 1),
                    default=0.05, help="pass if sparsity > this (default 0.05)")
+
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype of add_accuracy_options
+
+
+def accuracy_dtype(name: str | None, device: str, head_dim: int | None = None):
+    """The torch dtype of ``--dtype name`` (None: bf16 on CUDA, fp32 on the CPU) for inputs on ``device``.
+    On CUDA the block-sparse kernels take fp16/bf16 and head dims up to 256 (``head_dim`` None: not known
+    yet, e.g. read from a file later): ``accuracy --dtype fp32`` there ended in a TypeError traceback at
+    its first case. Those are usage errors (exit 2) before any input is made."""
+    import torch
+    name = name or ("bf16" if str(device).startswith("cuda") else "fp32")
+    if str(device).startswith("cuda"):
+        from ..ops.block_sparse import MAX_HEAD_DIM
+        if name == "fp32":
+            usage_error(f"--dtype fp32 on {device}: the CUDA kernels take fp16 or bf16; give --dtype bf16 or "
+                        "--dtype fp16, or --device cpu (the fp32 PyTorch reference)")
+        if head_dim is not None and head_dim > MAX_HEAD_DIM:
+            usage_error(f"--head-dim {head_dim} on {device}: the CUDA kernels take head dims up to {MAX_HEAD_DIM}; "
+                        "give a smaller --head-dim, or --device cpu (the PyTorch reference)")
+    return getattr(torch, DTYPES[name])
 
 
 def threshold_type(rule: str, ok):

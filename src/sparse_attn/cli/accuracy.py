@@ -5,7 +5,8 @@ import argparse
 import time
 from pathlib import Path
 
-from ._common import add_accuracy_options, console, default_device, nonneg_int, device_scope, writable_dir
+from ._common import (accuracy_dtype, add_accuracy_options, console, default_device, nonneg_int, device_scope,
+                      writable_dir)
 
 DESCRIPTION = """Accuracy suite of adaptive sparse attention (sparse_attn.predict: meansim prediction, then
 the block-sparse call) against dense attention on structured inputs (see `sparse-attn quick --help`):
@@ -83,8 +84,8 @@ def run_suite(args, device: str) -> int:
     from ..predict import SPARSE_LEVELS
     con = console()
     t0 = time.perf_counter()
+    dtype = accuracy_dtype(args.dtype, device, args.head_dim)
     dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
     th = acc.Thresholds(args.min_cosine, args.max_l1, args.min_sparsity)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import (add_accuracy_options, console, default_device, error, nonneg_int, positive_int,
-                      positive_tokens, device_scope)
+from ._common import (accuracy_dtype, add_accuracy_options, console, default_device, error, nonneg_int,
+                      positive_int, positive_tokens, device_scope)
 
 DESCRIPTION = """Quick accuracy check of adaptive sparse attention (sparse_attn.predict.adaptive_attention:
 meansim block prediction from pooled Q/K, then the block-sparse call) against dense attention on
@@ -82,8 +82,8 @@ def predictor_kwargs(args) -> dict:
 
 
 def load_qkv(path: Path, device, dtype):
-    """q, k, v ``[B, H, L, D]`` from a ``torch.save`` file: a dict with keys q, k, v or a sequence of three
-    tensors (loaded with weights_only=True: tensors only, no code runs)."""
+    """Floating-point q, k, v ``[B, H, L, D]`` from a ``torch.save`` file: a dict with keys q, k, v or a sequence
+    of three tensors (loaded with weights_only=True: tensors only, no code runs)."""
     import torch
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
@@ -101,6 +101,10 @@ def load_qkv(path: Path, device, dtype):
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         raise ValueError(f"--qkv {path}: q, k, v must be 4-D [B, H, L, D] tensors, got "
                          f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (q, k, v)]}")
+    for name, t in zip("qkv", (q, k, v)):  # complex lost its imaginary part in the cast; ints were read as numbers
+        if not t.is_floating_point():
+            raise ValueError(f"--qkv {path}: {name} is {t.dtype}; q, k, v must be real floating-point tensors (for a "
+                             "complex one save torch.view_as_real(t).flatten(-2))")
     for name, t in zip("qkv", (q, k, v)):  # an empty L passed every check on "0 of 0 blocks", as --seq-len 0 may not
         empty = [dim for dim, n in zip(("B", "H", "L", "D"), t.shape) if n == 0]
         if empty:
@@ -155,13 +159,11 @@ def run(args) -> int:
 
 
 def check(args, device: str, con) -> int:
-    import torch
     from rich.markup import escape
     import sparse_attn
     from .. import accuracy
     from ..predict import adaptive_attention
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-        args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    dtype = accuracy_dtype(args.dtype, device, None if args.qkv is not None else args.head_dim)
     try:
         kw = predictor_kwargs(args)
         q, k, v = make_inputs(args, device, dtype)
