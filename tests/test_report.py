@@ -116,6 +116,50 @@ def test_memory_plot_marks_oom(tmp_path, monkeypatch):
     assert notes.count("OOM") == 2
 
 
+@pytest.mark.parametrize("plot", ["plot_runtime", "plot_speedup", "plot_memory"])
+def test_plots_label_a_patterns_causal_variant(tmp_path, monkeypatch, plot):
+    """The memory plot labelled a pattern's causal and non-causal lines alike ('random' twice), where the
+    runtime and speedup plots (and the summary) say '(causal)'."""
+    from sparse_attn import report_plots
+    labels = []
+    save = report_plots._save
+
+    def spy(fig, path):
+        labels.extend(fig.axes[0].get_legend_handles_labels()[1])
+        return save(fig, path)
+    monkeypatch.setattr(report_plots, "_save", spy)
+    rows = [row("sdpa-cudnn", "random", 1024, 8.0, peak=2**20), row("sparse_attn", "random", 1024, 2.0, peak=2**19),
+            row("sdpa-cudnn", "random", 1024, 5.0, causal=True, peak=2**20),
+            row("sparse_attn", "random", 1024, 1.0, causal=True, peak=2**18)]
+    getattr(report_plots, plot)(rows, tmp_path / "p.png")
+    assert "random" in labels and "random (causal)" in labels
+
+
+def test_memory_plots_legend_leaves_the_oom_marks_visible(tmp_path, monkeypatch):
+    """OOM marks sit at the top of the memory plot; the legend, placed 'best' inside the axes, covered two of
+    the three in the committed report's plot once its labels said '(causal)'. No measured point is under it."""
+    import matplotlib.figure
+    seen = {}
+    savefig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *a, **k):
+        out = savefig(fig, *a, **k)  # drawn: the legend's place is final
+        ax = fig.axes[0]
+        seen["legend"] = ax.get_legend().get_window_extent()
+        seen["marks"] = [ax.transData.transform(p) for c in ax.collections for p in c.get_offsets()]
+        seen["points"] = [ax.transData.transform(p) for line in ax.lines for p in line.get_xydata()]
+        return out
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    from pathlib import Path
+    committed = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "report-h100" / "report-h100.json"
+    if not committed.exists():
+        pytest.skip("no committed report")
+    _, rows, _ = report.load_results([committed])
+    report.plot_memory(rows, tmp_path / "mem.png", "\n(B=1 H=32 Hkv=32 D=128 bf16 fwd)")
+    assert len(seen["marks"]) == 3
+    assert not any(seen["legend"].contains(x, y) for x, y in seen["marks"] + seen["points"])
+
+
 def test_accuracy_rows_small_suite():
     suite = restrict(get_suite("small"), patterns=["dense", "local", "random"], seq_lens=[512])
     acc = {a["pattern"]: a for a in accuracy_rows(suite, "cpu")}
@@ -303,9 +347,24 @@ def test_not_run_note_extrapolates_and_says_so():
     assert [r.dense_provider for r in t.rows] == ["sdpa-cudnn", "sdpa-cudnn", None]
     note = report_tables.not_run_note(t)
     # 4 ms at 2K x (8K/2K)^2 = 64 ms; the pattern 4 ms: 16x; fp32 scores 1*2*8192^2*4 bytes
-    assert "not run at T = 8K" in note and "(T/2K)²" in note and "about 0.1 s" in note and "about 16x less" in note
+    assert "not run at T = 8K" in note and "(T/2K)²" in note and "about 64.0 ms" in note and "about 16x less" in note
     assert "not measurements" in note and "0.5 GiB for its fp32 scores" in note  # 2 * 8192^2 * 4 bytes; was 0 TiB
     assert report_tables.not_run_note(report.scaling_tables(rows[:4])[0]) is None
+
+
+def test_not_run_note_keeps_small_estimates_readable_and_says_when_the_pattern_is_slower():
+    """At CPU sizes the estimate read 'about 0.0 s', '0.0 GiB' of scores and, for a pattern slower
+    than the extrapolated dense call, 'about 0x less'."""
+    rows = [row("sdpa-math", "adaptive", 256, 0.4, causal=True), row("adaptive", "adaptive", 256, 1.2, causal=True),
+            row("adaptive", "adaptive", 1024, 20.0, causal=True)]
+    (t,) = report.scaling_tables(rows)
+    note = report_tables.not_run_note(t)
+    # 0.4 ms x (1K/256)^2 = 6.4 ms; the pattern's 20 ms is 3.1x that; scores 1*2*1024^2*4 bytes = 8 MiB
+    assert "about 6.4 ms" in note and "about 3.1x more" in note and "8.0 MiB for its fp32 scores" in note
+    assert "0.0 s" not in note and "0x" not in note and "0.0 GiB" not in note
+    faster = [dataclasses.replace(rows[2], ms=2.0)]  # 6.4 / 2 = 3.2x less
+    note = report_tables.not_run_note(report.scaling_tables(rows[:2] + faster)[0])
+    assert "(the pattern: 2.0 ms, about 3.2x less)" in note
 
 
 def test_rows_with_annotations_load(tmp_path):
@@ -363,6 +422,18 @@ def test_speedup_matrix_and_baselines():
     assert ["8192", "not run", "OOM", "not run"] in cells
     _, mem = report_tables.baseline_grid(non_causal, "mem")
     assert ["8192", "not run", "OOM", "not run"] in mem
+
+
+def test_speedup_matrix_names_a_failed_dense_row():
+    """A dense row that failed other than by OOM left a bare '-' in the summary (the scaling table says
+    'error'), as if nothing had been run."""
+    rows = [row("sdpa-cudnn", "random", 1024, None, error="RuntimeError: cuDNN broke"),
+            row("sparse_attn", "random", 1024, 2.0), row("sdpa-cudnn", "random", 2048, None, error="OOM"),
+            row("sparse_attn", "random", 2048, 4.0)]
+    tables = report.scaling_tables(rows)
+    assert report_tables.table_cells(tables[0])[0][:4] == ["1024", "error", "2.000", "-"]
+    cols, cells = report_tables.speedup_matrix(tables, report_tables.configs_by_mode(tables)[0])
+    assert cells == [["random", "dense error", "dense OOM"]]
 
 
 def test_merge_results_script_writes_readme_section(tmp_path):

@@ -212,13 +212,18 @@ def not_run_note(t: ScalingTable) -> str | None:
     longest = max(missing, key=lambda r: r.seq_len)
     est_ms = base.dense_ms * (longest.seq_len / base.seq_len) ** 2
     cfg = t.config
-    scores = cfg["batch"] * cfg["heads"] * longest.seq_len ** 2 * 4  # bytes; GiB below 1 TiB ('0 TiB' once)
-    scores_text = f"{scores / 2**40:,.0f} TiB" if scores >= 2**40 else f"{scores / 2**30:,.1f} GiB"
+    scores = cfg["batch"] * cfg["heads"] * longest.seq_len ** 2 * 4  # bytes
+    # units that show the amount ('0 TiB' once; at CPU sizes '0.0 GiB' and 'about 0.0 s')
+    scores_text = (f"{scores / 2**40:,.0f} TiB" if scores >= 2**40 else
+                   f"{scores / 2**30:,.1f} GiB" if scores >= 2**30 / 10 else f"{scores / 2**20:,.1f} MiB")
+    est_text = f"{est_ms / 1e3:.1f} s" if est_ms >= 1e3 else f"{est_ms:.1f} ms"
     text = (f"Dense attention was not run at T = {', '.join(t_text(r.seq_len) for r in missing)}. "
             f"Extrapolated from `{base.dense_provider}` at {t_text(base.seq_len)} by (T/{t_text(base.seq_len)})², "
-            f"one call at {t_text(longest.seq_len)} would take about {est_ms / 1e3:.1f} s")
+            f"one call at {t_text(longest.seq_len)} would take about {est_text}")
     if longest.pattern_ms:
-        text += f" (the pattern: {longest.pattern_ms:.1f} ms, about {est_ms / longest.pattern_ms:.0f}x less)"
+        ratio = est_ms / longest.pattern_ms  # a pattern slower than the estimate read 'about 0x less'
+        times = f"{1 / ratio:.1f}x more" if ratio < 1 else f"{ratio:.0f}x less" if ratio >= 10 else f"{ratio:.1f}x less"
+        text += f" (the pattern: {longest.pattern_ms:.1f} ms, about {times})"
     return text + (f"; naive attention would need {scores_text} for its fp32 scores alone. "
                    "These are estimates, not measurements.")
 
@@ -302,8 +307,10 @@ def speedup_matrix(tables: list[ScalingTable], config: dict) -> tuple[list[str],
                 line.append("OOM" if r.pattern_error == "OOM" else "error")
             elif r.dense_provider is None:
                 line.append(NOT_RUN)
+            elif r.dense_error:  # a failed dense row was a bare '-' here ('error' in the scaling table)
+                line.append("dense OOM" if r.dense_error == "OOM" else "dense error")
             else:
-                line.append("dense OOM" if r.dense_error == "OOM" else "-")
+                line.append("-")
         cells.append(line)
     return cols, cells
 
