@@ -578,3 +578,15 @@ def test_the_same_dtype_reference_keeps_its_gradients_and_lse_in_the_graph():
     empty = reference.attention(q, k[:, :, :0], v[:, :, :0], _lowp=True, return_lse=True)
     assert torch.equal(empty[0], torch.zeros_like(empty[0])) and bool(torch.isneginf(empty[1]).all())
 
+
+def test_the_non_finite_check_looks_at_every_head_and_batch():
+    """check_non_finite_spread read batch 0, head 0 only: a run that fed kv head 0 (or batch 0) to every
+    head (batch), spreading its NaN key there, passed. GQA heads that read kv head 0 follow the rule."""
+    lay = patterns.local(200, 20, block_q=32, block_k=32)
+    q, k, v = random_qkv(2, 4, 2, 200, 200, 8, torch.float32, "cpu", seed=40)
+    check_non_finite_spread(lambda q, k, v: reference.attention(q, k, v, lay), lay, q, k, v, key=70)
+    wrong_head = lambda q, k, v: reference.attention(q, k[:, :1].expand_as(k), v[:, :1].expand_as(v), lay)  # noqa: E731
+    wrong_batch = lambda q, k, v: reference.attention(q, k[:1].expand_as(k), v[:1].expand_as(v), lay)  # noqa: E731
+    for run in (wrong_head, wrong_batch):
+        with pytest.raises(AssertionError, match="which do not read it"):
+            check_non_finite_spread(run, lay, q, k, v, key=70)
