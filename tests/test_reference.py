@@ -545,3 +545,48 @@ def test_the_oracle_checks_what_the_api_checks():
         reference.attention(q, q, q, bad)
     with pytest.raises(TypeError, match="causal must be True or False"):
         reference.attention(q, q, q, causal="False")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_same_dtype_reference_lets_no_wrong_softmax_scale_through(dtype):
+    """The tolerance rule's same-dtype reference (``_lowp``) took its values from products rounded to the
+    input dtype, scores included, which no fused kernel does: at x10 inputs its output error was 28x
+    (bf16) that of fp32 accumulation, and an output computed with a 3% wrong softmax scale passed
+    assert_close_to_oracle. Its values are now a fused kernel's (fp32 scores and P.V, P rounded)."""
+    lay = patterns.local(300, 100, block_q=32, block_k=32)
+    q, k, v = random_qkv(1, 2, 2, 300, 300, 64, dtype, "cpu", seed=1)
+    q, k = (q.float() * 10).to(dtype), (k.float() * 10).to(dtype)
+    o_or = oracle_attention(q, k, v, lay)
+    o_lp = reference.attention(q, k, v, lay, _lowp=True)
+    assert_close_to_oracle(reference.attention(q, k, v, lay), o_lp, o_or)  # fp32 accumulation, rounded once
+    assert_close_to_oracle(reference.attention(q, k, v, lay, _round_p=lambda e: e.to(dtype).float()), o_lp, o_or)
+    with pytest.raises(AssertionError, match="too far from the fp64 oracle"):
+        assert_close_to_oracle(reference.attention(q, k, v, lay, scale=1.03 / 8), o_lp, o_or)
+
+
+def test_the_same_dtype_reference_keeps_its_gradients_and_lse_in_the_graph():
+    """``_lowp`` takes its values from the fused-kernel rounding and its gradients from the input-dtype
+    loop: a loss on the LSE alone still backpropagates, and no-key rows keep output 0 and LSE -inf."""
+    lay = patterns.local(40, 8, block_q=16, block_k=16)
+    q, k, v = random_qkv(1, 2, 1, 40, 40, 16, torch.float16, "cpu", seed=3, requires_grad=True)
+    out, lse = reference.attention(q, k, v, lay, causal=True, _lowp=True, return_lse=True)
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+    g_out = torch.autograd.grad(out.float().sum(), (q, k, v), retain_graph=True)
+    g_lse = torch.autograd.grad(lse.sum(), (q, k))  # (the LSE does not depend on v)
+    for a, b in zip(g_out + g_lse, (q, k, v, q, k)):
+        assert a.shape == b.shape and torch.isfinite(a).all() and a.abs().sum() > 0
+    empty = reference.attention(q, k[:, :, :0], v[:, :, :0], _lowp=True, return_lse=True)
+    assert torch.equal(empty[0], torch.zeros_like(empty[0])) and bool(torch.isneginf(empty[1]).all())
+
+
+def test_the_non_finite_check_looks_at_every_head_and_batch():
+    """check_non_finite_spread read batch 0, head 0 only: a run that fed kv head 0 (or batch 0) to every
+    head (batch), spreading its NaN key there, passed. GQA heads that read kv head 0 follow the rule."""
+    lay = patterns.local(200, 20, block_q=32, block_k=32)
+    q, k, v = random_qkv(2, 4, 2, 200, 200, 8, torch.float32, "cpu", seed=40)
+    check_non_finite_spread(lambda q, k, v: reference.attention(q, k, v, lay), lay, q, k, v, key=70)
+    wrong_head = lambda q, k, v: reference.attention(q, k[:, :1].expand_as(k), v[:, :1].expand_as(v), lay)  # noqa: E731
+    wrong_batch = lambda q, k, v: reference.attention(q, k[:1].expand_as(k), v[:1].expand_as(v), lay)  # noqa: E731
+    for run in (wrong_head, wrong_batch):
+        with pytest.raises(AssertionError, match="which do not read it"):
+            check_non_finite_spread(run, lay, q, k, v, key=70)

@@ -144,8 +144,10 @@ def check_forward_backward(case: dict, device, *, seed: int | None = None, atten
         assert torch.equal(torch.isinf(lse), torch.isinf(lse_or)), "rows with no key: lse -inf, others finite"
         assert not torch.isnan(lse).any(), "NaN in lse"
         fin = torch.isfinite(lse_or)
-        if fin.any():
-            assert (lse[fin].double() - lse_or[fin]).abs().max().item() < 2e-2 * max(1.0, case["in_scale"] ** 2)
+        if fin.any():  # the kernels keep scores and LSE in fp32: <= 8e-7 of |lse| on 300 interpreter seeds (the
+            # bound was 2e-2 absolute, 2.0 at x10 inputs: an LSE off by 1 passed)
+            err = ((lse[fin].double() - lse_or[fin]).abs() / lse_or[fin].abs().clamp(min=1.0)).max().item()
+            assert err < 1e-4, f"lse: error {err:.2e} of max(1, |lse|), allowed 1e-4"
         empty = torch.isinf(lse_or)
         if empty.any():
             assert (out.float()[empty] == 0).all(), "rows with no key must be exactly 0"

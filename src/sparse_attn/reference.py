@@ -106,9 +106,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
 
     Returns: out ``[B, Hq, Lq, Dv]`` in q's dtype (and lse).
 
-    ``_lowp`` (tests only) does both products in the input dtype and rounds probabilities to it, as a fused
-    kernel does: the "same-dtype reference" of the tolerance rule (sparse_attn.testing), whose error against the
-    fp64 oracle sets the kernels' tolerance. ``_round_p`` (the 8-bit twin, ops/sage/reference.py) rounds the
+    ``_lowp`` (tests only) gives the values of a fused kernel's rounding (fp32 scores and P.V, probabilities
+    rounded to the input dtype for P.V) and the gradients of both products run in the input dtype: the
+    "same-dtype reference" of the tolerance rule (sparse_attn.testing), whose error against the fp64 oracle
+    sets the kernels' tolerance. ``_round_p`` (the 8-bit twin, ops/sage/reference.py) rounds the
     probabilities used in P.V (not those in the normaliser), as an FP8 P.V kernel does. ``_acc_lse``
     (:mod:`sparse_attn.reference_op`) keeps the LSE in the accumulation dtype, float64 for float64
     inputs: its explicit backward recomputes P from that LSE, and an fp32 one cost float64 gradients
@@ -174,7 +175,41 @@ class _RecomputingAttention(torch.autograd.Function):
 
 
 def _forward(q, k, v, layout, causal, scale, lowp, round_p):
-    """The chunk loop of :func:`attention`: ``(out in q's dtype, lse in the accumulation dtype)``."""
+    """The chunk loop of :func:`attention`: ``(out in q's dtype, lse in the accumulation dtype)``.
+
+    ``lowp``: the values are those of a fused kernel's rounding, the scores and P.V accumulated in fp32
+    with P rounded to the input dtype for P.V; the gradients are those of the same loop with both products
+    in the input dtype (scores, P.V and every backward product rounded to it). Values from that loop
+    rounded the scores, so at x10 inputs in bf16 its output error was 28x a fused kernel's and a 3% wrong
+    softmax scale passed the tolerance rule; the kernels' backward (fp32 dP, dS rounded, delta from the
+    rounded output) is not emulated, so gradients keep that looser yardstick."""
+    if lowp:
+        with torch.no_grad():
+            values = _forward(q, k, v, layout, causal, scale, False, lambda e: e.to(q.dtype).to(e.dtype))
+        out, lse = _forward_chunks(q, k, v, layout, causal, scale, True, round_p)
+        return _WithValues.apply(out, values[0]), _WithValues.apply(lse, values[1])
+    return _forward_chunks(q, k, v, layout, causal, scale, lowp, round_p)
+
+
+class _WithValues(torch.autograd.Function):
+    """``values`` in the graph of ``t`` (same shape): the forward returns ``values``, the backward passes
+    the gradient to ``t``."""
+
+    @staticmethod
+    def forward(t, values):
+        return values.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _forward_chunks(q, k, v, layout, causal, scale, lowp, round_p):
+    """:func:`_forward` without the ``lowp`` values: with ``lowp`` both products in the input dtype."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     group = Hq // Hkv

@@ -286,24 +286,36 @@ def split_and_fused_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
 
 
 def check_non_finite_spread(run, layout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> None:
-    """The README's rule for a NaN in K or V at key ``key`` (batch 0, head 0 of ``[B, H, L, D]``
-    inputs; ``run(q, k, v) -> out`` attends ``layout``, no causal): in K it reaches exactly the rows that
-    may see that key (masked scores are set to -inf); in V it reaches those rows and may reach the other
-    rows of the query blocks that visit its key block (0 * NaN), never a row outside them."""
-    may_see = layout.to_token_mask()[0, 0][:, key].nonzero().flatten().tolist()
-    assert may_see, "pick a key some row sees"
-    visiting = layout.to_block_mask()[0, 0][:, key // layout.block_k].nonzero().flatten().tolist()
-    block_rows = {r for qb in visiting for r in range(qb * layout.block_q, min((qb + 1) * layout.block_q,
-                                                                               layout.q_len))}
+    """The README's rule for a NaN in K or V at key ``key`` of batch 0, kv head 0 (``[B, H, L, D]`` inputs;
+    ``run(q, k, v) -> out`` attends ``layout``, no causal): in K it reaches exactly the rows that may see that
+    key (masked scores are set to -inf); in V it reaches those rows and may reach the other rows of the query
+    blocks that visit its key block (0 * NaN), never a row outside them. Checked on every query head that
+    reads kv head 0 (``h < Hq // Hkv``, each under its own layout head); every other (batch, head) output
+    must stay NaN-free (a kernel reading another head's or batch's K/V would spread it there)."""
+    group = q.shape[1] // k.shape[1]
+    token_mask, block_mask = layout.to_token_mask()[0], layout.to_block_mask()[0]  # [Hl, Lq, Lk], [Hl, Qb, Kb]
+    assert token_mask[:, :, key].any(), "pick a key some row sees"
     for name in ("k", "v"):
         kk, vv = k.clone(), v.clone()
         (kk if name == "k" else vv)[0, 0, key] = float("nan")
-        rows = run(q, kk, vv)[0, 0].isnan().any(-1).nonzero().flatten().tolist()
-        if name == "k":
-            assert rows == may_see, f"NaN in K reached rows {rows}; the rows that may see key {key}: {may_see}"
-        else:
-            assert set(may_see) <= set(rows) <= block_rows, \
-                f"NaN in V reached rows {rows}: must cover {may_see}, stay within the visiting blocks' rows"
+        nan_rows = run(q, kk, vv).isnan().any(-1)  # [B, Hq, Lq]
+        for h in range(group):
+            lh = h if layout.heads > 1 else 0
+            may_see = token_mask[lh][:, key].nonzero().flatten().tolist()
+            visiting = block_mask[lh][:, key // layout.block_k].nonzero().flatten().tolist()
+            block_rows = {r for qb in visiting
+                          for r in range(qb * layout.block_q, min((qb + 1) * layout.block_q, layout.q_len))}
+            rows = nan_rows[0, h].nonzero().flatten().tolist()
+            if name == "k":
+                assert rows == may_see, \
+                    f"head {h}: NaN in K reached rows {rows}; the rows that may see key {key}: {may_see}"
+            else:
+                assert set(may_see) <= set(rows) <= block_rows, \
+                    f"head {h}: NaN in V reached rows {rows}: must cover {may_see}, stay within the visiting blocks"
+        nan_rows[0, :group] = False
+        pairs = nan_rows.any(-1).nonzero().tolist()
+        assert not pairs, \
+            f"NaN in {name.upper()} (batch 0, kv head 0) reached the (batch, head) pairs {pairs}, which do not read it"
 
 
 # ----------------------------------------------------------------------------- inputs
