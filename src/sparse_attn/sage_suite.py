@@ -121,8 +121,11 @@ def random_block_index(batch: int, heads: int, seq_len: int, top_k: int, *, kv_l
     :func:`diagonal_blocks`, is always one of them). ``1 <= top_k <= Kb``.
 
     Drawn on the CPU from a generator seeded with ``seed`` (the same indices on every device), one
-    batch entry at a time: memory O(heads * Qb * Kb). The ``[B, H, Qb, top_k]`` view of
-    ``patterns.random(top_k=...)``, vectorised (that builder samples row by row, ~100x slower at 32K).
+    batch entry at a time: memory O(heads * Qb * Kb). Like ``patterns.random(top_k=...)`` (that builder
+    samples row by row, ~100x slower at 32K) in a fixed ``[B, H, Qb, top_k]`` width, with one forced block
+    a row: where a query block's rows straddle a key-block edge (``Lk - Lq`` not a multiple of
+    ``block_k``), that builder also forces the earlier block and may keep ``top_k + 1``; this one does not
+    (the suite runs these indices without causal, where every row sees its blocks' keys).
     """
     nq, nk = block_grid(seq_len, kv_len, block_q, block_k)
     _check_top_k(top_k, nk, seq_len if kv_len is None else kv_len, block_k)  # (kv_len 0 is no key, not seq_len)
