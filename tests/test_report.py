@@ -145,7 +145,7 @@ def test_memory_plots_legend_leaves_the_oom_marks_visible(tmp_path, monkeypatch)
     def spy(fig, *a, **k):
         out = savefig(fig, *a, **k)  # drawn: the legend's place is final
         ax = fig.axes[0]
-        seen["legend"] = ax.get_legend().get_window_extent()
+        seen["legend"], seen["figure"] = ax.get_legend().get_window_extent(), fig.bbox
         seen["marks"] = [ax.transData.transform(p) for c in ax.collections for p in c.get_offsets()]
         seen["points"] = [ax.transData.transform(p) for line in ax.lines for p in line.get_xydata()]
         return out
@@ -158,6 +158,8 @@ def test_memory_plots_legend_leaves_the_oom_marks_visible(tmp_path, monkeypatch)
     report.plot_memory(rows, tmp_path / "mem.png", "\n(B=1 H=32 Hkv=32 D=128 bf16 fwd)")
     assert len(seen["marks"]) == 3
     assert not any(seen["legend"].contains(x, y) for x, y in seen["marks"] + seen["points"])
+    legend, figure = seen["legend"], seen["figure"]  # outside the axes, still inside the picture
+    assert figure.x0 <= legend.x0 and legend.x1 <= figure.x1 and figure.y0 <= legend.y0 and legend.y1 <= figure.y1
 
 
 def test_accuracy_rows_small_suite():
