@@ -41,9 +41,7 @@ layout (``max_k = Kb``: rows are packed in place). Nothing reads a value back to
 thresholds are plain numbers: on CUDA the pooling is one Triton kernel (``ops/block_pool``) and the
 layout arrives with the kernels' schedule, so a fresh prediction adds no host sync to attention. Steps 3-6
 and the packing run as one more Triton kernel on CUDA (``ops/block_select``, rows up to 4096 key
-blocks; its twin is :func:`select_ranked` + :func:`~sparse_attn.predict.pack.layout_from_keep`). The
-kernel forces the diagonal block alone: where a query block's rows hold their own keys in earlier
-blocks too (:func:`own_past_diagonal`), those are added after it and the rows packed again.
+blocks; its twin is :func:`select_ranked` + :func:`~sparse_attn.predict.pack.layout_from_keep`).
 
 Differences from SpargeAttn's ``get_block_map_meansim``: self-similarity there is the mean
 pairwise cosine of the block's tokens (``|mean of unit vectors|^2``), here the mean cosine to
@@ -54,7 +52,6 @@ always kept.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
@@ -149,18 +146,6 @@ def own_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, device) -> t
     first, last = own_key_blocks(torch.arange(nq, device=device), q_len, kv_len, block_q, block_k)
     kb = torch.arange(nk, device=device)[None, :]
     return (kb >= first[:, None]) & (kb <= last[:, None])
-
-
-@functools.lru_cache(maxsize=256)
-def own_past_diagonal(q_len: int, kv_len: int, block_q: int, block_k: int) -> bool:
-    """Whether some query block's rows hold their own keys in a key block before its diagonal one (on
-    the host, O(Qb)): e.g. ``Lk - Lq`` not a multiple of ``block_k`` (a KV cache), or ``block_q > block_k``."""
-    for qb in range(math.ceil(q_len / block_q)):
-        p_first = qb * block_q + kv_len - q_len
-        p_last = min((qb + 1) * block_q, q_len) - 1 + kv_len - q_len
-        if p_last >= 0 and max(p_first, 0) // block_k < p_last // block_k:
-            return True
-    return False
 
 
 TOPK_SLACK = 1.0 - 1e-6  # ceil(topk * N * TOPK_SLACK): see the module docstring (2.)
@@ -270,15 +255,8 @@ def rank_and_pack(raw: torch.Tensor, sq: torch.Tensor, sk: torch.Tensor, sim_thr
             raw, sq, sk, sim_thr.view(Hq), (topk_t if topk_t is not None else cdf_t).view(Hq),
             topk=topk_t is not None, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k, scale=scale,
             causal=causal, sink=sink, has_mask=causal and bool(causal_masks(q_len, kv_len, block_q, block_k)))
-        if not (causal and own_past_diagonal(q_len, kv_len, block_q, block_k)):
-            return layout_from_packed(counts, indices, mask_ids, n_full, q_len=q_len, kv_len=kv_len,
-                                      block_q=block_q, block_k=block_k, causal=causal)
-        # the kernel forces only the diagonal block d(qb): the rows before its first key would keep no key
-        # (output 0); unpack its rows, add the blocks of those rows' own keys and pack again
-        slots = torch.where(indices >= 0, indices, nk).long()
-        keep = torch.zeros(B, Hq, nq, nk + 1, dtype=torch.bool, device=dev).scatter_(-1, slots, True)[..., :nk]
-        return layout_from_keep(keep | own_blocks(q_len, kv_len, block_q, block_k, dev), q_len=q_len,
-                                kv_len=kv_len, block_q=block_q, block_k=block_k, causal=causal)
+        return layout_from_packed(counts, indices, mask_ids, n_full, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                                  block_k=block_k, causal=causal)
     sk = sk[:, :, None].expand(B, Hkv, Hq // Hkv, nk).reshape(B, Hq, nk)  # [B, Hq, Kb]
     q_similar = sq >= sim_thr                                   # [B, Hq, Qb]
     k_similar = sk >= sim_thr                                   # [B, Hq, Kb]

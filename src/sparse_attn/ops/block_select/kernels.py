@@ -55,7 +55,9 @@ def select_pack_kernel(S, SQ, SK, SIM_THR, THR, COUNTS, INDICES, MASK_IDS, N_FUL
     # not (sim >= thr), rather than sim < thr: a NaN similarity (an inf token) keeps the row, as on the CPU
     b_always = ((b_qsim >= sim_thr) == 0) | (b_ksim == 0)
     if CAUSAL:
-        b_always = b_always | ((k_first <= p_last) & (p_last <= k_last))  # the diagonal block
+        # the blocks holding the rows' own keys (the diagonal block, and an earlier one where the rows
+        # straddle a key-block edge: with the diagonal block alone those rows kept no key)
+        b_always = b_always | ((k_first <= p_last) & (k_last >= tl.maximum(p_first, 0)))
     if SINK:
         b_always = b_always | (o_k == 0)
     # ranking (step 5): candidates are the visible self-similar blocks, ordered by pooled score
