@@ -217,7 +217,7 @@ def add_accuracy_options(p: argparse.ArgumentParser) -> None:
     thresholds (cosine > 0.95, relative L1 < 0.1, sparsity > 5% by default)."""
     p.add_argument("--device", type=device_arg, default=None,
                    help="cpu or cuda (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=list(DTYPES),
+    p.add_argument("--dtype", choices=ACCURACY_DTYPES,
                    help="input dtype (default: fp32 on cpu, bf16 on cuda; the CUDA kernels take fp16 or bf16)")
     p.add_argument("--head-dim", type=positive_int, default=64, help="head dim (default 64)")
     p.add_argument("--seed", type=seed_arg, default=0, help="input seed (default 0)")
@@ -231,7 +231,7 @@ def add_accuracy_options(p: argparse.ArgumentParser) -> None:
                    default=0.05, help="pass if sparsity > this (default 0.05)")
 
 
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype of add_accuracy_options
+ACCURACY_DTYPES = ("fp32", "fp16", "bf16")  # --dtype of add_accuracy_options (bench.suites.DTYPES names)
 
 
 def accuracy_dtype(name: str | None, device: str, head_dim: int | None = None):
@@ -239,7 +239,6 @@ def accuracy_dtype(name: str | None, device: str, head_dim: int | None = None):
     On CUDA the block-sparse kernels take fp16/bf16 and head dims up to 256 (``head_dim`` None: not known
     yet, e.g. read from a file later): ``accuracy --dtype fp32`` there ended in a TypeError traceback at
     its first case. Those are usage errors (exit 2) before any input is made."""
-    import torch
     name = name or ("bf16" if str(device).startswith("cuda") else "fp32")
     if str(device).startswith("cuda"):
         from ..ops.block_sparse import MAX_HEAD_DIM
@@ -249,7 +248,8 @@ def accuracy_dtype(name: str | None, device: str, head_dim: int | None = None):
         if head_dim is not None and head_dim > MAX_HEAD_DIM:
             usage_error(f"--head-dim {head_dim} on {device}: the CUDA kernels take head dims up to {MAX_HEAD_DIM}; "
                         "give a smaller --head-dim, or --device cpu (the PyTorch reference)")
-    return getattr(torch, DTYPES[name])
+    from ..bench.suites import DTYPES
+    return DTYPES[name]
 
 
 def threshold_type(rule: str, ok):

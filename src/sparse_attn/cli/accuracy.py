@@ -84,8 +84,9 @@ def run_suite(args, device: str) -> int:
     from ..predict import SPARSE_LEVELS
     con = console()
     t0 = time.perf_counter()
+    from ..bench.suites import dtype_name as short_name
     dtype = accuracy_dtype(args.dtype, device, args.head_dim)
-    dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    dtype_name = short_name(dtype)
     th = acc.Thresholds(args.min_cosine, args.max_l1, args.min_sparsity)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
