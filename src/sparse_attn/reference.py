@@ -185,7 +185,7 @@ def _forward(q, k, v, layout, causal, scale, lowp, round_p):
     rounded output) is not emulated, so gradients keep that looser yardstick."""
     if lowp:
         with torch.no_grad():
-            values = _forward(q, k, v, layout, causal, scale, False, lambda e: e.to(q.dtype).to(e.dtype))
+            values = _forward_chunks(q, k, v, layout, causal, scale, False, lambda e: e.to(q.dtype).to(e.dtype))
         out, lse = _forward_chunks(q, k, v, layout, causal, scale, True, round_p)
         return _WithValues.apply(out, values[0]), _WithValues.apply(lse, values[1])
     return _forward_chunks(q, k, v, layout, causal, scale, lowp, round_p)

@@ -466,13 +466,19 @@ def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | N
     return marker
 
 
+def _band_of(mask) -> tuple | None:
+    """``(q_len, kv_len, window, kv_offset)`` of the band marker ``mask`` is, or None for any other mask."""
+    for ref, band in _BANDS:
+        if mask is not None and ref() is mask:
+            return band
+    return None
+
+
 def _key_offset(mask) -> int:
     """The token that key 0 of the call is, as the mask interface saw it (a band marker's ``kv_offset``);
     0 for any other mask: only sliding-window caches drop keys, and their masks are band markers."""
-    for ref, (_, _, _, kv_offset) in _BANDS:
-        if mask is not None and ref() is mask:
-            return kv_offset
-    return 0
+    band = _band_of(mask)
+    return 0 if band is None else band[3]
 
 
 def _reach(window: int | None, kv_len: int) -> int | None:
@@ -482,17 +488,17 @@ def _reach(window: int | None, kv_len: int) -> int | None:
 
 def _check_band(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
     """True when ``mask`` is a band marker that matches this call; raises when it does not."""
-    for ref, (q_len, kv_len, band_window, _) in _BANDS:
-        if ref() is not mask:
-            continue
-        if (q_len, kv_len) != (lq, lk) or not causal or _reach(window, lk) != _reach(band_window, lk):
-            raise NotImplementedError(
-                f"sparse_attn: the model's mask is causal with a sliding window of {band_window} keys over "
-                f"q_len={q_len}, kv_len={kv_len}, but this layer runs causal={causal}, sliding_window={window} over "
-                f"q_len={lq}, kv_len={lk}; sparse_attn applies only the layer's own window, so it would not "
-                "honour that mask")
-        return True
-    return False
+    band = _band_of(mask)
+    if band is None:
+        return False
+    q_len, kv_len, band_window, _ = band
+    if (q_len, kv_len) != (lq, lk) or not causal or _reach(window, lk) != _reach(band_window, lk):
+        raise NotImplementedError(
+            f"sparse_attn: the model's mask is causal with a sliding window of {band_window} keys over "
+            f"q_len={q_len}, kv_len={kv_len}, but this layer runs causal={causal}, sliding_window={window} over "
+            f"q_len={lq}, kv_len={lk}; sparse_attn applies only the layer's own window, so it would not "
+            "honour that mask")
+    return True
 
 
 # ---------------------------------------------------------------------- install
