@@ -106,11 +106,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
 
     Returns: out ``[B, Hq, Lq, Dv]`` in q's dtype (and lse).
 
-    ``_lowp`` (tests only) gives the values of a fused kernel's rounding (fp32 scores and P.V, probabilities
-    rounded to the input dtype for P.V) and the gradients of both products run in the input dtype: the
-    "same-dtype reference" of the tolerance rule (sparse_attn.testing), whose error against the fp64 oracle
-    sets the kernels' tolerance. ``_round_p`` (the 8-bit twin, ops/sage/reference.py) rounds the
-    probabilities used in P.V (not those in the normaliser), as an FP8 P.V kernel does. ``_acc_lse``
+    ``_lowp`` (tests only) rounds as a fused kernel does, forward and backward: the "same-dtype reference" of
+    the tolerance rule (sparse_attn.testing), whose error against the fp64 oracle sets the kernels'
+    tolerance. Values: fp32 scores and P.V, probabilities rounded to the input dtype for P.V. Gradients
+    (:func:`attention_backward` with ``_fused_out``): fp32 products, P and dS rounded to the input dtype
+    before the products that take them, delta from the rounded output. ``_round_p`` (the 8-bit twin,
+    ops/sage/reference.py) rounds the probabilities used in P.V (not those in the normaliser), as an FP8
+    P.V kernel does. ``_acc_lse``
     (:mod:`sparse_attn.reference_op`) keeps the LSE in the accumulation dtype, float64 for float64
     inputs: its explicit backward recomputes P from that LSE, and an fp32 one cost float64 gradients
     about 1e-5 of their size.
@@ -124,27 +126,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     # fp32 accumulation as documented: under CPU autocast the products ran in bf16 while the backward
     # recomputed in fp32 from that LSE (gradients ~4x worse than bf16 inputs without autocast)
     with torch.autocast(q.device.type, enabled=False):
-        if _recomputes(q, k, v, _lowp, _round_p):
-            out, lse = _RecomputingAttention.apply(q, k, v, layout, causal, scale)
+        if _recomputes(q, k, v, _round_p):
+            out, lse = _RecomputingAttention.apply(q, k, v, layout, causal, scale, _lowp)
         else:
-            out, lse = _forward(q, k, v, layout, causal, scale, _lowp, _round_p)
+            out, lse = _forward(q, k, v, layout, causal, scale, _fused_rounding(q.dtype) if _lowp else _round_p)
     if not return_lse:
         return out
     return out, lse if _acc_lse else lse.to(torch.float32)
 
 
-def _recomputes(q, k, v, lowp: bool, round_p) -> bool:
+def _recomputes(q, k, v, round_p) -> bool:
     """Whether autograd records this call through :class:`_RecomputingAttention` rather than op by op:
-    whenever it records at all, except for the tests' rounding variants (whose gradients nobody takes
-    through the explicit formula) and while torch.compile traces (it traces the plain ops)."""
-    return (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and not lowp and round_p is None
+    whenever it records at all, except for the 8-bit twin's rounding (whose gradients nobody takes)
+    and while torch.compile traces (it traces the plain ops)."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and round_p is None
             and not torch.compiler.is_compiling())
+
+
+def _fused_rounding(dtype: torch.dtype):
+    """A fused kernel's rounding of the probabilities it multiplies: to the input dtype, kept in fp32."""
+    return lambda t: t.to(dtype).to(t.dtype)
 
 
 class _RecomputingAttention(torch.autograd.Function):
     """The reference under autograd with linear memory: the forward saves q, k, v and the LSE (in the
     accumulation dtype: the backward recomputes P = exp(s - lse) from it, and an fp32 LSE would cost
     float64 gradients about 1e-5 of their size), the backward is :func:`attention_backward`.
+    ``fused``: ``_lowp``'s fused-kernel rounding, forward and backward (the output is saved too: the
+    backward takes delta from it).
 
     Recording the chunk loop op by op kept every chunk's masked scores and probabilities: for a causal
     8K forward with 2 heads and D=16, 880 MiB of saved tensors against 3 MiB of inputs. The backward's ops
@@ -152,70 +161,38 @@ class _RecomputingAttention(torch.autograd.Function):
     (with the quadratic memory that recording costs)."""
 
     @staticmethod
-    def forward(q, k, v, layout, causal, scale):
-        return _forward(q, k, v, layout, causal, scale, False, None)
+    def forward(q, k, v, layout, causal, scale, fused):
+        return _forward(q, k, v, layout, causal, scale, _fused_rounding(q.dtype) if fused else None)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, layout, causal, scale = inputs
-        ctx.save_for_backward(q, k, v, output[1])
+        q, k, v, layout, causal, scale, fused = inputs
+        ctx.save_for_backward(q, k, v, output[1], output[0] if fused else None)
         ctx.layout, ctx.causal, ctx.scale = layout, causal, scale
         ctx.fingerprint = None if layout is None else layout._fingerprint()
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, lse = ctx.saved_tensors
+        q, k, v, lse, out = ctx.saved_tensors
         if ctx.layout is not None and ctx.layout._fingerprint() != ctx.fingerprint:
             # the layout is held as an object: an edit in place gave gradients of the edited layout, silently
             raise RuntimeError("sparse_attn: the layout was modified after the forward that used it; the backward "
                                "needs the layout the forward ran (edit a copy, or run the forward again)")
         with torch.autocast(q.device.type, enabled=False):
-            grads = attention_backward(do, dlse, q, k, v, lse, ctx.layout, causal=ctx.causal, scale=ctx.scale)
-        return (*grads, None, None, None)
+            grads = attention_backward(do, dlse, q, k, v, lse, ctx.layout, causal=ctx.causal, scale=ctx.scale,
+                                       _fused_out=out)
+        return (*grads, None, None, None, None)
 
 
-def _forward(q, k, v, layout, causal, scale, lowp, round_p):
-    """The chunk loop of :func:`attention`: ``(out in q's dtype, lse in the accumulation dtype)``.
-
-    ``lowp``: the values are those of a fused kernel's rounding, the scores and P.V accumulated in fp32
-    with P rounded to the input dtype for P.V; the gradients are those of the same loop with both products
-    in the input dtype (scores, P.V and every backward product rounded to it). Values from that loop
-    rounded the scores, so at x10 inputs in bf16 its output error was 28x a fused kernel's and a 3% wrong
-    softmax scale passed the tolerance rule; the kernels' backward (fp32 dP, dS rounded, delta from the
-    rounded output) is not emulated, so gradients keep that looser yardstick."""
-    if lowp:
-        with torch.no_grad():
-            values = _forward_chunks(q, k, v, layout, causal, scale, False, lambda e: e.to(q.dtype).to(e.dtype))
-        out, lse = _forward_chunks(q, k, v, layout, causal, scale, True, round_p)
-        return _WithValues.apply(out, values[0]), _WithValues.apply(lse, values[1])
-    return _forward_chunks(q, k, v, layout, causal, scale, lowp, round_p)
-
-
-class _WithValues(torch.autograd.Function):
-    """``values`` in the graph of ``t`` (same shape): the forward returns ``values``, the backward passes
-    the gradient to ``t``."""
-
-    @staticmethod
-    def forward(t, values):
-        return values.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _forward_chunks(q, k, v, layout, causal, scale, lowp, round_p):
-    """:func:`_forward` without the ``lowp`` values: with ``lowp`` both products in the input dtype."""
+def _forward(q, k, v, layout, causal, scale, round_p):
+    """The chunk loop of :func:`attention`: ``(out in q's dtype, lse in the accumulation dtype)``, both
+    products accumulated in fp32 (fp64 for fp64 inputs). ``round_p`` rounds the probabilities used in
+    P.V (not those in the normaliser)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     group = Hq // Hkv
     acc = acc_dtype(q.dtype)
-    mm = q.dtype if lowp else acc  # dtype the two products run in
-    kf, vf = k.to(mm), v.to(mm)
+    kf, vf = k.to(acc), v.to(acc)
     chunk = layout.block_q if layout is not None else 128
     outs, lses = [], []
     for r0 in row_chunks(Lq, chunk):
@@ -227,15 +204,15 @@ def _forward_chunks(q, k, v, layout, causal, scale, lowp, round_p):
                         + graph_anchor(q, k, v, acc))  # a loss on the LSE alone must still backward()
             continue
         kc, vc = keys.take(kf), keys.take(vf)
-        qc = q[:, :, r0:r1].to(mm).view(B, Hkv, group, r1 - r0, D)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kc).to(acc) * scale
+        qc = q[:, :, r0:r1].to(acc).view(B, Hkv, group, r1 - r0, D)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kc) * scale
         s = s.masked_fill(~_heads_as_groups(keys.ok, Hkv, group), float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: avoid inf - inf
         e = torch.exp(s - m)
         denom = e.sum(-1, keepdim=True)
         e_pv = e if round_p is None else round_p(e)
-        o = torch.einsum("bhgqk,bhkd->bhgqd", e_pv.to(mm), vc).to(acc)
+        o = torch.einsum("bhgqk,bhkd->bhgqd", e_pv, vc)
         o = o / torch.where(denom > 0, denom, torch.ones_like(denom))
         outs.append(o.reshape(B, Hq, r1 - r0, Dv))
         lses.append((m + torch.log(denom)).reshape(B, Hq, r1 - r0))
@@ -293,7 +270,7 @@ def chunk_keys(layout: BlockLayout | None, r0: int, r1: int, Lq: int, Lk: int, c
 
 def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, lse: torch.Tensor, layout: BlockLayout | None = None, *,
-                       causal: bool = False, scale: float | None = None):
+                       causal: bool = False, scale: float | None = None, _fused_out: torch.Tensor | None = None):
     """Gradients of :func:`attention` without autograd: ``(dq, dk, dv)`` shaped and typed as q, k, v.
 
     ``do [B, Hq, Lq, Dv]`` is the output's gradient, ``dlse [B, Hq, Lq]`` the LSE's (None: the loss
@@ -302,6 +279,12 @@ def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Ten
     block's keys is over every key the row sees, so no forward output is needed), dQ = scale dS K,
     dK += scale dSᵀ Q. For callers where autograd cannot record (a custom op's kernel,
     sparse_attn.reference_op); accumulates in fp32 (fp64 for fp64 inputs).
+
+    ``_fused_out`` (tests only: ``attention(_lowp=True)``) is the forward's output, rounded to the input
+    dtype. Given it, the gradients round as the Triton backward does: delta = rowsum(out * dO) - dLSE
+    from that output (a fused kernel has no other), P rounded to the input dtype for dV = Pᵀ dO, dS
+    rounded to it for dQ and dK. The same-dtype reference's gradients had run every product in the
+    input dtype, scores included: a yardstick so loose that at x10 inputs gradients 3% too large passed.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -312,6 +295,11 @@ def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Ten
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    fused = _fused_out is not None
+    rnd = _fused_rounding(q.dtype) if fused else (lambda t: t)
+    if fused:
+        delta = (_fused_out.to(acc) * do.to(acc)).sum(-1)  # [B, Hq, Lq]
+        delta = delta if dlse is None else delta - dlse.to(acc)
     chunk = layout.block_q if layout is not None else 128
     for r0 in row_chunks(Lq, chunk):
         r1 = min(r0 + chunk, Lq)
@@ -328,11 +316,14 @@ def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Ten
         s = s.masked_fill(~_heads_as_groups(keys.ok, Hkv, group), float("-inf"))
         p = torch.exp(s - lse_c)
         dp = torch.einsum("bhgqd,bhkd->bhgqk", doc, vc)
-        ds = dp - (p * dp).sum(-1, keepdim=True)
-        if dlse is not None:
-            ds = ds + dlse[:, :, r0:r1].to(acc).view(B, Hkv, group, R, 1)
-        ds = p * ds
-        keys.add_into(dv, torch.einsum("bhgqk,bhgqd->bhkd", p, doc))
+        if fused:
+            ds = dp - delta[:, :, r0:r1].view(B, Hkv, group, R, 1)
+        else:
+            ds = dp - (p * dp).sum(-1, keepdim=True)
+            if dlse is not None:
+                ds = ds + dlse[:, :, r0:r1].to(acc).view(B, Hkv, group, R, 1)
+        ds = rnd(p * ds)
+        keys.add_into(dv, torch.einsum("bhgqk,bhgqd->bhkd", rnd(p), doc))
         keys.add_into(dk, torch.einsum("bhgqk,bhgqd->bhkd", ds, qc) * scale)
         dq[:, :, r0:r1] = torch.einsum("bhgqk,bhkd->bhgqd", ds, kc).reshape(B, Hq, R, D) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
