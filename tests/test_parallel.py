@@ -521,6 +521,18 @@ def test_plan_matches_split(world):
     assert len({zigzag_plan(cu, world, r).pairs(True) for r in range(world)}) == 1
 
 
+def test_plan_hands_out_its_cached_pieces_immutable():
+    """groups(), gather_pieces() and scatter_pieces() are cached on the plan: they returned the cached
+    lists, so a caller that appended to or edited one changed every later call's groups and pieces."""
+    plan = zigzag_plan([0, 16, 40], 2, 1)
+    for got in (plan.groups(True), plan.groups(False), plan.gather_pieces(), plan.scatter_pieces(),
+                plan.scatter_pieces()[0]):
+        assert isinstance(got, tuple)
+        with pytest.raises((AttributeError, TypeError)):
+            got.append(got[0])
+    assert plan.groups(True) == zigzag_plan([0, 16, 40], 2, 1).groups(True)
+
+
 def test_plan_rejects_bad_offsets():
     with pytest.raises(ValueError, match="sequence 1 .* not a multiple of 2 \\* world_size = 4"):
         zigzag_plan([0, 8, 14], 2, 0)

@@ -58,11 +58,12 @@ class ZigzagPlan:
                 pos.append(torch.arange(chunk * c, (chunk + 1) * c))
         return (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)).to(device)
 
-    def groups(self, causal: bool) -> list[Group]:
+    def groups(self, causal: bool) -> tuple[Group, ...]:
         """One :class:`sparse_attn.Group` per local query chunk (both chunks of a sequence in one group
         when not causal): local query tokens ``[q_start, q_end)`` attend gathered (global-order) keys
         ``[k_start, k_end)``; with bottom-right causal masking this is exactly causal attention over
-        the whole sequence. Empty sequences give no group."""
+        the whole sequence. Empty sequences give no group. A tuple: the plan caches it, and a list
+        handed out could be edited by a caller, changing every later call's groups."""
         key = ("groups", causal)
         if key not in self._cache:
             w, out = self.world_size, []
@@ -75,10 +76,10 @@ class ZigzagPlan:
                     continue
                 for half, chunk in enumerate(zigzag_chunk_ids(w, self.rank)):
                     out.append(Group(la + half * c, la + (half + 1) * c, a, a + (chunk + 1) * c))
-            self._cache[key] = out
+            self._cache[key] = tuple(out)
         return self._cache[key]
 
-    def gather_pieces(self) -> list[tuple[int, int, int]]:
+    def gather_pieces(self) -> tuple[tuple[int, int, int], ...]:
         """``(rank, local_start, length)`` of every chunk, in global token order: concatenating
         ``gathered[rank][..., local_start:local_start + length]`` rebuilds the full sequence(s)."""
         if "gather" not in self._cache:
@@ -92,10 +93,10 @@ class ZigzagPlan:
                     for half, chunk in enumerate(zigzag_chunk_ids(w, r)):
                         owner[chunk] = (r, la + half * c, c)
                 out.extend(owner[i] for i in range(2 * w))
-            self._cache["gather"] = out
+            self._cache["gather"] = tuple(out)
         return self._cache["gather"]
 
-    def scatter_pieces(self) -> list[list[tuple[int, int]]]:
+    def scatter_pieces(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per rank, ``(global_start, length)`` of its chunks in its local order (the inverse of
         :meth:`gather_pieces`): concatenating them gives that rank's zigzag share."""
         if "scatter" not in self._cache:
@@ -105,7 +106,7 @@ class ZigzagPlan:
                     c = (b - a) // (2 * self.world_size)
                     if c:
                         per_rank[r].extend((a + chunk * c, c) for chunk in zigzag_chunk_ids(self.world_size, r))
-            self._cache["scatter"] = per_rank
+            self._cache["scatter"] = tuple(tuple(r) for r in per_rank)
         return self._cache["scatter"]
 
     def pairs(self, causal: bool) -> int:
