@@ -485,6 +485,58 @@ def test_band_marker_only_fits_its_own_call():
     sat.check_mask(wide, 8, 8, True, None)  # a window over every earlier key is plain causal
 
 
+def band_mask(window):
+    """Bidirectional sliding window as FlashAttention reads ``sliding_window``: keys less than ``window`` away."""
+    def fn(lq, lk):
+        p = torch.arange(lq)[:, None] + lk - lq
+        j = torch.arange(lk)[None, :]
+        return (j - p).abs() < window
+    return fn
+
+
+def test_bidirectional_sliding_window_layers_run_their_band():
+    """ModernBERT-style encoders have bidirectional sliding-window layers (mask |i - j| <= half, attention
+    called with sliding_window = half + 1). Their mask was refused as a padded batch; called with no mask,
+    such a layer was cut to the causal window and attended no later key, silently. Now the mask interface
+    recognises the band without materialising it and the layer runs it."""
+    from transformers import ModernBertConfig, ModernBertModel
+    from transformers.masking_utils import sliding_window_bidirectional_mask_function
+    cfg = ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, global_attn_every_n_layers=3, local_attention=16,
+                           max_position_embeddings=128, attn_implementation="sdpa", pad_token_id=0, sep_token_id=1,
+                           cls_token_id=2, bos_token_id=2, eos_token_id=1)
+    torch.manual_seed(0)
+    model = ModernBertModel(cfg).eval()
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"] and cfg.sliding_window == 8
+    x = ids(length=70)
+    with torch.no_grad():
+        ref = model(x).last_hidden_state
+        sparse = enable(model, SparseAttnConfig(pattern_kwargs=BLOCK))
+        torch.testing.assert_close(model(x).last_hidden_state, ref, atol=1e-5, rtol=1e-5)
+    # the window layers skip blocks, and against their own window (the baseline) a dense pattern skips none
+    assert sparse.sparsity == {0: 0.0, 1: pytest.approx(block_sparsity(band_mask(9)(70, 70), 16)[0]), 2: sparse.sparsity[1]}
+    assert sparse.sparsity[1] > 0.4 and set(sparse.causal_sparsity.values()) == {0.0}
+    marker = sat.sparse_attn_mask(1, 70, 70, mask_function=sliding_window_bidirectional_mask_function(8),
+                                  local_size=8)
+    assert marker.untyped_storage().nbytes() == 1 and sat._band_of(marker) == (70, 70, 9, 0, False)
+    sat.check_mask(marker, 70, 70, False, 9)
+    for causal, window in ((True, 9), (False, 8), (False, None)):
+        with pytest.raises(NotImplementedError, match="bidirectional with a sliding window of 9"):
+            sat.check_mask(marker, 70, 70, causal, window)
+    materialised = band_mask(9)(70, 70)[None, None]
+    sat.check_mask(materialised, 70, 70, False, 9)
+    with pytest.raises(NotImplementedError, match="padded or custom mask"):
+        sat.check_mask(materialised, 70, 70, False, 8)
+    # the attention function alone, no mask, a non-causal call: the band around each query, both sides
+    attn = tiny_llama(layers=1).model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, HQ, 40, D, generator=g)
+    k, v = (torch.randn(1, HKV, 40, D, generator=g) for _ in range(2))
+    out, _ = sat.sparse_attention_forward(attn, q, k, v, None, scaling=0.25, sliding_window=5, is_causal=False)
+    ref, _ = eager_attention_forward(attn, q, k, v, additive(band_mask(5)(40, 40)), scaling=0.25, dropout=0.0)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
 def test_static_cache_on_a_sliding_window_model_says_so():
     """generate() with a static cache copies the masks it makes (.contiguous()): sparse_attn's one-element
     band marker became an all-False mask, refused as a padded batch on an unpadded one. The refusal now

@@ -21,7 +21,9 @@ which is how a KV-cached decoding step lines up). Returns ``([B, Lq, Hq, D], Non
 Masks: a plain causal (or bidirectional) mask is never materialised; a padded batch, a static cache
 whose key buffer runs past the last query, or any other custom mask raises ``NotImplementedError``
 rather than being silently ignored. Sliding-window layers (``sliding_window=`` from the model) are
-honoured by intersecting with :func:`sparse_attn.patterns.local`; once their cache has dropped its oldest keys
+honoured by intersecting with :func:`sparse_attn.patterns.local`: causal ones attend the last ``sliding_window``
+keys (self included), bidirectional ones (encoders such as ModernBERT) the keys less than ``sliding_window``
+away on either side, FlashAttention's reading of that argument. Once a causal layer's cache has dropped its oldest keys
 (decoding past the window), a pattern that places keys by position (all but ``dense`` and ``local``: sinks,
 global / random / strided blocks) raises ``NotImplementedError``, as it would count from the oldest key kept
 instead of token 0. Attention dropout > 0, softcap
@@ -180,27 +182,27 @@ class SparseAttnConfig:
         lq, lk = q.shape[2], k.shape[2]
         if spec.is_adaptive:
             layout = adaptive_layout(spec, q, k, causal, scale)
-            return self._with_stats(spec, _window_cut(layout, sliding_window), causal, sliding_window)
+            return self._with_stats(spec, _window_cut(layout, sliding_window, causal), causal, sliding_window)
         key = (spec.key(), lq, lk, str(q.device), sliding_window, causal)
         return self._cache.get(key, lambda: self._with_stats(
-            spec, _window_cut(spec.layout(lq, lk, q.device, causal), sliding_window), causal, sliding_window))
+            spec, _window_cut(spec.layout(lq, lk, q.device, causal), sliding_window, causal), causal, sliding_window))
 
     @staticmethod
     def _with_stats(spec: PatternSpec, layout, causal: bool, sliding_window: int | None = None):
         """The layout and its LayerStats, measured against the dense attention the layer would run. A
         bidirectional call's baseline is every block (against causal-dense, a bidirectional BERT layer came
-        out -0.333 "sparse"); a sliding-window layer's is its causal window (against causal-dense, pattern
+        out -0.333 "sparse"); a sliding-window layer's is its window (against causal-dense, pattern
         ``dense`` on a Mistral-style layer read 67% "sparse": blocks the dense window skips too)."""
         visited = layout.num_blocks
-        if causal:
+        if not causal and not sliding_window:
+            vs_baseline = float(layout.sparsity)
+        else:
             if sliding_window:
                 baseline = _window_blocks(layout.q_len, layout.kv_len, int(sliding_window), layout.block_q,
-                                          layout.block_k) * layout.batch * layout.heads
+                                          layout.block_k, causal) * layout.batch * layout.heads
             else:
                 baseline = causal_blocks(layout)
             vs_baseline = 1.0 - visited / baseline if baseline else 0.0
-        else:
-            vs_baseline = float(layout.sparsity)
         stats = LayerStats(spec.describe(), layout.q_len, layout.kv_len, float(layout.sparsity), vs_baseline, visited)
         return layout, stats
 
@@ -247,21 +249,32 @@ def _layer_set(value) -> frozenset | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _window_blocks(q_len: int, kv_len: int, window: int, block_q: int, block_k: int) -> int:
-    """Blocks a causal sliding window of ``window`` keys visits on this grid (one (batch, head) row set):
-    the dense baseline of a sliding-window layer, cached (adaptive layers measure it every call)."""
+def _window_blocks(q_len: int, kv_len: int, window: int, block_q: int, block_k: int, causal: bool = True) -> int:
+    """Blocks the model's sliding window (:func:`_window_layout`) visits on this grid (one (batch, head) row
+    set): the dense baseline of a sliding-window layer, cached (adaptive layers measure it every call)."""
+    return _window_layout(q_len, kv_len, window, block_q, block_k, causal, None).num_blocks
+
+
+def _window_layout(q_len: int, kv_len: int, window: int, block_q: int, block_k: int, causal: bool, device):
+    """The model's own sliding window as a layout, transformers' ``sliding_window`` read as FlashAttention
+    reads it (``window_size = (sliding_window - 1, sliding_window - 1)``): keys less than ``window`` away
+    on either side of the query's position. Causal: the last ``window`` keys, self included. Bidirectional
+    (ModernBERT-style encoders, whose mask allows ``|i - j| <= half``, pass ``sliding_window = half + 1``):
+    ``window - 1`` keys on each side."""
     from .. import patterns
-    return patterns.local(q_len, window, kv_len=kv_len, block_q=block_q, block_k=block_k).num_blocks
+    if causal:
+        return patterns.local(q_len, window, kv_len=kv_len, block_q=block_q, block_k=block_k, device=device)
+    return patterns.local(q_len, window - 1, kv_len=kv_len, causal=False, block_q=block_q, block_k=block_k,
+                          device=device)
 
 
-def _window_cut(layout, sliding_window: int | None):
-    """Intersect with the model's own causal sliding window (transformers' ``sliding_window``:
-    ``window`` keys, self included), for sliding-window layers."""
+def _window_cut(layout, sliding_window: int | None, causal: bool = True):
+    """Intersect with the model's own sliding window (:func:`_window_layout`), for sliding-window layers.
+    (A bidirectional layer was cut to the causal window: it attended no key after its own.)"""
     if not sliding_window:
         return layout
-    from .. import patterns
-    return layout & patterns.local(layout.q_len, int(sliding_window), kv_len=layout.kv_len, block_q=layout.block_q,
-                                   block_k=layout.block_k, device=layout.device)
+    return layout & _window_layout(layout.q_len, layout.kv_len, int(sliding_window), layout.block_q, layout.block_k,
+                                   causal, layout.device)
 
 
 # ---------------------------------------------------------------------- the attention function
@@ -341,6 +354,18 @@ def _warn_once(message: str) -> None:
 _CHECKED: list = []  # (weakref to the last mask found plain, its signature): not re-checked in every layer
 
 
+def _band_rule(p: torch.Tensor, j: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Which keys ``j`` the query positions ``p`` attend under the rule sparse_attn applies itself: causal
+    or all keys, cut to the layer's sliding window (:func:`_window_layout`: less than ``window`` away)."""
+    allowed = (j <= p) if causal else torch.ones(torch.broadcast_shapes(p.shape, j.shape), dtype=torch.bool,
+                                                  device=p.device)
+    if window:
+        allowed = allowed & (j > p - int(window))
+        if not causal:
+            allowed = allowed & (j < p + int(window))
+    return allowed
+
+
 def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None = None) -> None:
     """Accept only a mask equal to what sparse_attn applies anyway (causal bottom-right and the
     sliding window, or all-allowed); raise NotImplementedError for padding or anything custom."""
@@ -371,10 +396,7 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
                                       "supported")
     p = torch.arange(lq, device=mask.device)[:, None] + (lk - lq)
     j = torch.arange(lk, device=mask.device)[None, :]
-    expected = (j <= p) if causal else torch.ones(lq, lk, dtype=torch.bool, device=mask.device)
-    if window:
-        expected = expected & (j > p - int(window))
-    if not torch.equal(allowed, expected.expand_as(allowed)):
+    if not torch.equal(allowed, _band_rule(p, j, causal, window).expand_as(allowed)):
         if not bool(allowed.any()):  # no plain mask is empty: the usual source is a copy of a band marker
             raise NotImplementedError(
                 f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} that allows no key at all: a copy of "
@@ -391,10 +413,11 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
                      **kwargs) -> torch.Tensor | None:
     """transformers mask interface for ``"sparse_attn"``: None for the plain causal/bidirectional
     case (sparse_attn applies causal itself); raises on padding or a key range that does not end at
-    the last query (static caches). A mask function found (chunk by chunk) to be causal within
-    ``local_size`` keys, a sliding-window layer's mask, gives a zero-memory marker that
-    :func:`check_mask` accepts only on a causal call with that ``sliding_window``; other mask
-    functions (packed sequences, ...) are materialised so the attention function can check them."""
+    the last query (static caches). A mask function found (chunk by chunk) to be a sliding-window layer's
+    mask gives a zero-memory marker that :func:`check_mask` accepts only on a call with that causality
+    and ``sliding_window``: causal within ``local_size`` keys (``sliding_window = local_size``), or
+    bidirectional within ``|i - j| <= local_size`` (ModernBERT's: ``sliding_window = local_size + 1``).
+    Other mask functions (packed sequences, ...) are materialised so the attention function can check them."""
     from transformers.masking_utils import (
         bidirectional_mask_function,
         causal_mask_function,
@@ -418,9 +441,12 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     window, device = kwargs.get("local_size"), kwargs.get("device") or "cpu"
-    if _is_causal_band(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, window, device,
-                       bool(kwargs.get("use_vmap"))):
-        return _band_marker(batch_size, q_length, kv_length, window, device, kv_offset)
+    for causal in (True, False):
+        # the attention call's sliding_window for this mask (bidirectional: half-width + 1, FlashAttention's)
+        layer_window = window if causal or window is None else int(window) + 1
+        if _is_band(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, layer_window, causal,
+                    device, bool(kwargs.get("use_vmap"))):
+            return _band_marker(batch_size, q_length, kv_length, layer_window, device, kv_offset, causal)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      allow_is_causal_skip=False, **{k: v for k, v in kwargs.items() if k in ("local_size", "use_vmap",
@@ -431,12 +457,12 @@ MASK_CHUNK = 1 << 24  # mask entries evaluated at a time when checking a mask fu
 _BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window, kv_offset)) of the latest markers
 
 
-def _is_causal_band(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
-                    mask_function: Callable, window: int | None, device, use_vmap: bool = False) -> bool:
-    """Whether ``mask_function`` allows exactly causal attention within the last ``window`` keys
-    (all keys when ``window`` is None) for every batch row: what sparse_attn applies itself for a
-    sliding-window layer. Evaluated a chunk of query rows at a time (:data:`MASK_CHUNK` entries),
-    so no ``[B, 1, Lq, Lk]`` mask exists; stops at the first row chunk that differs."""
+def _is_band(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
+             mask_function: Callable, window: int | None, causal: bool, device, use_vmap: bool = False) -> bool:
+    """Whether ``mask_function`` allows exactly what sparse_attn applies itself for a layer with this
+    causality and ``sliding_window = window`` (:func:`_band_rule`; None: no window) for every batch row.
+    Evaluated a chunk of query rows at a time (:data:`MASK_CHUNK` entries), so no ``[B, 1, Lq, Lk]``
+    mask exists; stops at the first row chunk that differs."""
     from transformers.masking_utils import sdpa_mask
     rows = max(1, MASK_CHUNK // max(1, batch_size * kv_length))
     j = torch.arange(kv_length, device=device)[None, :]
@@ -448,26 +474,26 @@ def _is_causal_band(batch_size: int, q_length: int, kv_length: int, q_offset: in
         if got is None or got.dtype != torch.bool:
             return False
         p = torch.arange(r0, r1, device=device)[:, None] + (kv_length - q_length)
-        want = (j <= p) & (j > p - int(window)) if window else (j <= p)
-        if not torch.equal(got, want.expand_as(got)):
+        if not torch.equal(got, _band_rule(p, j, causal, window).expand_as(got)):
             return False
     return True
 
 
 def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device,
-                 kv_offset: int = 0) -> torch.Tensor:
-    """What the mask interface returns for a verified causal (sliding-window) mask: a
+                 kv_offset: int = 0, causal: bool = True) -> torch.Tensor:
+    """What the mask interface returns for a verified sliding-window mask (:func:`_is_band`): a
     ``[B, 1, Lq, Lk]`` all-False bool view of one element (no O(Lq * Lk) memory; anything else that
     read it as a mask would mask everything, not attend silently), recognised by :func:`check_mask`.
     ``kv_offset``: the token the call's first key is (> 0 once a sliding-window cache dropped keys)."""
     marker = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
-    entry = (weakref.ref(marker), (q_length, kv_length, window, int(kv_offset)))
+    entry = (weakref.ref(marker), (q_length, kv_length, window, int(kv_offset), bool(causal)))
     _BANDS[:] = [entry] + [b for b in _BANDS if b[0]() is not None][:3]
     return marker
 
 
 def _band_of(mask) -> tuple | None:
-    """``(q_len, kv_len, window, kv_offset)`` of the band marker ``mask`` is, or None for any other mask."""
+    """``(q_len, kv_len, window, kv_offset, causal)`` of the band marker ``mask`` is, or None for any other
+    mask."""
     for ref, band in _BANDS:
         if mask is not None and ref() is mask:
             return band
@@ -481,9 +507,11 @@ def _key_offset(mask) -> int:
     return 0 if band is None else band[3]
 
 
-def _reach(window: int | None, kv_len: int) -> int | None:
-    """A causal window's effective size over ``kv_len`` keys: None when it holds every earlier key."""
-    return int(window) if window and int(window) < kv_len else None
+def _reach(window: int | None, q_len: int, kv_len: int, causal: bool) -> int | None:
+    """A sliding window's effective size (:func:`_band_rule`): None when every row's window holds all the
+    keys the row could see without it (causal: every earlier key; bidirectional: every key)."""
+    span = kv_len if causal else max(q_len, kv_len)
+    return int(window) if window and int(window) < span else None
 
 
 def _check_band(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
@@ -491,10 +519,13 @@ def _check_band(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int 
     band = _band_of(mask)
     if band is None:
         return False
-    q_len, kv_len, band_window, _ = band
-    if (q_len, kv_len) != (lq, lk) or not causal or _reach(window, lk) != _reach(band_window, lk):
+    q_len, kv_len, band_window, _, band_causal = band
+    if ((q_len, kv_len, band_causal) != (lq, lk, causal)
+            or _reach(window, lq, lk, causal) != _reach(band_window, lq, lk, causal)):
+        shape = (f"causal with a sliding window of {band_window} keys" if band_causal else
+                 f"bidirectional with a sliding window of {band_window} (keys less than {band_window} away)")
         raise NotImplementedError(
-            f"sparse_attn: the model's mask is causal with a sliding window of {band_window} keys over "
+            f"sparse_attn: the model's mask is {shape} over "
             f"q_len={q_len}, kv_len={kv_len}, but this layer runs causal={causal}, sliding_window={window} over "
             f"q_len={lq}, kv_len={lk}; sparse_attn applies only the layer's own window, so it would not "
             "honour that mask")
