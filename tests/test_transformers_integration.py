@@ -3,6 +3,8 @@
 References are independent of sparse_attn: transformers' own eager attention, fed a token mask
 written out the obvious way (causal / sliding window / sinks, bottom-right aligned).
 """
+import re
+
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -540,11 +542,23 @@ def test_bidirectional_sliding_window_layers_run_their_band():
 def test_static_cache_on_a_sliding_window_model_says_so():
     """generate() with a static cache copies the masks it makes (.contiguous()): sparse_attn's one-element
     band marker became an all-False mask, refused as a padded batch on an unpadded one. The refusal now
-    names static caches (as it does on a model without sliding windows)."""
-    model = tiny_mistral()
-    enable(model, SparseAttnConfig())
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="allows no key at all.*static"):
-        model.generate(ids(length=30), cache_implementation="static", max_new_tokens=2, do_sample=False)
+    names static caches (as it does on a model without sliding windows). transformers 5.17 (the GPU
+    machine's) neither copies the masks nor pads this model's static cache past the last query (its
+    sliding layers roll a window of keys ending there): there the generation runs, and must equal eager's."""
+    model, x = tiny_mistral(), ids(length=30)
+    gen = dict(cache_implementation="static", max_new_tokens=2, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(x, **gen)
+        enable(model, SparseAttnConfig())
+        try:
+            got = model.generate(x, **gen)
+        except NotImplementedError as e:
+            assert re.search("allows no key at all.*static", str(e)), str(e)
+        else:
+            assert torch.equal(got.sequences, ref.sequences)
+            for a, b in zip(got.logits, ref.logits):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     with pytest.raises(NotImplementedError, match="padded batches"):  # a mask that allows some keys: as before
         sat.check_mask(_band(8, 8, 8).clone().logical_and_(torch.arange(8) != 3), 8, 8, True, None)
 
@@ -636,6 +650,24 @@ def test_additive_position_bias_is_refused_not_dropped():
     enable(model, SparseAttnConfig())
     with pytest.raises(NotImplementedError, match="position_bias is not supported .* relative-position bias"):
         model(input_ids=ids(length=9), decoder_input_ids=ids(length=5))
+
+
+def test_attention_modules_holding_a_copy_of_the_config_are_switched_too():
+    """Attention modules dispatch on their own ``config``; T5's stacks hold deep copies of the model's, which
+    set_attn_implementation did not reach under transformers 5.17 (the GPU machine's): enable() reported
+    the switch while every T5 attention ran eager, and T5's position_bias was never refused. The same
+    copy on a Llama layer: that layer now runs sparse_attn, and disable() switches it back."""
+    import copy
+    model = tiny_llama(layers=2, attn="sdpa")
+    attn = model.model.layers[1].self_attn
+    attn.config = copy.deepcopy(model.config)
+    cfg = enable(model, SparseAttnConfig("local", {"window": 16, **BLOCK}))
+    assert attn.config._attn_implementation == "sparse_attn"
+    with torch.no_grad():
+        model(ids(length=64))
+    assert sorted(cfg.stats) == [0, 1] and cfg.causal_sparsity[1] > 0
+    disable(model)
+    assert attn.config._attn_implementation == model.config._attn_implementation == "sdpa"
 
 
 def test_random_pattern_per_head_runs():

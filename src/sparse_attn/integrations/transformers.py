@@ -581,8 +581,19 @@ def enable(model, config: SparseAttnConfig | None = None, **config_kwargs) -> Sp
     if model.config._attn_implementation != NAME:
         raise RuntimeError(f"{type(model).__name__} did not switch to attn_implementation={NAME!r} (it does not "
                            "dispatch its attention through transformers' AttentionInterface)")
+    _switch_module_configs(modules, NAME)
     config.reset_stats()
     return config
+
+
+def _switch_module_configs(modules: list, name: str) -> None:
+    """Set ``name`` on the configs of attention modules that ``set_attn_implementation`` did not reach: the
+    modules dispatch on their own ``config``, and some models hold copies of the model's (T5's stacks,
+    deep-copied: under transformers 5.17 ``enable`` reported the switch while every T5 attention ran eager)."""
+    for m in modules:
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", name) != name:
+            cfg._attn_implementation = name
 
 
 def disable(model, attn_implementation: str | None = None) -> None:
@@ -591,6 +602,7 @@ def disable(model, attn_implementation: str | None = None) -> None:
     previous = getattr(model, _PREVIOUS, None)
     target = attn_implementation or previous or "sdpa"
     model.set_attn_implementation(target)
+    _switch_module_configs(attention_modules(model), target)
     for m in model.modules():
         if hasattr(m, _ATTR):
             delattr(m, _ATTR)
