@@ -112,10 +112,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     (:func:`attention_backward` with ``_fused_out``): fp32 products, P and dS rounded to the input dtype
     before the products that take them, delta from the rounded output. ``_round_p`` (the 8-bit twin,
     ops/sage/reference.py) rounds the probabilities used in P.V (not those in the normaliser), as an FP8
-    P.V kernel does. ``_acc_lse``
-    (:mod:`sparse_attn.reference_op`) keeps the LSE in the accumulation dtype, float64 for float64
-    inputs: its explicit backward recomputes P from that LSE, and an fp32 one cost float64 gradients
-    about 1e-5 of their size.
+    P.V kernel does. ``_acc_lse`` (:mod:`sparse_attn.reference_op`) keeps the LSE in the accumulation
+    dtype, float64 for float64 inputs: its explicit backward recomputes P from that LSE, and an fp32 one
+    cost float64 gradients about 1e-5 of their size.
     """
     check_qkv(q, k, v)  # public as the oracle: a GQA mismatch failed in a view() deep inside
     causal, scale = check_causal(causal), check_scale(scale)  # as the API: causal="False" ran causal

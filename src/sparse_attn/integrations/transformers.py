@@ -21,9 +21,10 @@ which is how a KV-cached decoding step lines up). Returns ``([B, Lq, Hq, D], Non
 Masks: a plain causal (or bidirectional) mask is never materialised; a padded batch, a static cache
 whose key buffer runs past the last query, or any other custom mask raises ``NotImplementedError``
 rather than being silently ignored. Sliding-window layers (``sliding_window=`` from the model) are
-honoured by intersecting with :func:`sparse_attn.patterns.local`: causal ones attend the last ``sliding_window``
-keys (self included), bidirectional ones (encoders such as ModernBERT) the keys less than ``sliding_window``
-away on either side, FlashAttention's reading of that argument. Once a causal layer's cache has dropped its oldest keys
+honoured by intersecting with :func:`sparse_attn.patterns.local`: causal ones attend the last
+``sliding_window`` keys (self included), bidirectional ones (encoders such as ModernBERT) the keys less
+than ``sliding_window`` away on either side, FlashAttention's reading of that argument. Once a causal
+layer's cache has dropped its oldest keys
 (decoding past the window), a pattern that places keys by position (all but ``dense`` and ``local``: sinks,
 global / random / strided blocks) raises ``NotImplementedError``, as it would count from the oldest key kept
 instead of token 0. Attention dropout > 0, softcap
@@ -454,7 +455,7 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
 
 
 MASK_CHUNK = 1 << 24  # mask entries evaluated at a time when checking a mask function (16 MiB of bool)
-_BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window, kv_offset)) of the latest markers
+_BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window, kv_offset, causal)) of the latest markers
 
 
 def _is_band(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
