@@ -151,9 +151,6 @@ def check_forward_backward(case: dict, device, *, seed: int | None = None, atten
         empty = torch.isinf(lse_or)
         if empty.any():
             assert (out.float()[empty] == 0).all(), "rows with no key must be exactly 0"
-        # also against a backward that takes delta from the rounded output, as a FlashAttention
-        # backward does: on x10 inputs at tiny lengths that rounding alone measured 4.6x the
-        # reference's dq error and equal to the kernel's to 3 digits (interpreter seeds 8 and 10)
-        assert_grads_close_to_oracle((out, o_lp, o_or), do, (q, k, v), (ql, kl, vl), (qo, ko, vo), flash_lse=lse_or)
+        assert_grads_close_to_oracle((out, o_lp, o_or), do, (q, k, v), (ql, kl, vl), (qo, ko, vo))
     except AssertionError as e:
         raise AssertionError(f"seed {seed}: {describe(case)}\n{e}") from None

@@ -10,7 +10,6 @@ no group, their dQ) must come out 0 by construction, not by luck.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import random
 
@@ -20,7 +19,7 @@ import torch
 import sparse_attn
 from sparse_attn import Group, patterns, reference
 from sparse_attn.grouped import grouped_attention_loop, grouped_plan, groups_from_cu_seqlens
-from sparse_attn.testing import assert_close_or_delta_rounding, assert_close_to_oracle
+from sparse_attn.testing import assert_close_to_oracle
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -53,11 +52,9 @@ def _pieces(g: Group, layout, causal: bool):
     return out
 
 
-def _reference(q, k, v, groups, causal, layouts, do, *, lowp: bool, scale=None, delta_from=None):
+def _reference(q, k, v, groups, causal, layouts, do, *, lowp: bool, scale=None):
     """Per-group (per-chunk) reference: out (q's dtype or fp64), lse fp64 [H, T], and with ``do`` the
-    gradients (each chunk's backward run immediately; autograd sums them into the leaves).
-    ``delta_from`` (the kernel's output; fp64 only): the gradients of a FlashAttention backward, whose
-    delta = rowsum(O * dO) comes from that rounded output (sparse_attn.testing.flash_delta_grads)."""
+    gradients (each chunk's backward run immediately; autograd sums them into the leaves)."""
     dt = q.dtype if lowp else torch.float64
     leaves = [t.detach().to(dt).requires_grad_(do is not None) for t in (q, k, v)]
     ql, kl, vl = leaves
@@ -76,12 +73,7 @@ def _reference(q, k, v, groups, causal, layouts, do, *, lowp: bool, scale=None, 
                                             vl[g.k_start:k_end].transpose(0, 1)[None], lay, causal=causal,
                                             scale=scale, return_lse=True, _lowp=lowp)
             o = o[0].transpose(0, 1)
-            if do is not None and delta_from is not None:  # <o, dO> - sum_i (rounding of delta_i) lse_i
-                delta = ((delta_from[a:b].detach().double() - o.detach()) * do[a:b].double()).sum(-1).T  # [H, rows]
-                lse_c = l_[0]
-                lse_c = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
-                ((o * do[a:b].double()).sum() - (delta * lse_c).sum()).backward()
-            elif do is not None:
+            if do is not None:
                 o.backward(do[a:b].to(dt))
             out[a:b] = o.detach()
             lse[:, a:b] = l_[0].detach().double()
@@ -123,13 +115,8 @@ def _run(groups, tq, tk, hq, hkv, d, dtype, *, causal=True, bwd=True, layouts=No
     free = _free_rows(groups, tq)
     assert torch.equal(out[free], torch.zeros_like(out[free])), "query rows in no group must be exactly 0"
     if bwd:
-        # as the plain tests (testing.assert_grads_close_to_oracle): a gradient may instead be within
-        # FACTOR x the error of the backward's own formulation, delta from the rounded output, which on
-        # x10 inputs with one-row groups alone exceeds the reference's error (computed only then, once)
-        flash = functools.cache(lambda: _reference(q, k, v, groups, causal, layouts, do, lowp=False, scale=scale,
-                                                    delta_from=out)[2])
-        for i, (name, t, a, b) in enumerate(zip(("dq", "dk", "dv"), (q, k, v), g_lp, g_or)):
-            assert_close_or_delta_rounding(t.grad, a, b, lambda i=i: flash()[i], factor=FACTOR, name=name)
+        for name, t, a, b in zip(("dq", "dk", "dv"), (q, k, v), g_lp, g_or):
+            assert_close_to_oracle(t.grad, a, b, factor=FACTOR, name=name)
         assert torch.equal(q.grad[free], torch.zeros_like(q.grad[free])), "dq of rows in no group must be 0"
     return q, k, v, out, lse
 
