@@ -195,15 +195,15 @@ class SparseAttnConfig:
         out -0.333 "sparse"); a sliding-window layer's is its window (against causal-dense, pattern
         ``dense`` on a Mistral-style layer read 67% "sparse": blocks the dense window skips too)."""
         visited = layout.num_blocks
-        if not causal and not sliding_window:
-            vs_baseline = float(layout.sparsity)
-        else:
-            if sliding_window:
-                baseline = _window_blocks(layout.q_len, layout.kv_len, int(sliding_window), layout.block_q,
-                                          layout.block_k, causal) * layout.batch * layout.heads
-            else:
-                baseline = causal_blocks(layout)
+        if sliding_window:
+            baseline = _window_blocks(layout.q_len, layout.kv_len, int(sliding_window), layout.block_q,
+                                      layout.block_k, causal) * layout.batch * layout.heads
             vs_baseline = 1.0 - visited / baseline if baseline else 0.0
+        elif causal:
+            baseline = causal_blocks(layout)
+            vs_baseline = 1.0 - visited / baseline if baseline else 0.0
+        else:
+            vs_baseline = float(layout.sparsity)
         stats = LayerStats(spec.describe(), layout.q_len, layout.kv_len, float(layout.sparsity), vs_baseline, visited)
         return layout, stats
 
@@ -250,7 +250,7 @@ def _layer_set(value) -> frozenset | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _window_blocks(q_len: int, kv_len: int, window: int, block_q: int, block_k: int, causal: bool = True) -> int:
+def _window_blocks(q_len: int, kv_len: int, window: int, block_q: int, block_k: int, causal: bool) -> int:
     """Blocks the model's sliding window (:func:`_window_layout`) visits on this grid (one (batch, head) row
     set): the dense baseline of a sliding-window layer, cached (adaptive layers measure it every call)."""
     return _window_layout(q_len, kv_len, window, block_q, block_k, causal, None).num_blocks
@@ -269,7 +269,7 @@ def _window_layout(q_len: int, kv_len: int, window: int, block_q: int, block_k: 
                           device=device)
 
 
-def _window_cut(layout, sliding_window: int | None, causal: bool = True):
+def _window_cut(layout, sliding_window: int | None, causal: bool):
     """Intersect with the model's own sliding window (:func:`_window_layout`), for sliding-window layers.
     (A bidirectional layer was cut to the causal window: it attended no key after its own.)"""
     if not sliding_window:
