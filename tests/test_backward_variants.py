@@ -209,7 +209,7 @@ def test_unknown_dkdv_issue_order_is_a_clear_error():
 @pytest.mark.parametrize("kind, lq, lk, hq, hkv", [
     ("dense", 70, 70, 2, 1),            # no element masks: both kernels walk the run by arithmetic
     ("block_diagonal", 96, 96, 2, 2),   # several runs, one per document
-    ("causal", 50, 75, 2, 1),           # element masks (dQ only), Lq < Lk bottom-right
+    ("causal", 50, 75, 2, 1),           # element masks, Lq < Lk bottom-right
     ("local", 90, 90, 4, 2),            # window; GQA
 ])
 def test_contiguous_backward_walk_does_not_change_gradients(kind, lq, lk, hq, hkv):

@@ -143,16 +143,17 @@ def _usual_grid_variants():
         yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True, G=1,
                                       HEADS_INSIDE=False, CONTIGUOUS=False)
-    # contiguous schedules walked by arithmetic (launch.BWD_CONTIGUOUS): the dK/dV kernel only without
-    # element masks (N_TERMS 0), one query head per kv head or GQA
-    for varlen, (g, inside) in itertools.product((False, True), ((1, False), (None, True))):
-        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=0, IS_VARLEN=varlen,
+    # contiguous schedules walked by arithmetic (launch.BWD_CONTIGUOUS), with and without element masks,
+    # one query head per kv head or GQA
+    for n_terms, varlen, (g, inside) in itertools.product((0, 2), (False, True), ((1, False), (None, True))):
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
                                       HEADS_INSIDE=inside, CONTIGUOUS=True, **({"G": g} if g else {}))
     # delta through dP's accumulator (launch.BWD_DKDV_DELTA_ACC "auto"): the arithmetic MHA walk, and
     # GQA's heads-inside walks, indexed (with and without element masks) and arithmetic
     for varlen, (g, inside, contiguous, n_terms) in itertools.product(
-            (False, True), ((1, False, True, 0), (None, True, False, 0), (None, True, False, 2), (None, True, True, 0))):
+            (False, True), ((1, False, True, 0), (1, False, True, 2), (None, True, False, 0), (None, True, False, 2),
+                            (None, True, True, 0), (None, True, True, 2))):
         yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen,
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
                                       HEADS_INSIDE=inside, CONTIGUOUS=contiguous, DELTA_ACC=True,

@@ -37,8 +37,19 @@ SEG_NONE = tl.constexpr(4)    # nothing (the masked pass's extra step)
 
 
 @triton.jit
-def _allowed(p, j, TERMS, mid, N_TERMS: tl.constexpr):
-    """OR over the mask's terms of its interval constraints. p, j: broadcastable int32 blocks."""
+def _allowed(p, j, TERMS, mid, N_TERMS: tl.constexpr, PER_KEY: tl.constexpr):
+    """OR over the mask's terms of its interval constraints. p: query positions, j: key positions, one
+    along each axis of the tile (broadcastable int32 blocks).
+    Each term allows, for each query p, one interval of keys: [max(k_lo, p - left, doc start), min(k_hi,
+    p + right, doc end)], empty where p is outside [q_lo, q_hi]; and, the same constraints read the
+    other way, for each key j one interval of queries: [max(q_lo, j - right, doc start), min(q_hi,
+    j + left, doc end)], empty where j is outside [k_lo, k_hi]. The bounds are formed along the tile's
+    first axis (the queries, or with PER_KEY the keys: the transposed dK/dV tiles), whose vectors cost a
+    thread a couple of registers where the other axis's cost it 16 in a wgmma accumulator's layout;
+    each score then pays two compares a term. Written elementwise (six compares, five ANDs, and for
+    documents a division per score and term) a masked tile cost as much as three unmasked ones
+    (benchmarks/NOTES.md, "Masks as intervals"). Fields stay within +-2**30 (masks.INF), so a position
+    +- a field and a document's end fit int32."""
     for t in tl.static_range(N_TERMS):
         p_t = TERMS + (mid * N_TERMS + t) * N_FIELDS
         q_lo = tl.load(p_t + 0)
@@ -48,11 +59,19 @@ def _allowed(p, j, TERMS, mid, N_TERMS: tl.constexpr):
         left = tl.load(p_t + 4)
         right = tl.load(p_t + 5)
         doc = tl.load(p_t + 6)
-        ok_t = (p >= q_lo) & (p <= q_hi) & (j >= k_lo) & (j <= k_hi) & (j >= p - left) & (j <= p + right)
+        if PER_KEY:  # the queries each key j allows: p - left <= j <= p + right
+            x, y, x_lo, x_hi, y_lo, y_hi, below, above = j, p, k_lo, k_hi, q_lo, q_hi, right, left
+        else:  # the keys each query p allows
+            x, y, x_lo, x_hi, y_lo, y_hi, below, above = p, j, q_lo, q_hi, k_lo, k_hi, left, right
+        lo = tl.maximum(x - below, y_lo)
+        hi = tl.minimum(x + above, y_hi)
         if doc > 0:
-            # floor(p / doc) with truncating integer division, valid for negative p too
-            d_p = tl.where(p >= 0, p, p - doc + 1) // doc
-            ok_t = ok_t & (d_p == j // doc)
+            # x's document: floor(x / doc) with truncating integer division, valid for negative x
+            d0 = (tl.where(x >= 0, x, x - doc + 1) // doc) * doc
+            lo = tl.maximum(lo, d0)
+            hi = tl.minimum(hi, d0 + doc - 1)
+        hi = tl.where((x >= x_lo) & (x <= x_hi), hi, lo - 1)  # x outside the term's range: nothing
+        ok_t = (y >= lo) & (y <= hi)
         if t == 0:
             ok = ok_t
         else:
@@ -403,7 +422,7 @@ def fwd_kernel(
         if N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:
-                b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_s, float("-inf"))
+                b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS, False), b_s, float("-inf"))
         b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, True, LOG2_P_SCALE, PV_SKIP,
                                         ROW_SCALE)
 
@@ -581,7 +600,7 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
         b_pt = tl.where(pos_k < k_len, b_pt, 0.0)
     if MASKED:
         if mid >= 0:
-            b_pt = tl.where(_allowed((o_m + offset)[None, :], pos_k, TERMS, mid, N_TERMS), b_pt, 0.0)
+            b_pt = tl.where(_allowed((o_m + offset)[None, :], pos_k, TERMS, mid, N_TERMS, True), b_pt, 0.0)
     if DP_FIRST:
         # dP first: Triton 3.6 waits for a non-accumulator product right after issuing it but leaves the
         # accumulating dV product in flight, so dS below is computed while dV runs on the tensor cores
@@ -816,7 +835,7 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, K, V, desc_k, desc_v, kv_base, vv_
         b_p = tl.where((o_n < k_len)[None, :], b_p, 0.0)
         if N_TERMS > 0:
             if mid >= 0:
-                b_p = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS), b_p, 0.0)
+                b_p = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS, False), b_p, 0.0)
     b_ds = b_p * (tl.dot(b_do, tl.trans(b_v)) - b_delta[:, None])
     return tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
 

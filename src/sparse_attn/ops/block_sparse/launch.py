@@ -134,9 +134,11 @@ BWD_DKDV_HEADS = _bwd_setting("BWD_DKDV_HEADS", "SPARSE_ATTN_BWD_DKDV_HEADS", "a
 # block-diagonal): walk the run by arithmetic ("1") or through the register index chunks like any
 # other layout ("0", benchmarks). H100 bf16 16K, per kernel (results/bwd-contig-h100.json): dQ 2-6%
 # faster on dense, causal, window 4096 and block-diagonal 4096; dK/dV 4-6% faster on layouts without
-# element masks (dense, block-diagonal) but 28-47% slower on causal and window, where ptxas spills in
-# the arithmetic loop (38 spill loads per iteration against 8 in the indexed one, triton 3.6 SASS), so
-# the dK/dV kernel takes the arithmetic walk only when the layout has no element masks
+# element masks (dense, block-diagonal) but then 28-47% slower on causal and window, where ptxas spilled
+# in the arithmetic loop (38 spill loads per iteration against 8 in the indexed one, triton 3.6 SASS).
+# Since the masks are evaluated as intervals per key (kernels._allowed) it no longer does: the
+# dK/dV kernel's arithmetic walk is 1-3% faster than the indexed one on causal, window and streaming
+# too (H200, results/mask-ab-h200/), so both kernels take it on every contiguous schedule
 BWD_CONTIGUOUS = os.environ.get("SPARSE_ATTN_BWD_CONTIGUOUS", "1") != "0"
 # benchmarks only (benchmarks/bwd_probe.py): kind ("dkdv" / "dkdv-fused" / "dq") -> configs replacing bwd_configs;
 # clear _TUNED after changing it
@@ -717,7 +719,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
-    dkdv_contiguous = t_contiguous and BWD_CONTIGUOUS and n_terms == 0
+    dkdv_contiguous = t_contiguous and BWD_CONTIGUOUS
     dkdv_wave = wave_ok and dkdv_order and not t_contiguous and (heads_inside or H == hkv)
     dkdv_deep = deep and not dkdv_contiguous
     delta_acc = BWD_DKDV_DELTA_ACC == "1" or (BWD_DKDV_DELTA_ACC == "auto" and d_pad == 128 and not fused and (

@@ -1,0 +1,98 @@
+"""What the element masks cost each kernel: per-kernel times of one forward().backward(grad) for a
+layout with masked blocks (causal, streaming), as shipped and with the masks ignored (``n_terms``
+forced to 0 in launch.forward / launch.backward: the masked blocks then run as full ones, so the
+dK/dV kernel takes the arithmetic walk that masks keep it from, item 18 of NOTES). Timing only: the
+masks-ignored gradients are wrong. An upper bound on what any cheaper way of masking can buy.
+
+    python benchmarks/mask_cost_probe.py --cases causal streaming dense --out $OUT/mask-cost-h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import sparse_attn
+from sparse_attn.bench.results import make_header
+from sparse_attn.ops.block_sparse import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fwdbwd_timeline_probe import layout_for  # noqa: E402
+
+_FWD, _BWD = launch.forward, launch.backward
+
+
+def _unmasked_forward(*args, **kw):
+    args = list(args)
+    args[10] = 0  # n_terms
+    return _FWD(*args, **kw)
+
+
+def _unmasked_backward(*args, **kw):
+    args = list(args)
+    args[15] = 0  # n_terms
+    return _BWD(*args, **kw)
+
+
+def kernel_times(step, leaves, rounds: int) -> dict:
+    for _ in range(3):
+        step()
+        for t in leaves:
+            t.grad = None
+    torch.cuda.synchronize()
+    per_name = defaultdict(list)
+    for _ in range(rounds):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        for t in leaves:
+            t.grad = None
+        seen = defaultdict(float)
+        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        for e in ev:
+            seen[e.name[:60]] += (e.time_range.end - e.time_range.start) / 1e3
+        seen["span"] = (max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev)) / 1e3
+        for name, ms in seen.items():
+            per_name[name].append(ms)
+    return {name: sorted(v)[len(v) // 2] for name, v in per_name.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["causal", "streaming", "dense"])
+    ap.add_argument("--seq-len", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    q = torch.randn(1, a.heads, a.seq_len, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, a.kv_heads, a.seq_len, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    grad = torch.randn_like(q)
+    rows = []
+    for case in a.cases:
+        layout = layout_for(case, a.seq_len, a.heads)
+        for variant in ("shipped", "masks-ignored"):
+            launch.forward, launch.backward = ((_FWD, _BWD) if variant == "shipped"
+                                               else (_unmasked_forward, _unmasked_backward))
+            try:
+                times = kernel_times(lambda: sparse_attn.attention(q, k, v, layout).backward(grad), (q, k, v),
+                                     a.rounds)
+            finally:
+                launch.forward, launch.backward = _FWD, _BWD
+            row = dict(case=case, variant=variant, density=layout.density, median_ms=times)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if a.out:
+        header = make_header("cuda", "probe", script="benchmarks/mask_cost_probe.py")
+        Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
