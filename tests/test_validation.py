@@ -347,3 +347,39 @@ def test_reference_oracle_refuses_a_layout_for_another_batch_or_head_count():
     per_head = patterns.random(32, density=0.5, batch=1, heads=3, block_q=16, block_k=16)
     with pytest.raises(LayoutError, match="heads=3 but q/k have .* Hq=2"):
         reference.attention(q, q, q, per_head)
+
+
+def test_explicit_reference_backward_checks_its_arguments_as_the_forward_does():
+    """reference.attention_backward (the CPU compile path's explicit backward) took causal="False" as
+    causal, scale 0, and failed on a layout for other lengths with an IndexError deep inside."""
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 40, 16, dtype=torch.float64) for _ in range(4))
+    _, lse = reference.attention(q, k, v, return_lse=True, _acc_lse=True)
+    ok = reference.attention_backward(do, None, q, k, v, lse)
+    assert [g.shape for g in ok] == [q.shape, k.shape, v.shape]
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        reference.attention_backward(do, None, q, k, v, lse, causal="False")
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        reference.attention_backward(do, None, q, k, v, lse, scale=0.0)
+    with pytest.raises(LayoutError, match="q_len=32, kv_len=32"):
+        reference.attention_backward(do, None, q, k, v, lse, patterns.causal(32, block_q=16, block_k=16))
+    with pytest.raises(ValueError, match="divisible|multiple"):
+        reference.attention_backward(do, None, torch.randn(1, 3, 40, 16, dtype=torch.float64), k, v, lse)
+    with pytest.raises(ValueError, match=r"do has shape \(1, 2, 39, 16\)"):
+        reference.attention_backward(do[:, :, :39], None, q, k, v, lse)
+    with pytest.raises(ValueError, match=r"dlse has shape \(1, 2\)"):
+        reference.attention_backward(do, lse[:, :, 0], q, k, v, lse)
+
+
+def test_prepare_refuses_what_attention_refuses():
+    """prepare(None) failed on None.q_len; prepare(layout, causal="no") built the causal schedule."""
+    layout = patterns.local(256, 64, block_q=64, block_k=64)
+    with pytest.raises(TypeError, match="layout must be a sparse_attn.BlockLayout, got NoneType"):
+        sparse_attn.prepare(None)
+    with pytest.raises(TypeError, match="from_block_mask"):
+        sparse_attn.prepare(torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="causal must be True or False, got str 'no'"):
+        sparse_attn.prepare(layout, causal="no")
+    with pytest.raises(TypeError, match="backward must be True or False"):
+        sparse_attn.prepare(layout, backward=1)
+    assert sparse_attn.prepare(layout, causal=False) is layout

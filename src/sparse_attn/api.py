@@ -12,7 +12,7 @@ from . import patterns, reference
 from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
 from .plan_cache import PlanCache
-from .validation import check_causal, check_flags, check_layout, check_packed_qkv, check_qkv, check_scale
+from .validation import check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv, check_qkv, check_scale
 
 DEFAULT_BLOCK = 128
 
@@ -167,6 +167,8 @@ def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) ->
     layout will be used on, before ``torch.compile`` so nothing data-dependent is traced. Returns
     the layout."""
     from .ops.block_sparse import prepare as _prepare
+    check_is_layout(layout)  # prepare(None) failed on None.q_len
+    check_flags(backward=backward, causal=causal)  # causal="no" prepared the causal schedule
     _prepare(_kernel_layout(layout, causal, layout.q_len, layout.kv_len, layout.device), backward)
     return layout
 

@@ -267,6 +267,20 @@ def chunk_keys(layout: BlockLayout | None, r0: int, r1: int, Lq: int, Lk: int, c
     return ChunkKeys(j0, j1, None if cols is None else j, j, ok)
 
 
+def _check_backward_args(do, dlse, q, k, v, lse, layout) -> None:
+    """:func:`attention_backward`'s arguments against each other, as :func:`attention` checks its own:
+    a layout for other lengths or mismatched heads failed deep inside (IndexError, a view's size)."""
+    check_qkv(q, k, v)
+    B, Hq, Lq = q.shape[:3]
+    want = {"do": (B, Hq, Lq, v.shape[-1]), "lse": (B, Hq, Lq), "dlse": (B, Hq, Lq)}
+    for name, t in (("do", do), ("lse", lse), ("dlse", dlse)):
+        if t is not None and tuple(t.shape) != want[name]:
+            raise ValueError(f"attention_backward: {name} has shape {tuple(t.shape)}, expected {want[name]} "
+                             f"(q {tuple(q.shape)}, v {tuple(v.shape)})")
+    if layout is not None:
+        _check_frame(layout, B, Hq, Lq, k.shape[2])
+
+
 def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, lse: torch.Tensor, layout: BlockLayout | None = None, *,
                        causal: bool = False, scale: float | None = None, _fused_out: torch.Tensor | None = None):
@@ -285,6 +299,8 @@ def attention_backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Ten
     rounded to it for dQ and dK. The same-dtype reference's gradients had run every product in the
     input dtype, scores included: a yardstick so loose that at x10 inputs gradients 3% too large passed.
     """
+    _check_backward_args(do, dlse, q, k, v, lse, layout)
+    causal, scale = check_causal(causal), check_scale(scale)  # causal="False" computed causal gradients
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     group = Hq // Hkv

@@ -54,18 +54,24 @@ def check_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: st
     check_qkv(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2))
 
 
-def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> BlockLayout:
-    """Check the layout fits q/k and is internally consistent; return it on q's device.
-
-    The (host-syncing) consistency check runs once per layout object and is remembered.
-    """
+def check_is_layout(layout, alternative: str = "") -> None:
+    """A TypeError unless ``layout`` is a BlockLayout, naming the converter for a mask or index tensor."""
     if not isinstance(layout, BlockLayout):
         hint = ""
         if isinstance(layout, torch.Tensor):  # a block or token mask: say which converter takes it
             hint = (": a bool block mask [Qb, Kb] becomes one with BlockLayout.from_block_mask(mask, block_q=..., "
                     "block_k=..., q_len=..., kv_len=...); top-k indices [B, H, q_blocks, top_k] with "
                     "patterns.from_block_index")
-        raise TypeError(f"layout must be a sparse_attn.BlockLayout (or None), got {type(layout).__name__}{hint}")
+        alternative = f" {alternative}" if alternative else ""
+        raise TypeError(f"layout must be a sparse_attn.BlockLayout{alternative}, got {type(layout).__name__}{hint}")
+
+
+def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> BlockLayout:
+    """Check the layout fits q/k and is internally consistent; return it on q's device.
+
+    The (host-syncing) consistency check runs once per layout object and is remembered.
+    """
+    check_is_layout(layout, "(or None)")
     layout.check_token_frame("attention")
     B, Hq, Lq = q.shape[:3]
     Lk = k.shape[2]
