@@ -512,6 +512,35 @@ def test_a_restricted_run_is_compared_with_the_rows_it_asked_for(tmp_path, one_t
     assert report.missing_rows(header, rows[:0])  # what it does lack is still listed
 
 
+def test_a_restricted_runs_report_has_accuracy_for_the_layouts_it_timed(tmp_path, one_thread, capsys):
+    """Seed 002's streaming benchmark (--patterns streaming --window 64 --num-sink 16): the report computed
+    accuracy for every pattern of the suite at the suite's options, and none for the layout timed; and
+    an accuracy.json made for another selection was reused."""
+    from sparse_attn.cli.report import build_report
+    runs = tmp_path / "b"
+    assert main(["bench", "--device", "cpu", "--patterns", "streaming", "--window", "64", "--num-sink", "16",
+                 "--seq-lens", "256", "--modes", "fwd", "--providers", "sparse_attn", "--reps", "1", "--no-progress",
+                 "--out-dir", str(runs)]) == 0
+    header, rows, _ = report.load_results(list(runs.glob("*.json")))
+    (timed,) = {r.pattern for r in rows}
+    assert timed == "streaming[num_sink=16,window=64]"
+    out = tmp_path / "r"
+    build_report([runs], out, accuracy_len=256)
+    _, _, acc = report.load_results([out / "accuracy.json"])
+    assert [a["pattern"] for a in acc] == [timed]
+    (expected,) = accuracy_rows(restrict(get_suite("small"), patterns=["streaming"], heads=2, kv_heads=[2],
+                                         seq_lens=[256], pattern_options={"window": 64, "num_sink": 16}),
+                                "cpu", at="largest")
+    assert acc[0]["sparsity"] == pytest.approx(expected["sparsity"]) and acc[0]["sparsity"] > 0
+    # an accuracy.json of the whole suite in that folder is not taken for this selection
+    write_accuracy_json(out / "accuracy.json", {"device": "cpu", "suite": "small", "seq_len": 256},
+                        [dict(acc[0], pattern="local")])
+    build_report([runs], out, accuracy_len=256)
+    assert "not reusing" in capsys.readouterr().out
+    _, _, acc = report.load_results([out / "accuracy.json"])
+    assert [a["pattern"] for a in acc] == [timed]
+
+
 def _strict_json(text: str):
     """json.loads that refuses NaN / Infinity, as jq, JSON.parse or serde_json do."""
     def refuse(const):

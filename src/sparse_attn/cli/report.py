@@ -50,6 +50,18 @@ def merged_name(text: str) -> str:
     return name
 
 
+# the bench options (recorded in a result header's "restricted") that decide which layouts a report's
+# accuracy rows describe: the patterns selected and their parameters; the rest (providers, lengths,
+# heads, modes, dtype) do not change a layout's approximation error, or are set by report_accuracy
+ACCURACY_RESTRICTION = ("patterns", "pattern_options")
+
+
+def accuracy_restriction(header: dict) -> dict:
+    """The part of ``header["restricted"]`` that selects and parameterises the patterns."""
+    restricted = header.get("restricted") or {}
+    return {k: restricted[k] for k in ACCURACY_RESTRICTION if restricted.get(k)}
+
+
 def report_accuracy(suite, seq_len: int | None = None, heads: int = 2) -> list[dict]:
     """Accuracy vs dense of every pattern of ``suite``, on the CPU in fp32 (the pattern's approximation
     error, not a kernel's rounding): with ``heads`` query and key/value heads (the suite's own B and D),
@@ -71,10 +83,11 @@ def input_files(inputs, exclude=()) -> list[Path]:
     return files
 
 
-def reusable_accuracy(acc_path: Path, suite_name, accuracy_len: int | None, con) -> bool:
+def reusable_accuracy(acc_path: Path, suite_name, accuracy_len: int | None, con, restriction: dict | None = None) -> bool:
     """Whether the saved ``acc_path`` may stand in for computing accuracy rows: made for ``suite_name`` at
-    ``accuracy_len`` (any length when None: nothing would be computed) with at least one row that did not
-    fail. A cache made at another --accuracy-len, or of error rows only, was reused silently before."""
+    ``accuracy_len`` (any length when None: nothing would be computed), for the same pattern selection
+    (``restriction``, :func:`accuracy_restriction`), with at least one row that did not fail. A cache
+    made at another --accuracy-len, or of error rows only, was reused silently before."""
     if not acc_path.exists():
         return False
     from ..bench.results import read_result
@@ -88,6 +101,8 @@ def reusable_accuracy(acc_path: Path, suite_name, accuracy_len: int | None, con)
             why = f"made for suite {head.get('suite')}, not {suite_name}"
         elif accuracy_len and head.get("seq_len") != accuracy_len:
             why = f"made at T={head.get('seq_len')}, not --accuracy-len {accuracy_len}"
+        elif (head.get("restricted") or {}) != (restriction or {}):
+            why = f"made for the patterns {head.get('restricted') or 'of the whole suite'}, not {restriction or 'all'}"
         elif not any(isinstance(a, dict) and a.get("error") is None for a in acc):
             why = "every row in it failed"
     if why:
@@ -108,17 +123,24 @@ def build_report(inputs, out_dir: Path, *, name: str = "results.json", accuracy_
     merged_path, acc_path = out_dir / name, out_dir / "accuracy.json"
     files = input_files(inputs, exclude=[merged_path, acc_path])
     header, rows, acc = report.merge_results(files)
-    if reusable_accuracy(acc_path, header.get("suite"), accuracy_len, con):
+    restriction = accuracy_restriction(header)
+    if reusable_accuracy(acc_path, header.get("suite"), accuracy_len, con, restriction):
         header, rows, acc = report.merge_results(files + [acc_path])
     if not rows:
         raise ValueError(f"no benchmark rows in {', '.join(map(str, inputs))} "
                          f"({len(files)} JSON files; run `sparse-attn bench ... --out-dir DIR` first)")
     suite_name = header.get("suite")
     if not acc and accuracy_len and suite_name in SUITES:
-        con.print(f"computing accuracy vs dense on the CPU (suite {suite_name}, T={accuracy_len}, fp32)...")
-        acc = report_accuracy(get_suite(suite_name), accuracy_len)
+        from ..bench import restrict
+        # the patterns the rows were run with: a --patterns streaming --window 64 run got accuracy rows for
+        # every pattern of the suite at its own options, and none for the layout it had timed
+        suite = restrict(get_suite(suite_name), **restriction)
+        con.print(f"computing accuracy vs dense on the CPU (suite {suite_name}"
+                  f"{', as restricted' if restriction else ''}, T={accuracy_len}, fp32)...")
+        acc = report_accuracy(suite, accuracy_len)
         from ..bench.accuracy_rows import write_accuracy_json
-        write_accuracy_json(acc_path, {"device": "cpu", "suite": suite_name, "seq_len": accuracy_len}, acc)
+        write_accuracy_json(acc_path, {"device": "cpu", "suite": suite_name, "seq_len": accuracy_len,
+                                       **({"restricted": restriction} if restriction else {})}, acc)
     missing = report.missing_rows(header, rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     merged_path.write_text(dumps({"header": header, "rows": [asdict(r) for r in rows], "accuracy": acc}))
