@@ -101,6 +101,16 @@ def test_bench_plan_rejects_unknown_provider(capsys):
     assert "unknown provider(s) nope" in err and "Traceback" not in err
 
 
+def test_bench_plan_and_slice_together_are_refused(capsys):
+    """--plan 2 --slice 1/2 planned two slices of slice 1/2 and printed a command (--slice K/2 of the
+    whole suite) that ran other rows."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--device", "cpu", "--plan", "2", "--slice", "1/2"])
+    assert e.value.code == 2
+    assert "give one of the two" in capsys.readouterr().err
+    assert main(["bench", "--device", "cpu", "--plan", "2"]) == 0
+
+
 def test_bench_stress_refuses_seq_lens(tmp_path, capsys):
     """--stress adds 2x and 4x each case's longest length; --seq-lens replaced the lengths after it, so the
     stress rows silently vanished (a run of only the given lengths, recorded as a stress run)."""

@@ -541,6 +541,21 @@ def test_a_restricted_runs_report_has_accuracy_for_the_layouts_it_timed(tmp_path
     assert [a["pattern"] for a in acc] == [timed]
 
 
+def test_terminal_tables_keep_a_re_parameterised_patterns_name():
+    """rich read "[window=64]" in a table's title as markup and dropped it: the tables of two windows had
+    the same title "local (causal)"."""
+    from rich.console import Console
+    rows = [row(p, f"local[window={w}]", 1024, ms, causal=True) for w in (64, 128)
+            for p, ms in (("sdpa-math", 8.0), ("sparse_attn", 2.0))]
+    acc = [{"pattern": "local[window=64]", "seq_len": 1024, "error": "ValueError: [bad] input"}]
+    con = Console(record=True, width=200)
+    for t in report.rich_tables(rows, acc):
+        con.print(t)
+    text = " ".join(con.export_text().split())  # the caption wraps at the table's width
+    assert "local[window=64] (causal)" in text and "local[window=128] (causal)" in text
+    assert "failed: ValueError: [bad] input" in text
+
+
 def _strict_json(text: str):
     """json.loads that refuses NaN / Infinity, as jq, JSON.parse or serde_json do."""
     def refuse(const):

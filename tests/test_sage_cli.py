@@ -76,6 +76,14 @@ def test_cli_bad_options_exit_2(tmp_path):
     assert _run_cli(tmp_path, "--top-k-ratios", "1.5") == 2
 
 
+def test_cli_pattern_without_the_patterns_section_is_refused(tmp_path, capsys):
+    """--pattern selects the patterns section's layouts: with only --benchmark-perf (random top-k indices)
+    it ran silently, exit 0, and the JSON header recorded patterns that never ran."""
+    assert _run_cli(tmp_path, "--benchmark-perf", "--pattern", "local", "--seq-lens", "256") == 2
+    assert "add --test-patterns" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "sage_test.json").exists()
+
+
 def test_cli_exits_1_when_a_benchmark_row_failed(tmp_path, capsys, monkeypatch, one_thread):
     """Its help promises exit 1 when something fails; a failed benchmark row exited 0."""
     def broken(*a, **k):

@@ -256,7 +256,9 @@ def rich_tables(rows: list[Row], acc: list[dict] | None = None) -> list:
     out = []
     for t in scaling_tables(rows):
         caption = accuracy_line(acc_by[t.pattern]) if t.pattern in acc_by else None
-        rt = Table(title=table_title(t), caption=caption)
+        # as Text: a plain string is rich markup, which took "[window=64]" of a re-parameterised
+        # pattern's name for a style tag and dropped it (two windows' tables had one title)
+        rt = Table(title=Text(table_title(t)), caption=None if caption is None else Text(caption))
         for c in table_columns(t):
             rt.add_column(c, justify="right")
         for cells in table_cells(t):

@@ -302,6 +302,9 @@ def run(args) -> int:
     device = args.device or default_device()
     if args.list:
         return list_all(device, con)
+    if args.plan is not None and args.slice:  # it planned slices of the slice, and its hint ran other rows
+        usage_error(f"--plan cuts the suite into slices and --slice {args.slice} runs one of them: give one of "
+                    "the two (--plan N, then --slice K/N with the same other options)")
     try:
         suite = selected_suite(args, device)
     except KeyError as e:

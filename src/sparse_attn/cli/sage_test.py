@@ -135,6 +135,10 @@ def _check_options(args, device: str, quant: str) -> str | None:
                     f"{torch.cuda.get_device_name(device)} has none: use --quant int8")
     if any(not 0.0 < r <= 1.0 for r in args.top_k_ratios):
         return f"--top-k-ratios must lie in (0, 1], got {args.top_k_ratios}"
+    if args.pattern and not _sections(args)[1]:  # it ran silently, the header recording patterns never run
+        return (f"--pattern {' '.join(args.pattern)} selects the layouts of the patterns section, which this run "
+                "leaves out (the correctness checks and the benchmark use random top-k block indices): add "
+                "--test-patterns")
     return None
 
 
@@ -146,7 +150,7 @@ def make_header(args, device: str, quant: str, sizes, dtype_name: str) -> dict:
     from ..sage_suite import BLOCK_K, BLOCK_Q, MAX_L1, MIN_COSINE
     header = bench_header(device, "sage-test", quant=quant, granularity=args.quant_gran, dtype=dtype_name,
                           sizes=dataclasses.asdict(sizes), check_lens=list(check_lens(args, sizes)),
-                          patterns=list(selected_patterns(args)), block_q=BLOCK_Q, block_k=BLOCK_K, seed=args.seed,
+                          patterns=list(selected_patterns(args)) if _sections(args)[1] else [], block_q=BLOCK_Q, block_k=BLOCK_K, seed=args.seed,
                           top_k_ratios=list(args.top_k_ratios), thresholds={"min_cosine": MIN_COSINE, "max_l1": MAX_L1},
                           stress=args.stress)
     if not device.startswith("cuda"):
