@@ -12,7 +12,8 @@ from . import patterns, reference
 from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
 from .plan_cache import PlanCache
-from .validation import check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv, check_qkv, check_scale
+from .validation import (check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv, check_qkv,
+                         check_scale)
 
 DEFAULT_BLOCK = 128
 

@@ -83,7 +83,8 @@ def input_files(inputs, exclude=()) -> list[Path]:
     return files
 
 
-def reusable_accuracy(acc_path: Path, suite_name, accuracy_len: int | None, con, restriction: dict | None = None) -> bool:
+def reusable_accuracy(acc_path: Path, suite_name, accuracy_len: int | None, con,
+                      restriction: dict | None = None) -> bool:
     """Whether the saved ``acc_path`` may stand in for computing accuracy rows: made for ``suite_name`` at
     ``accuracy_len`` (any length when None: nothing would be computed), for the same pattern selection
     (``restriction``, :func:`accuracy_restriction`), with at least one row that did not fail. A cache

@@ -150,7 +150,8 @@ def make_header(args, device: str, quant: str, sizes, dtype_name: str) -> dict:
     from ..sage_suite import BLOCK_K, BLOCK_Q, MAX_L1, MIN_COSINE
     header = bench_header(device, "sage-test", quant=quant, granularity=args.quant_gran, dtype=dtype_name,
                           sizes=dataclasses.asdict(sizes), check_lens=list(check_lens(args, sizes)),
-                          patterns=list(selected_patterns(args)) if _sections(args)[1] else [], block_q=BLOCK_Q, block_k=BLOCK_K, seed=args.seed,
+                          patterns=list(selected_patterns(args)) if _sections(args)[1] else [], block_q=BLOCK_Q,
+                          block_k=BLOCK_K, seed=args.seed,
                           top_k_ratios=list(args.top_k_ratios), thresholds={"min_cosine": MIN_COSINE, "max_l1": MAX_L1},
                           stress=args.stress)
     if not device.startswith("cuda"):
