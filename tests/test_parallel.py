@@ -179,6 +179,20 @@ def _case_bad_option_on_one_rank(rank, world):
     _compare(rank, world, 2, 2, causal=True)  # the group is still usable afterwards
 
 
+def _case_bad_cu_seqlens_on_one_rank(rank, world):
+    """A float cu_seqlens on one rank raised its TypeError there before the cross-rank check, while its
+    peers waited in the check's all-gather until the process group's timeout. Now every rank raises at
+    once: the bad one its own error, the others the disagreement."""
+    T = 4 * world
+    q = torch.randn(T // world, 2, 8, dtype=torch.float64)
+    bad = rank == world - 1
+    cu = torch.tensor([0.0, float(T)]) if bad else [0, T]
+    with pytest.raises(TypeError if bad else ValueError,
+                       match="cu_seqlens must hold integer offsets" if bad else rf"ranks \[{world - 1}\] disagree"):
+        zigzag_llama3_varlen_attention(q, q, q, cu)
+    _compare(rank, world, 2, 2, causal=True)  # the group is still usable afterwards
+
+
 def _case_second_backward_refused(rank, world):
     """A gradient taken with create_graph=True came back detached (the backward's collectives and local
     kernels record no graph), so a gradient penalty added to the loss was dropped without a word. As the
@@ -332,8 +346,8 @@ def _case_varlen_mismatch(rank, world):
 CASES = {f.__name__.removeprefix("_case_"): f for f in
          (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_unchecked,
           _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_bad_option_on_one_rank,
-          _case_second_backward_refused, _case_varlen_causal, _case_varlen_noncausal_head_chunks,
-          _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense, _case_host_check_group,
+          _case_bad_cu_seqlens_on_one_rank, _case_second_backward_refused, _case_varlen_causal,
+          _case_varlen_noncausal_head_chunks, _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense, _case_host_check_group,
           _case_varlen_mismatch)}
 
 

@@ -127,17 +127,23 @@ def _check_option_types(causal, scale, kv_head_chunk, grouped):
 
 
 def _check_across_ranks(q, k, v, group, causal: bool, scale, kv_head_chunk, grouped, fn: str, check: bool,
-                        **extras):
+                        earlier_error: Exception | None = None, **extras):
     """Both entries' input check: the options' own checks, then (``check``) shapes and dtypes of q/k/v,
     the options and ``extras`` (name -> int) compared on every rank before any collective
     (:func:`check_consistent_shapes`). Returns ``(causal, scale)`` normalised.
 
     A bad option on one rank only must not raise there alone (its peers would wait in their first
     collective until the timeout): whether the options passed their own checks is compared across
-    ranks too, and the rank whose options failed raises its own error only after that comparison."""
+    ranks too, and the rank whose options failed raises its own error only after that comparison.
+    ``earlier_error``: the caller's own argument check failed on this rank (the varlen entry's
+    cu_seqlens), raised the same way."""
     if not check:
+        if earlier_error is not None:
+            raise earlier_error
         return _check_option_types(causal, scale, kv_head_chunk, grouped)
     try:
+        if earlier_error is not None:
+            raise earlier_error
         causal, scale = _check_option_types(causal, scale, kv_head_chunk, grouped)
         own_error = None
     except (TypeError, ValueError) as e:  # compared as "options_valid" = 0; the values are not encodable
@@ -236,10 +242,13 @@ def zigzag_llama3_varlen_attention(q_local: torch.Tensor, k_local: torch.Tensor,
     Shapes, dtypes, options and cu_seqlens are compared across ranks first (mismatch: ``ValueError``
     on every rank), unless ``check_inputs=False``.
     """
-    cu = offsets(cu_seqlens)
+    try:
+        cu, cu_error = offsets(cu_seqlens), None
+    except (TypeError, ValueError) as e:  # raised after the cross-rank check, so no peer waits for this rank
+        cu, cu_error = [], e
     causal, scale = _check_across_ranks(q_local, k_local, v_local, group, causal, scale, kv_head_chunk,
                                         use_grouped_attention, "zigzag_llama3_varlen_attention", check_inputs,
-                                        num_seqs=len(cu) - 1, total_tokens=cu[-1] if cu else -1,
+                                        cu_error, num_seqs=len(cu) - 1, total_tokens=cu[-1] if cu else -1,
                                         cu_seqlens_digest=_cu_fingerprint(cu))
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     plan = zigzag_plan(cu, world, rank)
