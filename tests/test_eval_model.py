@@ -234,6 +234,21 @@ def test_eval_model_checks_the_out_dir_before_evaluating(tiny_model_dir, tmp_pat
     assert e.value.code == 2 and f"--out-dir {afile / 'sub'}" in captured.err and "model" not in captured.out
 
 
+def test_what_the_integration_refuses_is_a_one_line_error(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A sliding-window model decoding past its window with streaming (eval-model's default patterns), or a
+    soft-capping one, raised NotImplementedError inside the evaluation: an 85-line traceback, exit 1, with
+    advice (per_layer=, use_cache=False) that this command has no option for."""
+    from sparse_attn import model_eval
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("sparse_attn: softcap is not supported (this model passes softcap=...)")
+    monkeypatch.setattr(model_eval, "evaluate", refuse)
+    assert cli(_tiny_args(tiny_model_dir, tmp_path)) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "softcap is not supported" in err and "other --patterns" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_evaluate_refuses_lengths_below_one(tiny_model_dir):
     """ids[:-256] ran on the whole text minus 256 tokens and was reported as L=-256."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

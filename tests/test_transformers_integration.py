@@ -75,6 +75,73 @@ def additive(mask):
 REF_MASKS = {}
 
 
+def _tiny_bert():
+    from transformers import BertConfig, BertModel
+    return BertModel(BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128, max_position_embeddings=128, attn_implementation="sdpa")).eval()
+
+
+def test_bidirectional_modules_get_the_patterns_bidirectional_layout():
+    """On a bidirectional module "local" and "streaming" were built with their builders' default causal=True:
+    a BERT layer attended no key after the query, and a window wider than the sequence differed from dense
+    attention by 0.07. The pattern "causal" ran dense there instead."""
+    bert, x = _tiny_bert(), ids(length=48)
+    with torch.no_grad():
+        ref = bert(x).last_hidden_state
+        for pattern, kwargs in (("local", {"window": 1000}), ("streaming", {"window": 1000, "num_sink": 4}),
+                                ("local|random", {"window": 1000, "density": 0.1})):
+            cfg = enable(bert, SparseAttnConfig(pattern, {**kwargs, "block_q": 16, "block_k": 16}))
+            torch.testing.assert_close(bert(x).last_hidden_state, ref, atol=1e-5, rtol=1e-5)
+            assert {s.blocks for s in cfg.stats.values()} == {9}, pattern  # every block of 48 x 48 in 16-blocks
+        cfg = enable(bert, SparseAttnConfig("local", {"window": 8, "block_q": 16, "block_k": 16}))
+        bert(x)
+        (layout_stats,) = {(s.blocks, s.sparsity) for s in cfg.stats.values()}
+        assert layout_stats[0] == 7  # both sides of the diagonal: 3 diagonal blocks and 4 neighbours
+        cfg = enable(bert, SparseAttnConfig("causal", {"block_q": 16, "block_k": 16}))
+        out = bert(x).last_hidden_state
+        assert {s.blocks for s in cfg.stats.values()} == {6}
+        enable(bert, SparseAttnConfig(causal=True))  # the module's attention forced causal: the same thing
+        torch.testing.assert_close(out, bert(x).last_hidden_state, atol=1e-5, rtol=1e-5)
+
+
+def test_modules_without_a_layer_index_run_the_pattern_and_every_module_has_its_stats():
+    """Whisper's encoder attention has no layer_idx: enable() attached no config to it, so it ran through
+    "sparse_attn" with the module-global default (dense), not the pattern enabled. In an encoder-decoder
+    model the encoder's, the decoder's and the cross-attention share layer indices, so cfg.stats kept one
+    of them per index; cfg.module_stats keys each module by name."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+        max_source_positions=32, max_target_positions=40, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2, attn_implementation="sdpa")).eval()
+    feats, dec = torch.randn(1, 16, 64), ids(length=10)
+    enc_attn = model.model.encoder.layers[0].self_attn
+    assert enc_attn.layer_idx is None
+    with torch.no_grad():
+        ref = model(input_features=feats, decoder_input_ids=dec).encoder_last_hidden_state
+        cfg = enable(model, SparseAttnConfig(pattern_kwargs={"block_q": 16, "block_k": 16}))
+        torch.testing.assert_close(model(input_features=feats, decoder_input_ids=dec).encoder_last_hidden_state,
+                                   ref, atol=1e-5, rtol=1e-5)
+        assert getattr(enc_attn, sat._ATTR) is cfg
+        cfg = enable(model, SparseAttnConfig("local", {"window": 2, "block_q": 16, "block_k": 16}))
+        out = model(input_features=feats, decoder_input_ids=dec).encoder_last_hidden_state
+    assert not torch.allclose(out, ref, atol=1e-3)  # the pattern ran on the encoder
+    enc = cfg.module_stats["model.encoder.layers.0.self_attn"]
+    assert (enc.q_len, enc.kv_len, enc.pattern) == (32, 32, cfg.spec_for(None).describe())
+    cross = cfg.module_stats["model.decoder.layers.1.encoder_attn"]
+    own = cfg.module_stats["model.decoder.layers.1.self_attn"]
+    assert (cross.q_len, cross.kv_len, own.q_len, own.kv_len) == (10, 32, 10, 10)
+    assert len(cfg.module_stats) == 6 and None in cfg.stats  # 2 encoder, 2 decoder, 2 cross-attention modules
+    with pytest.raises(ValueError, match="no layer_idx"):
+        from transformers import DistilBertConfig, DistilBertModel
+        enable(DistilBertModel(DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=1, n_heads=2, hidden_dim=64)),
+               SparseAttnConfig(layers=[0]))
+    disable(model)
+    assert not hasattr(enc_attn, sat._ATTR) and not hasattr(enc_attn, sat._NAME_ATTR)
+
+
 def _masked_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     rule = REF_MASKS.get(module.layer_idx, causal_mask)
     bias = additive(rule(query.shape[2], key.shape[2])).to(query.device, query.dtype)
@@ -392,7 +459,7 @@ def test_padded_batch_raises():
                 model.generate(x, attention_mask=mask, max_new_tokens=2, do_sample=False)
         custom = causal_mask(32, 32).clone()
         custom[10, 3] = False  # a 4-D mask that is not the plain causal one
-        with pytest.raises(NotImplementedError, match="padded batches are not supported"):
+        with pytest.raises(NotImplementedError, match="got a padded or custom mask"):
             model(x, attention_mask=additive(custom))
         model(x, attention_mask=additive(causal_mask(32, 32)))  # the plain causal 4-D mask is accepted
 
@@ -559,7 +626,7 @@ def test_static_cache_on_a_sliding_window_model_says_so():
             assert torch.equal(got.sequences, ref.sequences)
             for a, b in zip(got.logits, ref.logits):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    with pytest.raises(NotImplementedError, match="padded batches"):  # a mask that allows some keys: as before
+    with pytest.raises(NotImplementedError, match="padded or custom mask"):  # a mask that allows some keys: as before
         sat.check_mask(_band(8, 8, 8).clone().logical_and_(torch.arange(8) != 3), 8, 8, True, None)
 
 
@@ -568,7 +635,7 @@ def test_other_mask_functions_are_still_materialised_and_checked():
     holes = and_masks(causal_mask_function, lambda b, h, q, kv: kv != 3)
     mask = sat.sparse_attn_mask(1, 40, 40, mask_function=holes, local_size=None)
     assert mask.untyped_storage().nbytes() >= 40 * 40 and not bool(mask[0, 0, 20, 3])
-    with pytest.raises(NotImplementedError, match="padded batches are not supported"):
+    with pytest.raises(NotImplementedError, match="custom mask functions make such masks"):
         sat.check_mask(mask, 40, 40, True, None)
 
 

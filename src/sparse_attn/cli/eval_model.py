@@ -323,6 +323,13 @@ def patterns_by_length(summary: list[dict]) -> dict:
     return out
 
 
+# eval-model's side of the integration's refusals (sliding-window caches, soft-capping, ...), whose own
+# advice names config options (per_layer=, use_cache=False) this command does not expose
+UNSUPPORTED_HINT = ("eval-model: the sparse_attn integration refuses this model with these --patterns; other "
+                    "--patterns (e.g. local or dense on sliding-window models, whose cached decoding drops the "
+                    "first keys) may run, or --new-tokens 0 evaluates the prefill only")
+
+
 def run(args) -> int:
     import torch
     from rich.markup import escape
@@ -362,9 +369,12 @@ def run(args) -> int:
     con.print(f"model [bold]{escape(label)}[/bold] ({head['model_type']}, {head['layers']} layers) on "
               f"{head['gpu']} ({device}, {head['dtype']}); dense baseline: {head['baseline_attn']}; lengths "
               f"{lengths}; {args.texts} texts; {args.new_tokens} greedy tokens")
-    with con.status("evaluating") as status:
-        result = me.evaluate(model, tokenizer, runs, lengths, args.texts, args.new_tokens,
-                             on_step=lambda m: status.update(escape(m)), texts=texts)
+    try:
+        with con.status("evaluating") as status:
+            result = me.evaluate(model, tokenizer, runs, lengths, args.texts, args.new_tokens,
+                                 on_step=lambda m: status.update(escape(m)), texts=texts)
+    except NotImplementedError as e:  # what the integration refuses on this model: an 85-line traceback, exit 1
+        return error(escape(f"{label}: {e}") + f"\n{escape(UNSUPPORTED_HINT)}")
     # per length: options default per L (window = L/4), so one config per pattern kept only the last length's
     head["patterns"] = patterns_by_length(result["summary"])
     head["text_files"] = result["texts"]

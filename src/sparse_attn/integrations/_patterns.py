@@ -164,13 +164,18 @@ class PatternSpec:
         opts = self.options
         names, _ = _split(self.pattern)
         if self.is_dense:  # the causal layout itself, so stats count only what runs
-            build = patterns.causal if causal else patterns.dense
+            # "causal" is causal on a bidirectional module too (an encoder's "causal" ran dense); "dense" is
+            # the module's own attention
+            build = patterns.causal if causal or self.pattern.strip() == "causal" else patterns.dense
             return build(q_len, kv_len, block_q=opts.get("block_q", 128), block_k=opts.get("block_k", 128),
                          device=device)
         already_causal = False
-        if causal and "causal" not in opts:
-            opts["causal"] = True
-            already_causal = len(names) == 1 and "causal" in inspect.signature(_builder(names[0])).parameters
+        if "causal" not in opts:
+            # the call's causality, a bidirectional one too: local's and streaming's builders default to
+            # causal=True, so an encoder's "local" attended no key after the query (a window wider than
+            # the sequence differed from dense attention)
+            opts["causal"] = causal
+            already_causal = causal and len(names) == 1 and "causal" in inspect.signature(_builder(names[0])).parameters
         layout = build_pattern(self.pattern, q_len, kv_len=kv_len, device=device, **opts)
         return layout if already_causal else _causal_cut(layout, causal)
 

@@ -48,10 +48,19 @@ from ._patterns import LayoutCache, PatternSpec, adaptive_layout, causal_blocks
 NAME = "sparse_attn"
 _ATTR = "_sparse_attn_config"        # set on each attention module by enable()
 _PREVIOUS = "_sparse_attn_previous"  # the model's implementation before enable()
+_NAME_ATTR = "_sparse_attn_name"     # each attention module's name in the model, set by enable()
 
 PADDED_MESSAGE = ("sparse_attn: padded batches are not supported yet (the attention_mask masks some tokens); "
                   "run unpadded sequences (batch size 1, or equal lengths with an all-ones mask), or use "
                   "attn_implementation='sdpa' for padded batches")
+
+# a materialised mask that is not the band sparse_attn applies itself. It was refused with the padded-batch
+# message, whose advice (run unpadded sequences) is what a packed or chunked-attention batch of one does
+CUSTOM_MASK_MESSAGE = ("sparse_attn: got a padded or custom mask: the attention mask is neither the plain causal / "
+                       "bidirectional one nor a sliding window. Padding, packed sequences (position_ids restarting "
+                       "at 0), chunked attention (Llama 4) and other custom mask functions make such masks, and "
+                       "sparse_attn runs none of them yet: run one unpacked sequence per row without padding, or use "
+                       "attn_implementation='sdpa'")
 
 
 @dataclass
@@ -106,7 +115,10 @@ class SparseAttnConfig:
         cache_size: layouts kept (LRU), shared by layers with the same pattern.
 
     After a forward, :attr:`stats` holds each layer's :class:`LayerStats`, :attr:`sparsity` the
-    ``{layer_idx: layout.sparsity}`` view of it.
+    ``{layer_idx: layout.sparsity}`` view of it. Keyed by ``layer_idx``, they keep one module per index:
+    in encoder-decoder models the encoder's self-attention, the decoder's and its cross-attention share
+    index i (the last call wins), and modules without one share None. :attr:`module_stats` keys the same
+    :class:`LayerStats` by module name (``model.named_modules()``), one entry per attention module.
 
     ``pattern``, ``pattern_kwargs``, ``per_layer`` and ``cache_size`` are read once, here: changing them
     later raises (build a new config and ``enable(model, config)`` again); ``pattern_kwargs`` and
@@ -123,6 +135,7 @@ class SparseAttnConfig:
     causal: bool | None = None
     cache_size: int = 64
     stats: dict = field(default_factory=dict, repr=False)
+    module_stats: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self._default = PatternSpec.make(self.pattern, self.pattern_kwargs)
@@ -221,6 +234,7 @@ class SparseAttnConfig:
 
     def reset_stats(self) -> None:
         self.stats.clear()
+        self.module_stats.clear()
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -327,7 +341,7 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     window = kwargs.get("sliding_window")
     if attention_mask is not None:
         check_mask(attention_mask, query.shape[2], key.shape[2], causal, window)
-    layer_idx = getattr(module, "layer_idx", None)
+    layer_idx = _layer_index(module)
     offset = _key_offset(attention_mask)
     if offset and cfg.spec_for(layer_idx).keys_by_position:
         lk = key.shape[2]
@@ -340,6 +354,7 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling, causal)
     out = _api.attention(query, key, value, layout, causal=causal, scale=scaling)
     cfg.stats[layer_idx] = stats
+    cfg.module_stats[getattr(module, _NAME_ATTR, type(module).__name__)] = stats
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -404,8 +419,7 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
                 "the one-element marker sparse_attn's mask interface returns for a sliding-window mask, which "
                 "generate() makes with a static cache (cache_implementation='static'); static / pre-allocated "
                 "caches are not supported yet: use the default DynamicCache")
-        raise NotImplementedError(PADDED_MESSAGE + " (sparse_attn accepts no attention mask other than the plain "
-                                  "causal one: got a padded or custom mask)")
+        raise NotImplementedError(CUSTOM_MASK_MESSAGE)
     _CHECKED[:] = [weakref.ref(mask), sig]
 
 
@@ -546,17 +560,18 @@ def register(default: SparseAttnConfig | None = None) -> None:
         _DEFAULT_CONFIG = default
 
 
+def _layer_index(module) -> int | None:
+    idx = getattr(module, "layer_idx", None)
+    return idx if isinstance(idx, int) and not isinstance(idx, bool) else None
+
+
 def attention_modules(model) -> list:
-    """The modules the attention function will receive: those with an integer ``layer_idx`` that
-    own projections (q_proj/qkv_proj/...) or whose class name says attention."""
-    found = []
-    for m in model.modules():
-        idx = getattr(m, "layer_idx", None)
-        if not isinstance(idx, int) or isinstance(idx, bool):
-            continue
-        if "attention" in type(m).__name__.lower() or any(hasattr(m, n) for n in ("q_proj", "qkv_proj", "c_attn")):
-            found.append(m)
-    return found
+    """The modules the attention function may receive: those that own projections (q_proj/qkv_proj/...)
+    or whose class name says attention, with or without an integer ``layer_idx``. (Only indexed ones
+    were taken: Whisper's encoder and a CLIP vision tower, whose attention has no ``layer_idx``, ran
+    through "sparse_attn" with the module-global default, dense, instead of the pattern enabled.)"""
+    return [m for m in model.modules()
+            if "attention" in type(m).__name__.lower() or any(hasattr(m, n) for n in ("q_proj", "qkv_proj", "c_attn"))]
 
 
 def enable(model, config: SparseAttnConfig | None = None, **config_kwargs) -> SparseAttnConfig:
@@ -570,11 +585,19 @@ def enable(model, config: SparseAttnConfig | None = None, **config_kwargs) -> Sp
     register()
     modules = attention_modules(model)
     if not modules:
-        raise ValueError(f"found no attention modules (with an integer layer_idx) in {type(model).__name__}: "
-                         "sparse_attn supports transformers models whose attention goes through AttentionInterface")
-    config.check_layers(1 + max(m.layer_idx for m in modules))
+        raise ValueError(f"found no attention modules in {type(model).__name__}: sparse_attn supports transformers "
+                         "models whose attention goes through AttentionInterface")
+    indexed = [i for i in map(_layer_index, modules) if i is not None]
+    if indexed:
+        config.check_layers(1 + max(indexed))
+    elif config.layers is not None or config._per_layer:
+        raise ValueError(f"{type(model).__name__}'s attention modules have no layer_idx, so layers= / per_layer= "
+                         "select none of them: give one pattern for all layers")
     for m in modules:
         setattr(m, _ATTR, config)
+    names = {id(m): name for name, m in model.named_modules()}
+    for m in modules:
+        setattr(m, _NAME_ATTR, names[id(m)])
     current = getattr(model.config, "_attn_implementation", None)
     if current != NAME and not hasattr(model, _PREVIOUS):
         setattr(model, _PREVIOUS, current)
@@ -605,8 +628,9 @@ def disable(model, attn_implementation: str | None = None) -> None:
     model.set_attn_implementation(target)
     _switch_module_configs(attention_modules(model), target)
     for m in model.modules():
-        if hasattr(m, _ATTR):
-            delattr(m, _ATTR)
+        for attr in (_ATTR, _NAME_ATTR):
+            if hasattr(m, attr):
+                delattr(m, attr)
     if hasattr(model, _PREVIOUS):
         delattr(model, _PREVIOUS)
 
