@@ -180,8 +180,13 @@ def test_kernel_shape_limits_are_clear_errors():
         sage_attention_op(q, k, v, lay, quant="int8", granularity="per_warp", smooth_k=True)
     q, k, v = _qkv(2, 2, 64, 64, 32, dtype=torch.float16)
     lay = patterns.local(64, 20, block_q=16, block_k=16)
-    with pytest.raises(ValueError, match="block_k >= 32.*got block_k=16.*quant='int8'"):
+    with pytest.raises(ValueError, match="block_k a multiple of 32.*got block_k=16.*quant='int8'"):
         sage_attention_op(q, k, v, lay, quant="int8-fp8", granularity="per_warp", smooth_k=True)
+    # 48 >= 32, but no tile of 32 keys or more divides it: the launcher fell back to 16-key FP8 tiles
+    q, k, v = _qkv(2, 2, 96, 96, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="block_k a multiple of 32.*got block_k=48"):
+        sage_attention_op(q, k, v, patterns.local(96, 40, block_q=48, block_k=48), quant="int8-fp8",
+                          granularity="per_warp", smooth_k=True)
 
 
 @pytest.mark.parametrize("d", [8, 24])
@@ -195,7 +200,7 @@ def test_the_cpu_twin_refuses_what_the_kernels_cannot_run(d):
     with pytest.raises(ValueError, match=f"head_dim a multiple of 16 and at least 32.*got {d}"):
         sparse_attn.varlen_attention(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, 32, 32, quant="int8")
     q, k, v = _qkv(1, 1, 32, 32, 32, dtype=torch.float32)
-    with pytest.raises(ValueError, match="block_k >= 32.*got block_k=16"):
+    with pytest.raises(ValueError, match="block_k a multiple of 32.*got block_k=16"):
         sparse_attn.attention(q, k, v, patterns.local(32, 4, block_q=16, block_k=16), quant="int8-fp8")
     assert sparse_attn.attention(q, k, v, patterns.local(32, 4, block_q=16, block_k=16), quant="int8").shape == q.shape
     v48 = torch.randn(1, 1, 32, 48)  # the 8-bit kernels need Dv == D; the twin ran it
@@ -638,3 +643,23 @@ def test_int8_varlen_kernels_read_strided_cu_seqlens_as_their_values(one_thread)
         got, lse = sage_varlen_attention_op(q, k, v, stacked, strided, strided, 40, 40, tuple(lens), quant="int8",
                                             granularity="per_warp", smooth_k=smooth, unsmoothed_lse=True)
         assert torch.equal(got, want) and torch.equal(lse, want_lse), smooth
+
+
+def test_the_8bit_lse_is_fp32_under_autocast():
+    """With smooth_k the LSE gets back scale * q . mean_k, an einsum that CPU autocast ran in bf16: the
+    int8 LSE was 0.10 off under autocast against 0.006 without, its dtype still float32, the output
+    unchanged. Packed (varlen) inputs alike."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 128, 64, generator=g)
+    k = torch.randn(1, 2, 128, 64, generator=g) + 8 * torch.randn(64, generator=g)  # a per-channel K offset
+    v = torch.randn(1, 2, 128, 64, generator=g)
+    _, plain = sparse_attn.attention(q, k, v, quant="int8", return_lse=True)
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+    cu = torch.tensor([0, 128], dtype=torch.int32)
+    _, plain_packed = sparse_attn.varlen_attention(*packed, cu, cu, 128, 128, quant="int8", return_lse=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, lse = sparse_attn.attention(q, k, v, quant="int8", return_lse=True)
+        _, lse_packed = sparse_attn.varlen_attention(*packed, cu, cu, 128, 128, quant="int8", return_lse=True)
+    assert lse.dtype == torch.float32 and lse_packed.dtype == torch.float32
+    assert (lse - plain).abs().max().item() < 1e-5
+    assert (lse_packed - plain_packed).abs().max().item() < 1e-5

@@ -89,7 +89,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             attentions); with ``quant`` it is the 8-bit forward's and carries no gradient.
         quant: ``None`` (fp16/bf16 products), ``"int8"`` (Q.K in INT8, P.V in q's dtype) or
             ``"int8-fp8"`` (also P.V in FP8 e4m3; GPUs with compute capability 8.9+). Head dim a
-            multiple of 16 from 32 to 256; ``"int8-fp8"`` also needs the layout's ``block_k >= 32``.
+            multiple of 16 from 32 to 256; ``"int8-fp8"`` also needs the layout's ``block_k`` a multiple of 32.
             Gradients flow through the fp16/bf16 path (sparse_attn.quantized).
         quant_granularity: Q/K scale groups, ``"per_block"``, ``"per_warp"`` or ``"per_thread"``
             (sparse_attn.ops.sage.granularity).

@@ -107,7 +107,7 @@ def test_offset_and_outlier_keys_and_inputs_x10(quant):
 def test_small_key_tiles(blocks, gran):
     """16-key kernel tiles (layouts with block_k 16): per-key K scales (per_thread) came by a [1, 16]
     fp32 TMA box there, which faulted with 'misaligned address' on the H100; they now come by pointer
-    loads (found by tests/gpu/test_fuzz_gpu.py). int8 only: FP8 P.V needs block_k >= 32."""
+    loads (found by tests/gpu/test_fuzz_gpu.py). int8 only: FP8 P.V needs block_k a multiple of 32."""
     bq, bk = blocks
     q, k, v = _qkv(1, 4, 4, 454, 454, 32, torch.bfloat16, k_offset=2.0)
     lay = patterns.local(454, 57, causal=False, window_right=31, block_q=bq, block_k=bk, device="cuda")

@@ -46,7 +46,9 @@ def check_quant(quant: str, granularity: str) -> int:
 def check_quant_shapes(mode: int, head_dim: int, block_k: int | None, v_head_dim: int | None = None) -> None:
     """What the 8-bit kernels can run, checked on every device (the CPU twin too, so code tried on a
     CPU does not fail on the GPU): head_dim a multiple of 16 in [32, 256]; v's head dim equal to it
-    (None: not checked); for int8-fp8 ``block_k`` >= 32 (None: no layout, the kernels' own dense tiles)."""
+    (None: not checked); for int8-fp8 ``block_k`` a multiple of 32 (None: no layout, the kernels' own dense
+    tiles): the kernel's key tile divides the layout's block, and for 48, 80, ... no tile of 32 keys or more
+    does, so the launcher fell back to 16-key tiles, which an FP8 MMA cannot take."""
     if v_head_dim is not None and v_head_dim != head_dim:
         raise ValueError(f"the 8-bit kernels need v's head_dim equal to q/k's, got {v_head_dim} and {head_dim}: "
                          "pad v, or use quant=None (the fp16/bf16 reference path takes any v head_dim on the CPU)")
@@ -58,7 +60,7 @@ def check_quant_shapes(mode: int, head_dim: int, block_k: int | None, v_head_dim
         raise ValueError(f"the 8-bit kernels need head_dim a multiple of 16 and at least 32 (int8 rows in 16-byte "
                          f"units; an int8 MMA takes 32 channels at a time), got {head_dim}: pad q/k/v, or use "
                          "quant=None")
-    if mode == 2 and block_k is not None and block_k < 32:
-        raise ValueError(f"quant='int8-fp8' needs the layout's block_k >= 32 (an FP8 MMA takes 32 keys at a time, "
-                         f"and kernel tiles divide the layout's blocks), got block_k={block_k}: build the layout "
-                         f"with block_k >= 32, or use quant='int8'")
+    if mode == 2 and block_k is not None and block_k % 32:
+        raise ValueError(f"quant='int8-fp8' needs the layout's block_k a multiple of 32 (an FP8 MMA takes 32 keys at "
+                         f"a time, and kernel tiles divide the layout's blocks), got block_k={block_k}: build the "
+                         f"layout with block_k 32, 64, 96, 128, ..., or use quant='int8'")

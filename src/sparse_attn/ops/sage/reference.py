@@ -101,7 +101,8 @@ def lse_shift(q: torch.Tensor, mean: torch.Tensor | None, scale: float | None) -
         return 0.0
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[1] // mean.shape[1]
-    return torch.einsum("bhld,bhd->bhl", q.float(), mean.repeat_interleave(group, 1)) * scale
+    with torch.autocast(q.device.type, enabled=False):  # under autocast the einsum ran in bf16: LSE off by 0.1
+        return torch.einsum("bhld,bhd->bhl", q.float(), mean.float().repeat_interleave(group, 1)) * scale
 
 
 def packed_lse_shift(q: torch.Tensor, mean: torch.Tensor, cu_q: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -112,4 +113,5 @@ def packed_lse_shift(q: torch.Tensor, mean: torch.Tensor, cu_q: torch.Tensor, sc
     seq = torch.repeat_interleave(torch.arange(S, device=q.device), cu_q[1:] - cu_q[:-1], output_size=T)
     scale = D ** -0.5 if scale is None else scale
     qg = q.float().view(T, hkv, H // hkv, D)
-    return torch.einsum("tkgd,tkd->kgt", qg, mean[seq]).reshape(H, T) * scale
+    with torch.autocast(q.device.type, enabled=False):  # as lse_shift: fp32, not autocast's bf16
+        return torch.einsum("tkgd,tkd->kgt", qg, mean[seq].float()).reshape(H, T) * scale
