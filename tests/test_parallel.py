@@ -347,8 +347,8 @@ CASES = {f.__name__.removeprefix("_case_"): f for f in
          (_case_causal, _case_gqa, _case_noncausal, _case_kv_head_chunk, _case_all_reduce_fallback, _case_unchecked,
           _case_value_dim, _case_gather, _case_mismatch, _case_other_call_or_scale, _case_bad_option_on_one_rank,
           _case_bad_cu_seqlens_on_one_rank, _case_second_backward_refused, _case_varlen_causal,
-          _case_varlen_noncausal_head_chunks, _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense, _case_host_check_group,
-          _case_varlen_mismatch)}
+          _case_varlen_noncausal_head_chunks, _case_varlen_one_sequence, _case_kernel_path, _case_kernel_path_dense,
+          _case_host_check_group, _case_varlen_mismatch)}
 
 
 def _worker(rank, world, port, results):
