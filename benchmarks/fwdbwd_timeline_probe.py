@@ -35,12 +35,17 @@ def layout_for(case: str, seq_len: int, heads: int):
     raise SystemExit(f"unknown case {case!r}: dense, causal, randomD, streaming, local")
 
 
-def timeline(step, leaves) -> dict:
-    for _ in range(3):
+def warm_up(step, leaves, calls: int = 3) -> None:
+    for _ in range(calls):
         step()
         for t in leaves:
             t.grad = None
     torch.cuda.synchronize()
+
+
+def profile_once(step, leaves) -> dict:
+    """One ``step()`` under torch.profiler: ``span_ms`` (first kernel's start to last one's end),
+    ``kernel_sum_ms`` and ``kernels`` (name -> ms, summed over launches, longest first)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -54,6 +59,11 @@ def timeline(step, leaves) -> dict:
         per_name[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1e3
     return dict(span_ms=(t1 - t0) / 1e3, kernel_sum_ms=sum(per_name.values()),
                 kernels=dict(sorted(per_name.items(), key=lambda kv: -kv[1])))
+
+
+def timeline(step, leaves) -> dict:
+    warm_up(step, leaves)
+    return profile_once(step, leaves)
 
 
 def main():

@@ -21,7 +21,7 @@ from sparse_attn.bench.results import make_header
 from sparse_attn.ops.block_sparse import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fwdbwd_timeline_probe import layout_for  # noqa: E402
+from fwdbwd_timeline_probe import layout_for, profile_once, warm_up  # noqa: E402
 
 _FWD, _BWD = launch.forward, launch.backward
 
@@ -39,24 +39,12 @@ def _unmasked_backward(*args, **kw):
 
 
 def kernel_times(step, leaves, rounds: int) -> dict:
-    for _ in range(3):
-        step()
-        for t in leaves:
-            t.grad = None
-    torch.cuda.synchronize()
+    """Median ms per kernel name over ``rounds`` profiled steps, and of the step's span ("span")."""
+    warm_up(step, leaves)
     per_name = defaultdict(list)
     for _ in range(rounds):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        for t in leaves:
-            t.grad = None
-        seen = defaultdict(float)
-        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        for e in ev:
-            seen[e.name[:60]] += (e.time_range.end - e.time_range.start) / 1e3
-        seen["span"] = (max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev)) / 1e3
-        for name, ms in seen.items():
+        once = profile_once(step, leaves)
+        for name, ms in {**once["kernels"], "span": once["span_ms"]}.items():
             per_name[name].append(ms)
     return {name: sorted(v)[len(v) // 2] for name, v in per_name.items()}
 

@@ -141,13 +141,14 @@ def _check_across_ranks(q, k, v, group, causal: bool, scale, kv_head_chunk, grou
         if earlier_error is not None:
             raise earlier_error
         return _check_option_types(causal, scale, kv_head_chunk, grouped)
-    try:
-        if earlier_error is not None:
-            raise earlier_error
-        causal, scale = _check_option_types(causal, scale, kv_head_chunk, grouped)
-        own_error = None
-    except (TypeError, ValueError) as e:  # compared as "options_valid" = 0; the values are not encodable
-        own_error, causal, scale, kv_head_chunk, grouped = e, False, None, None, None
+    own_error = earlier_error
+    if own_error is None:
+        try:
+            causal, scale = _check_option_types(causal, scale, kv_head_chunk, grouped)
+        except (TypeError, ValueError) as e:
+            own_error = e
+    if own_error is not None:  # compared as "options_valid" = 0; the values are not encodable
+        causal, scale, kv_head_chunk, grouped = False, None, None, None
     options = {"options_valid": int(own_error is None), "causal": int(causal),
                "scale": None if scale is None else float(scale),
                "kv_head_chunk": -1 if kv_head_chunk is None else kv_head_chunk,

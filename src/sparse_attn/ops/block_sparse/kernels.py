@@ -48,8 +48,8 @@ def _allowed(p, j, TERMS, mid, N_TERMS: tl.constexpr, PER_KEY: tl.constexpr):
     thread a couple of registers where the other axis's cost it 16 in a wgmma accumulator's layout;
     each score then pays two compares a term. Written elementwise (six compares, five ANDs, and for
     documents a division per score and term) a masked tile cost as much as three unmasked ones
-    (benchmarks/NOTES.md, backward item 30, "Masks as intervals"). Fields stay within +-2**30 (masks.INF), so a position
-    +- a field and a document's end fit int32."""
+    (benchmarks/NOTES.md, backward item 30, "Masks as intervals"). Fields stay within +-2**30
+    (masks.INF), so a position +- a field and a document's end fit int32."""
     for t in tl.static_range(N_TERMS):
         p_t = TERMS + (mid * N_TERMS + t) * N_FIELDS
         q_lo = tl.load(p_t + 0)
