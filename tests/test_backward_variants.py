@@ -234,6 +234,58 @@ def test_contiguous_backward_walk_does_not_change_gradients(kind, lq, lk, hq, hk
     assert all(torch.equal(a, b) for a, b in zip(indexed, walked))
 
 
+def _forward_and_grads(call, q, k, v, do):
+    """(out, lse, dq, dk, dv) of ``call(q, k, v)`` (returning out and lse) for the output gradient ``do``."""
+    out, lse = call(q, k, v)
+    return (out.detach(), lse, *torch.autograd.grad(out, (q, k, v), do))
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal-packed", "random-gqa"])
+def test_reversed_row_order_changes_only_which_program_runs_a_tile(monkeypatch, kind):
+    """launch.ROW_ORDER "reverse" hands the forward's and the dQ kernel's query tiles to the grid's
+    programs last tile first (kernels._query_tile REVERSE; the default, "reverse-dq", the dQ kernel's). Each tile's arithmetic is its
+    own, so output, LSE and gradients are bitwise those of grid order; with 16-row blocks over 75 and
+    33 rows, a tile map off by one leaves a tile unwritten or writes a row twice. The wave orders,
+    which place a walk by the program's position, are off here (they differ by position, not tile)."""
+    from sparse_attn import patterns, varlen
+    from sparse_attn.ops.block_sparse import attention_op, varlen_attention_op
+    monkeypatch.setattr(launch, "FWD_WAVE", False)
+    monkeypatch.setattr(launch, "BWD_WAVE", "0")
+    if kind == "causal-packed":
+        lens = [33, 5, 47]
+        q, k, v = random_packed_qkv(sum(lens), sum(lens), 2, 1, 16, seed=21)
+        cu = torch.tensor([0, 33, 38, 85], dtype=torch.int32)
+        stacked = varlen.stack(varlen.build_layouts(lens, lens, None, None, causal=True, block=16),
+                               47, 47, 2)
+        call = lambda q, k, v: varlen_attention_op(q, k, v, stacked, cu, cu, 47, 47, torch.tensor(lens),  # noqa: E731
+                                                   return_lse=True)
+    else:
+        hq, hkv, lq, lk = (2, 1, 75, 90) if kind == "causal" else (4, 2, 75, 75)
+        q, k, v = _qkv(hq, hkv, lq, lk, 16, seed=21)
+        layout = (patterns.causal(lq, lk, block_q=16, block_k=16) if kind == "causal" else
+                  patterns.random(lq, density=0.5, heads=hq, block_q=16, block_k=16, seed=3))
+        call = lambda q, k, v: attention_op(q, k, v, layout, return_lse=True)  # noqa: E731
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(22)).to(q.dtype)
+    results = []
+    for order in ("grid", "reverse", "reverse-dq"):
+        monkeypatch.setattr(launch, "ROW_ORDER", order)
+        results.append(_forward_and_grads(call, q, k, v, do))
+    for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.isfinite(a).any(), f"{name}: nothing finite under grid order"
+        assert torch.equal(a, b) and torch.equal(a, c), f"{kind} {name}: a reversed row order changed it"
+
+
+def test_unknown_row_order_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(launch, "ROW_ORDER", "backwards")
+    q, k, v = _qkv(1, 1, 16, 16, 16, seed=1)
+    from sparse_attn import patterns
+    from sparse_attn.ops.block_sparse import attention_op
+    with pytest.raises(ValueError, match="ROW_ORDER must be 'reverse-dq', 'reverse' or 'grid', got 'backwards'"):
+        attention_op(q, k, v, patterns.dense(16, 16, block_q=16, block_k=16))
+    assert "SPARSE_ATTN_ROW_ORDER must be 'reverse-dq', 'reverse' or 'grid', got 'up'" in launch_import_stderr(
+        "SPARSE_ATTN_ROW_ORDER", "up")
+
+
 @pytest.mark.parametrize("chunk", [2, 64, "deep"])
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_wave_order_changes_only_the_summation_order_of_the_backward(monkeypatch, chunk, hkv):

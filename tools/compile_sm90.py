@@ -93,9 +93,10 @@ def variants():
 
 def _usual_grid_variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False)
+    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, REVERSE=True)
     bwd = dict(base, WAVE=False, IDX_DEEP=False)
     dkdv = dict(bwd, DELTA_ACC=False)
+    dq = dict(bwd, REVERSE=True)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                  CONTIGUOUS=contiguous, USE_TMA=tma, QUANT=0, PV_SKIP=False)
@@ -159,10 +160,10 @@ def _usual_grid_variants():
                                       HEADS_INSIDE=inside, CONTIGUOUS=contiguous, DELTA_ACC=True,
                                       **({"G": g} if g else {}))
     for n_terms, varlen, chunk, kv_tma in itertools.product((0, 2), (False, True), (0, 64), (False, True)):
-        yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
+        yield K.bwd_dq_kernel, dict(dq, NUM_STAGES=3 if chunk else 2, BLOCK_M=128, BLOCK_N=64 if chunk else 128,
                                     N_TERMS=n_terms, IS_VARLEN=varlen, IDX_CHUNK=chunk, KV_TMA=kv_tma, CONTIGUOUS=False)
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.bwd_dq_kernel, dict(dq, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                     IDX_CHUNK=64, KV_TMA=True, CONTIGUOUS=True)
     # the wave order of indexed walks (launch.BWD_WAVE): dK/dV with GQA (heads inside) and with G == 1,
     # dQ; with and without element masks
@@ -171,7 +172,7 @@ def _usual_grid_variants():
                                       FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=64, DP_FIRST=True,
                                       HEADS_INSIDE=inside, CONTIGUOUS=False, WAVE=True, **({"G": g} if g else {}))
     for n_terms in (0, 2):
-        yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
+        yield K.bwd_dq_kernel, dict(dq, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=False,
                                     IDX_CHUNK=64, KV_TMA=True, CONTIGUOUS=False, WAVE=True)
     # deep per-iteration index loads (launch.BWD_IDX_DEEP; "auto": no element masks, delta in dP's
     # accumulator, wave order): MHA and GQA, dQ; "1" also with element masks and on packed inputs
@@ -181,7 +182,7 @@ def _usual_grid_variants():
                                       HEADS_INSIDE=inside, CONTIGUOUS=False, WAVE=not varlen, DELTA_ACC=True,
                                       IDX_DEEP=True, **({"G": g} if g else {}))
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
-        yield K.bwd_dq_kernel, dict(bwd, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
+        yield K.bwd_dq_kernel, dict(dq, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                     IDX_CHUNK=0, KV_TMA=True, CONTIGUOUS=False, WAVE=not varlen, IDX_DEEP=True)
     for varlen, dlse in itertools.product((False, True), (False, True)):
         yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen,

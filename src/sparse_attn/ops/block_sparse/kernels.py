@@ -111,11 +111,14 @@ def _batch_head(H, SPLIT_GRID: tl.constexpr):
 
 @triton.jit
 def _query_tile(CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr):
+                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr,
+                REVERSE: tl.constexpr):
     """Where a (query tile, batch * head) program of the forward / dQ grid stands: its ids, its
     sequence's bounds, and the offsets of its layout row (counts at p_cnt, slots from p_row). The
-    caller returns early when i_m * BLOCK_M >= q_len (a helper cannot end its caller)."""
-    i_m = tl.program_id(0)
+    caller returns early when i_m * BLOCK_M >= q_len (a helper cannot end its caller).
+    REVERSE: the grid's first program takes the last query tile (launch.ROW_ORDER), so on causal rows,
+    longest last, the long tiles start first and the short ones fill the final wave."""
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
     i_b, i_h = _batch_head(H, SPLIT_GRID)
     i_hk = i_h // G
     q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
@@ -301,9 +304,9 @@ def fwd_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
-    WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr,
+    WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """Grid (query tiles, B * H; SPLIT_GRID: H, B). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
+    """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
     Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
     PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step).
     K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
@@ -324,7 +327,7 @@ def fwd_kernel(
     then depends on timing, so the summation order, and the output's last bits, vary run to run."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID)
+        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
@@ -396,7 +399,7 @@ def fwd_kernel(
             rot = (_globaltimer_ns(BLOCK_M) % WAVE_NS * n_it // WAVE_NS).to(tl.int32)
         else:
             period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
-            rot = _wave_place(i_m, period, SPLIT_GRID) * n_it // period
+            rot = _wave_place(tl.program_id(0), period, SPLIT_GRID) * n_it // period  # dispatch order
     for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
         j = _rotated(it, rot, n_it, WAVE)  # the walk's step, wrapped from its start slot
         if CONTIGUOUS:
@@ -858,15 +861,15 @@ def bwd_dq_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_CHUNK: tl.constexpr,
     KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr, IDX_DEEP: tl.constexpr,
-    SPLIT_GRID: tl.constexpr,
+    SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """Grid (query tiles, B * H; SPLIT_GRID: H, B), visiting the same schedule as the forward. KV_TMA: K/V tiles through
+    """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile), visiting the same schedule as the forward. KV_TMA: K/V tiles through
     TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads. WAVE: the unmasked blocks'
     indexed walk in the wave order; IDX_CHUNK, IDX_DEEP: how indexed walks read the block indices;
     both as in bwd_dkdv_kernel."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID)
+        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
@@ -891,7 +894,7 @@ def bwd_dq_kernel(
     qk_scale = sm_scale * LOG2E
     b_dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     tl.static_assert(not IDX_DEEP or IDX_CHUNK == 0, "deep index loads replace the register chunks")
-    wave_t, period = _bwd_wave(i_m, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE, SPLIT_GRID)
+    wave_t, period = _bwd_wave(tl.program_id(0), BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE, SPLIT_GRID)
     for phase in tl.static_range(2):  # as in bwd_dkdv_kernel: unmasked blocks, then masked ones
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else count

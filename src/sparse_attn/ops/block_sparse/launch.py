@@ -47,6 +47,17 @@ AUTOTUNE = os.environ.get("SPARSE_ATTN_AUTOTUNE", "1") != "0"
 FWD_VARIANT = os.environ.get("SPARSE_ATTN_FWD", "tma")
 # benchmarks only: visit even contiguous runs through per-tile index loads (the bookkeeping cost)
 FORCE_INDEXED = False
+# the order in which the forward and dQ grids dispatch each head's query tiles (kernels._query_tile
+# REVERSE): "reverse-dq" (the default: the dQ grid's last tile first, the forward's in grid order),
+# "reverse" (both) or "grid" (neither). On causal rows, longest last, grid order starts the longest tiles
+# of the last heads in the final wave, and the SMs that took them finish alone: a greedy simulation of
+# 132 SMs puts that tail at 3.7% of a kernel at 16K and 1.6% at 32K (128-row tiles, 32 heads), against
+# 0.7% / 0.05% reversed. Measured on the H200 (benchmarks/NOTES.md, backward 31): the dQ kernel
+# follows it, the forward does not (2-3% slower reversed).
+ROW_ORDER = os.environ.get("SPARSE_ATTN_ROW_ORDER", "reverse-dq")
+_ROW_ORDERS = ("reverse-dq", "reverse", "grid")
+if ROW_ORDER not in _ROW_ORDERS:
+    raise ValueError(f"SPARSE_ATTN_ROW_ORDER must be 'reverse-dq', 'reverse' or 'grid', got {ROW_ORDER!r}")
 # the wave order of indexed rows (kernels.fwd_kernel WAVE): each program starts its walk where the
 # programs running beside it stand, so on random layouts they read one stretch of keys together.
 # H100 bf16 128K random 0.25 / 0.5: L2 hits 38% -> 90%, +11-15% (benchmarks/NOTES.md "The wave order").
@@ -521,8 +532,16 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split)
+        K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split, REVERSE=_reverse_rows("fwd"))
     return out, lse
+
+
+def _reverse_rows(kernel: str) -> bool:
+    """The REVERSE constexpr of the ``kernel`` ("fwd" or "dq") grid (ROW_ORDER, checked again here:
+    probes reassign it at run time)."""
+    if ROW_ORDER not in _ROW_ORDERS:
+        raise ValueError(f"launch.ROW_ORDER must be 'reverse-dq', 'reverse' or 'grid', got {ROW_ORDER!r}")
+    return ROW_ORDER == "reverse" or (ROW_ORDER == "reverse-dq" and kernel == "dq")
 
 
 def fwd_wave_clock(device: torch.device, d_pad: int, elem_bytes: int, quant: int, block_q: int, block_k: int,
@@ -755,7 +774,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
                 *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dq, varlen), *_layout_strides(counts, indices),
                 H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device),
                 IDX_CHUNK=0 if dq_deep else BWD_IDX_CHUNK, KV_TMA=kv_tma, CONTIGUOUS=dq_contiguous,
-                WAVE=wave_ok and dq_order and not contiguous, IDX_DEEP=dq_deep, SPLIT_GRID=split, **common)
+                WAVE=wave_ok and dq_order and not contiguous, IDX_DEEP=dq_deep, SPLIT_GRID=split,
+                REVERSE=_reverse_rows("dq"), **common)
     if dk_rows is not None:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32).index_add_(0, dk_rows, dk).to(dk_dtype)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32).index_add_(0, dk_rows, dv).to(dv_dtype)

@@ -1,0 +1,77 @@
+"""Per-kernel times of one training step (``attention(...).backward(grad)``) under query-tile orders
+(launch.ROW_ORDER). Medians of profiled steps, as mask_cost_probe.py takes them. With one order (the
+process's, from SPARSE_ATTN_ROW_ORDER; a source tree from before the setting has grid order; what
+row_order_ab.sh runs under an older tree and this one), or with ``--orders``, alternated step by step in
+this process.
+
+    python benchmarks/row_order_probe.py --cases causal:16384:32 dense:16384:32 causal:32768:8 --rounds 5 \
+        --out $OUT/x.json      # case:seq_len:kv_heads (32 query heads, d128, bf16)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import sparse_attn
+from sparse_attn.bench.results import make_header
+from sparse_attn.ops.block_sparse import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fwdbwd_timeline_probe import layout_for, profile_once, warm_up  # noqa: E402
+from mask_cost_probe import kernel_times  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["causal:16384:32", "dense:16384:32", "random0.25:16384:32",
+                                                   "streaming:16384:32", "causal:32768:32", "causal:16384:8"])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--label", default=os.environ.get("SPARSE_ATTN_ROW_ORDER", "default"))
+    ap.add_argument("--orders", nargs="+", help="launch.ROW_ORDER values, alternated step by step")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    rows = []
+    for spec in a.cases:
+        case, seq_len, kv_heads = spec.split(":")
+        seq_len, kv_heads = int(seq_len), int(kv_heads)
+        torch.manual_seed(0)
+        q = torch.randn(1, a.heads, seq_len, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, seq_len, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        grad = torch.randn_like(q)
+        layout = layout_for(case, seq_len, a.heads)
+        step = lambda: sparse_attn.attention(q, k, v, layout).backward(grad)  # noqa: E731
+        if not a.orders:
+            times = {a.label: kernel_times(step, (q, k, v), a.rounds)}
+        else:
+            per = {o: defaultdict(list) for o in a.orders}
+            for o in a.orders:
+                launch.ROW_ORDER = o
+                warm_up(step, (q, k, v))
+            for _ in range(a.rounds):
+                for o in a.orders:
+                    launch.ROW_ORDER = o
+                    once = profile_once(step, (q, k, v))
+                    for name, ms in {**once["kernels"], "span": once["span_ms"]}.items():
+                        per[o][name].append(ms)
+            times = {o: {n: sorted(v)[len(v) // 2] for n, v in d.items()} for o, d in per.items()}
+        for label, med in times.items():
+            row = dict(case=case, seq_len=seq_len, kv_heads=kv_heads, label=label,
+                       row_order=getattr(launch, "ROW_ORDER", "grid (no setting)") if not a.orders else label,
+                       median_ms=med)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if a.out:
+        header = make_header("cuda", "probe", script="benchmarks/row_order_probe.py")
+        Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
