@@ -32,7 +32,9 @@ def layout_for(case: str, seq_len: int, heads: int):
         return patterns.streaming(seq_len, window=4096, num_sink=128, device="cuda")
     if case == "local":
         return patterns.local(seq_len, window=4096, device="cuda")
-    raise SystemExit(f"unknown case {case!r}: dense, causal, randomD, streaming, local")
+    if case == "block_diagonal":
+        return patterns.block_diagonal(seq_len, 4096, device="cuda")
+    raise SystemExit(f"unknown case {case!r}: dense, causal, randomD, streaming, local, block_diagonal")
 
 
 def warm_up(step, leaves, calls: int = 3) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of the reversed query-tile order (launch.ROW_ORDER): row_order_probe.py under the previous source
+# A/B of the reversed query-tile order (launch.ROW_ORDER): launch_setting_probe.py under the previous source
 # tree (ab_old/src: `git archive <commit> src | tar -x -C ab_old`), this tree in grid order, and this tree
 # reversed, alternating, two rounds. "old" against "grid" shows what the edit alone did to the compiled
 # kernels; "grid" against "reverse" what the order does. One device call.
@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for r in 1 2; do for tree in old grid reverse; do
   src=$([ $tree = old ] && echo ab_old/src || echo src)
   SPARSE_ATTN_ROW_ORDER=$([ $tree = old ] && echo reverse || echo $tree) PYTHONPATH=$PWD/$src \
-  python3 benchmarks/row_order_probe.py --rounds 5 --label $tree --out $OUT/row-order-$tree-$r.json 2>&1 \
+  python3 benchmarks/launch_setting_probe.py --rounds 5 --label $tree --out $OUT/row-order-$tree-$r.json 2>&1 \
     | grep -v -i warn | python3 -c "
 import sys, json
 for line in sys.stdin:

@@ -395,7 +395,8 @@ def test_unknown_wave_setting_is_a_clear_error():
 
 
 @pytest.mark.parametrize("name, value", [("BWD_WAVE", False), ("BWD_DKDV_DELTA_ACC", True),
-                                         ("BWD_VARIANT", "fast"), ("BWD_DKDV_HEADS", 1)])
+                                         ("BWD_VARIANT", "fast"), ("BWD_DKDV_HEADS", 1),
+                                         ("BWD_DKDV_MASKED", "1")])
 def test_backward_refuses_settings_assigned_outside_their_choices(name, value, monkeypatch):
     """The backward's string settings reassigned at run time (as probes and tests do) to a value
     outside their choices: a clear error before any launch, never a silently chosen branch (a bool
@@ -407,6 +408,55 @@ def test_backward_refuses_settings_assigned_outside_their_choices(name, value, m
     monkeypatch.setattr(launch, name, value)
     with pytest.raises(ValueError, match=f"launch.{name} must be one of .*, got {value!r}"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("kind, lq, lk, hq, hkv", [
+    ("causal", 50, 75, 2, 1),            # one masked block per transposed row, Lq < Lk bottom-right
+    ("local", 90, 90, 4, 2),             # two per row (window edge and diagonal); GQA, heads inside
+    ("block-diagonal", 96, 96, 2, 2),    # documents of 40 tokens: their edges inside blocks
+    ("causal-packed", None, None, 2, 1),  # packed sequences
+])
+def test_one_stage_masked_pass_does_not_change_gradients(kind, lq, lk, hq, hkv):
+    """On contiguous schedules the dK/dV kernel's masked pass (the blocks with an element mask or past
+    the sequence end) may load one index an iteration, unpipelined (launch.BWD_DKDV_MASKED "one-stage";
+    "auto", the default, where the layout has element masks), instead of register chunks at NUM_STAGES:
+    the same blocks in the same order, so gradients bitwise equal, and the oracle checks them elsewhere
+    (test_backward_meets_rule3 and the varlen tests run the default)."""
+    from sparse_attn import patterns, varlen
+    from sparse_attn.ops.block_sparse import layout_inputs, varlen_attention_op
+    if kind == "causal-packed":
+        lens = [33, 5, 47]
+        q, k, v = random_packed_qkv(sum(lens), sum(lens), hq, hkv, 16, seed=31)
+        cu = torch.tensor([0, 33, 38, 85], dtype=torch.int32)
+        stacked = varlen.stack(varlen.build_layouts(lens, lens, None, None, causal=True, block=16), 47, 47, hq)
+        do = torch.randn(q.shape, generator=torch.Generator().manual_seed(32)).half()
+        grads = []
+        for value in ("pipelined", "one-stage"):
+            saved, launch.BWD_DKDV_MASKED = launch.BWD_DKDV_MASKED, value
+            try:
+                out = varlen_attention_op(q, k, v, stacked, cu, cu, 47, 47, torch.tensor(lens))
+                grads.append(torch.autograd.grad(out, (q, k, v), do))
+            finally:
+                launch.BWD_DKDV_MASKED = saved
+        pipelined, one_stage = grads
+    else:
+        layout = {"causal": lambda: patterns.causal(lq, lk, block_q=16, block_k=16),
+                  "local": lambda: patterns.local(lq, 48, block_q=16, block_k=16),
+                  "block-diagonal": lambda: patterns.block_diagonal(lq, 40, block_q=16, block_k=16)}[kind]()
+        ins = layout_inputs(layout, True)
+        assert ins[10], "the transposed schedule must be contiguous"
+        assert (ins[6] > ins[7]).any(), "some transposed row must have a masked pass to walk"
+        q, k, v = _qkv(hq, hkv, lq, lk, 16, seed=31)
+        do = torch.randn(1, hq, lq, 16, generator=torch.Generator().manual_seed(32)).half()
+        pipelined, one_stage = grads_per_launch_setting(q, k, v, layout, do, "BWD_DKDV_MASKED",
+                                                        ("pipelined", "one-stage"))
+    assert all(torch.isfinite(g).all() for g in one_stage)
+    assert all(torch.equal(a, b) for a, b in zip(pipelined, one_stage))
+
+
+def test_unknown_masked_pass_setting_is_a_clear_error():
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD_DKDV_MASKED", "fast")
+    assert "SPARSE_ATTN_BWD_DKDV_MASKED must be 'auto', 'one-stage' or 'pipelined', got 'fast'" in stderr
 
 
 def test_unknown_deep_index_setting_is_a_clear_error():

@@ -95,7 +95,7 @@ def _usual_grid_variants():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
     fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, REVERSE=True)
     bwd = dict(base, WAVE=False, IDX_DEEP=False)
-    dkdv = dict(bwd, DELTA_ACC=False)
+    dkdv = dict(bwd, DELTA_ACC=False, MASKED_ONE_STAGE=True)
     dq = dict(bwd, REVERSE=True)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,

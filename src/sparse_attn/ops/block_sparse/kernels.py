@@ -636,12 +636,13 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
                PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_r, period, seg, WAVE: tl.constexpr,
-               DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr):
+               DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr, MASKED_ONE_STAGE: tl.constexpr):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
     layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv.
     WAVE (indexed walks only): phase 0 walks the piece seg (SEG_*) of the row, with its start slot
     s0 = wave_r * n_full // period (bwd_dkdv_kernel's order over several heads); phase 1 walks nothing
-    for SEG_NONE."""
+    for SEG_NONE. MASKED_ONE_STAGE (CONTIGUOUS): phase 1 loads one index per iteration and is not
+    software-pipelined (launch.BWD_DKDV_MASKED)."""
     tl.static_assert(not WAVE or not CONTIGUOUS, "the wave order rotates indexed walks only")
     tl.static_assert(not IDX_DEEP or IDX_CHUNK == 0, "deep index loads replace the register chunks")
     SUB: tl.constexpr = BLOCK_Q // BLOCK_M
@@ -681,7 +682,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                                         q_base, do_base, l_base, dq_base, run0 + it * BLOCK_M, q_len, k_len, offset,
                                         o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS, -1,
                                         BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, DELTA_ACC)
-        elif IDX_CHUNK > 0:
+        elif IDX_CHUNK > 0 and not (CONTIGUOUS and MASKED_ONE_STAGE):
             # Indices come from registers, one chunk at a time: an index load inside the pipelined
             # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
             # of the iteration before their use, exposing their latency every iteration.
@@ -702,8 +703,13 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
             # indexed rows, with 2 * NUM_STAGES - 1 stages the index goes two iterations ahead and
             # Q/dO as many tiles ahead as with indices from registers, with no per-iteration pick
             # (_pick: a cross-warp reduction). Not the masked pass, whose rows are a block or two.
+            # MASKED_ONE_STAGE: the masked pass of a contiguous schedule (this branch has no phase 0
+            # there) unpipelined: its multi-buffered loads and chunk picks raised the register
+            # pressure of the whole kernel, and ptxas spilled in the arithmetic walk of phase 0 (13
+            # spill loads an iteration on causal, none without them; triton 3.6 SASS, NOTES backward 32)
             for it in tl.range(lo * SUB, hi * SUB,
-                               num_stages=2 * NUM_STAGES - 1 if IDX_DEEP and phase == 0 else NUM_STAGES):
+                               num_stages=2 * NUM_STAGES - 1 if IDX_DEEP and phase == 0 else
+                               (1 if CONTIGUOUS and MASKED_ONE_STAGE else NUM_STAGES)):
                 slot = _rotated(it // SUB, rot, n_full, WAVE and phase == 0)
                 start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
                 b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
@@ -735,7 +741,7 @@ def bwd_dkdv_kernel(
     N_TERMS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
-    DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr, SPLIT_GRID: tl.constexpr,
+    DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr, SPLIT_GRID: tl.constexpr, MASKED_ONE_STAGE: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv; SPLIT_GRID: Hkv, B): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -746,7 +752,7 @@ def bwd_dkdv_kernel(
     seven).
     IDX_CHUNK > 0: indexed walks read the query-block indices IDX_CHUNK at a time into registers;
     else one index load per iteration, which IDX_DEEP pipelines two levels deep in the unmasked pass
-    (_dkdv_head). WAVE (indexed rows): the wave order of fwd_kernel, here over the query blocks of
+    (_dkdv_head; MASKED_ONE_STAGE: how a contiguous schedule's masked pass is walked). WAVE (indexed rows): the wave order of fwd_kernel, here over the query blocks of
     the transposed rows, so the programs running at once read one stretch of Q / dO (_bwd_wave). With
     G query heads a program's unmasked walks are one walk of G rows, started at the fraction t / P of
     it: head h0 = floor(G t / P) from slot s0 on, the other heads in turn, then h0 up to s0. (Rotating
@@ -802,7 +808,7 @@ def bwd_dkdv_kernel(
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
                                     p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS,
                                     wave_t * G % period if SPLIT else wave_t, period, seg, WAVE, DELTA_ACC,
-                                    IDX_DEEP)
+                                    IDX_DEEP, MASKED_ONE_STAGE)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)

@@ -25,7 +25,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("auto", "1", "0", "dq", "dkdv"),
                  "BWD_QDO": ("tma", "ptr"), "BWD_DQ_KV": ("tma", "ptr"), "BWD_IDX_DEEP": ("auto", "0", "1"),
                  "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
-                 "BWD_DKDV_HEADS": ("auto", "inside", "outside")}
+                 "BWD_DKDV_HEADS": ("auto", "inside", "outside"), "BWD_DKDV_MASKED": ("auto", "one-stage", "pipelined")}
 
 
 def _bwd_setting(name: str, env: str, default: str, choices_text: str | None = None) -> str:
@@ -141,6 +141,15 @@ BWD_DKDV_ORDER = _bwd_setting("BWD_DKDV_ORDER", "SPARSE_ATTN_BWD_DKDV_ORDER", "d
 # serialized every wgmma of the kernel for G > 1 (benchmarks/NOTES.md, backward item 16); for G == 1
 # the JIT removes the head loop and "outside" is the code measured before that fix.
 BWD_DKDV_HEADS = _bwd_setting("BWD_DKDV_HEADS", "SPARSE_ATTN_BWD_DKDV_HEADS", "auto")
+# dK/dV kernel on contiguous schedules: its masked pass (each transposed row's query blocks with an element
+# mask or past the sequence end; a block or two) "one-stage" (one index load an iteration, no software
+# pipelining) or "pipelined" (register index chunks at NUM_STAGES, as the indexed walks); "auto": one-stage
+# on layouts with element masks. There the pipelined pass's buffers raised the pressure of the whole
+# kernel: triton 3.6's SASS of the causal variant spilled 13 loads an iteration in the arithmetic walk of
+# the unmasked blocks, none one-stage, and the kernel ran 3-5% faster (H200, 16K-32K: causal, window,
+# streaming, Hkv 32 and 8). Without element masks one-stage was 7% slower (dense, block-diagonal), though
+# its SASS spills less there too (NOTES backward 32).
+BWD_DKDV_MASKED = _bwd_setting("BWD_DKDV_MASKED", "SPARSE_ATTN_BWD_DKDV_MASKED", "auto")
 # backward kernels on contiguous schedules (every row's unmasked blocks one run: dense, causal, windows,
 # block-diagonal): walk the run by arithmetic ("1") or through the register index chunks like any
 # other layout ("0", benchmarks). H100 bf16 16K, per kernel (results/bwd-contig-h100.json): dQ 2-6%
@@ -754,7 +763,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=0 if dkdv_deep else BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first",
         HEADS_INSIDE=heads_inside, CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc,
-        IDX_DEEP=dkdv_deep, SPLIT_GRID=kv_split, **common)
+        IDX_DEEP=dkdv_deep, SPLIT_GRID=kv_split, MASKED_ONE_STAGE=BWD_DKDV_MASKED == "one-stage" or (BWD_DKDV_MASKED == "auto" and n_terms > 0), **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:

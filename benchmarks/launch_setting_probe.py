@@ -1,17 +1,17 @@
-"""Per-kernel times of one training step (``attention(...).backward(grad)``) under query-tile orders
-(launch.ROW_ORDER). Medians of profiled steps, as mask_cost_probe.py takes them. With one order (the
-process's, from SPARSE_ATTN_ROW_ORDER; a source tree from before the setting has grid order; what
-row_order_ab.sh runs under an older tree and this one), or with ``--orders``, alternated step by step in
-this process.
+"""Per-kernel times of one training step (``attention(...).backward(grad)``) under values of one
+launcher setting (``--setting NAME --values A B ...``: ``ops.block_sparse.launch.NAME``, alternated step
+by step in this process), or under the process's own settings (``--label``: what row_order_ab.sh runs
+under an older source tree and under this one). Medians of profiled steps, as mask_cost_probe.py takes
+them.
 
-    python benchmarks/row_order_probe.py --cases causal:16384:32 dense:16384:32 causal:32768:8 --rounds 5 \
-        --out $OUT/x.json      # case:seq_len:kv_heads (32 query heads, d128, bf16)
+    python benchmarks/launch_setting_probe.py --setting ROW_ORDER --values grid reverse-dq --rounds 9 \
+        --cases causal:16384:32 dense:16384:32 causal:32768:8 --out $OUT/x.json
+    # cases are case:seq_len:kv_heads (32 query heads, d128, bf16; cases of fwdbwd_timeline_probe.py)
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -33,8 +33,9 @@ def main():
                                                    "streaming:16384:32", "causal:32768:32", "causal:16384:8"])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--label", default=os.environ.get("SPARSE_ATTN_ROW_ORDER", "default"))
-    ap.add_argument("--orders", nargs="+", help="launch.ROW_ORDER values, alternated step by step")
+    ap.add_argument("--label", default="default")
+    ap.add_argument("--setting", default="ROW_ORDER", help="the launch attribute that --values sets")
+    ap.add_argument("--values", nargs="+", help="values of --setting, alternated step by step")
     ap.add_argument("--out")
     a = ap.parse_args()
     rows = []
@@ -48,28 +49,31 @@ def main():
         grad = torch.randn_like(q)
         layout = layout_for(case, seq_len, a.heads)
         step = lambda: sparse_attn.attention(q, k, v, layout).backward(grad)  # noqa: E731
-        if not a.orders:
+        if not a.values:
             times = {a.label: kernel_times(step, (q, k, v), a.rounds)}
         else:
-            per = {o: defaultdict(list) for o in a.orders}
-            for o in a.orders:
-                launch.ROW_ORDER = o
-                warm_up(step, (q, k, v))
-            for _ in range(a.rounds):
-                for o in a.orders:
-                    launch.ROW_ORDER = o
-                    once = profile_once(step, (q, k, v))
-                    for name, ms in {**once["kernels"], "span": once["span_ms"]}.items():
-                        per[o][name].append(ms)
+            saved = getattr(launch, a.setting)
+            per = {o: defaultdict(list) for o in a.values}
+            try:
+                for o in a.values:
+                    setattr(launch, a.setting, o)
+                    warm_up(step, (q, k, v))
+                for _ in range(a.rounds):
+                    for o in a.values:
+                        setattr(launch, a.setting, o)
+                        once = profile_once(step, (q, k, v))
+                        for name, ms in {**once["kernels"], "span": once["span_ms"]}.items():
+                            per[o][name].append(ms)
+            finally:
+                setattr(launch, a.setting, saved)
             times = {o: {n: sorted(v)[len(v) // 2] for n, v in d.items()} for o, d in per.items()}
         for label, med in times.items():
             row = dict(case=case, seq_len=seq_len, kv_heads=kv_heads, label=label,
-                       row_order=getattr(launch, "ROW_ORDER", "grid (no setting)") if not a.orders else label,
-                       median_ms=med)
+                       setting=a.setting if a.values else None, median_ms=med)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.out:
-        header = make_header("cuda", "probe", script="benchmarks/row_order_probe.py")
+        header = make_header("cuda", "probe", script="benchmarks/launch_setting_probe.py")
         Path(a.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 
 
