@@ -419,7 +419,8 @@ def test_backward_refuses_settings_assigned_outside_their_choices(name, value, m
 def test_one_stage_masked_pass_does_not_change_gradients(kind, lq, lk, hq, hkv):
     """On contiguous schedules the dK/dV kernel's masked pass (the blocks with an element mask or past
     the sequence end) may load one index an iteration, unpipelined (launch.BWD_DKDV_MASKED "one-stage";
-    "auto", the default, where the layout has element masks), instead of register chunks at NUM_STAGES:
+    "auto", the default, where the layout has element masks or GQA's heads loop inside), instead of
+    register chunks at NUM_STAGES:
     the same blocks in the same order, so gradients bitwise equal, and the oracle checks them elsewhere
     (test_backward_meets_rule3 and the varlen tests run the default)."""
     from sparse_attn import patterns, varlen

@@ -92,10 +92,17 @@ def variants():
 
 
 def _usual_grid_variants():
+    for fn, consts in _variants_as_written():
+        if fn is K.bwd_dkdv_kernel:  # launch.BWD_DKDV_MASKED "auto": one-stage with element masks or GQA's heads inside
+            consts = dict(consts, MASKED_ONE_STAGE=consts["N_TERMS"] > 0 or consts["HEADS_INSIDE"])
+        yield fn, consts
+
+
+def _variants_as_written():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, REVERSE=True)
+    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, REVERSE=False)  # launch.ROW_ORDER's default
     bwd = dict(base, WAVE=False, IDX_DEEP=False)
-    dkdv = dict(bwd, DELTA_ACC=False, MASKED_ONE_STAGE=True)
+    dkdv = dict(bwd, DELTA_ACC=False)
     dq = dict(bwd, REVERSE=True)
     for n_terms, varlen, tma, contiguous in itertools.product((0, 2), (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,

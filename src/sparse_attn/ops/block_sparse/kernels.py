@@ -306,14 +306,14 @@ def fwd_kernel(
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
     WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile). Phase 1 visits the row's unmasked blocks, phase 2 the masked ones.
-    Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and V_SCALE [.., D] are read only when QUANT.
-    PV_SKIP: drop tiles whose probabilities are all below ``2**pv_log2`` (see _softmax_step).
+    """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile). Phase 1 visits the row's
+    unmasked blocks, phase 2 the masked ones. Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and
+    V_SCALE [.., D] are read only when QUANT. PV_SKIP: drop tiles whose probabilities are all below
+    ``2**pv_log2`` (see _softmax_step).
     K_SCALE_SPAN: K_SCALE is constant over aligned runs of this many keys (0: no such promise). Key
     tiles start at multiples of BLOCK_N from the sequence's first key, so where BLOCK_N divides the
-    span each tile sees one K scale (the quantization kernels start the runs at every packed
-    sequence's first key too).
-    WAVE (indexed rows): program t of the grid's order starts its row's walk at the fraction
+    span each tile sees one K scale (the quantization kernels start the runs at every packed sequence's
+    first key too). WAVE (indexed rows): program t of the grid's order starts its row's walk at the fraction
     (t mod P) / P of the row and wraps around, P being the programs resident at once (N_SM SMs times
     _resident_per_sm). Programs start in grid order at a rate of P per row duration once the first
     waves have drifted apart, so the ones running at once then stand at the same fraction of their
@@ -750,14 +750,14 @@ def bwd_dkdv_kernel(
     FUSED_DQ: dQ is accumulated here too, into the zeroed fp32 DQA (same row layout as Q), by atomic
     adds, and the dQ kernel is not run (FA2/FA3's schedule: five matmuls per block pair instead of
     seven).
-    IDX_CHUNK > 0: indexed walks read the query-block indices IDX_CHUNK at a time into registers;
-    else one index load per iteration, which IDX_DEEP pipelines two levels deep in the unmasked pass
-    (_dkdv_head; MASKED_ONE_STAGE: how a contiguous schedule's masked pass is walked). WAVE (indexed rows): the wave order of fwd_kernel, here over the query blocks of
-    the transposed rows, so the programs running at once read one stretch of Q / dO (_bwd_wave). With
-    G query heads a program's unmasked walks are one walk of G rows, started at the fraction t / P of
-    it: head h0 = floor(G t / P) from slot s0 on, the other heads in turn, then h0 up to s0. (Rotating
-    each head's row on its own put the programs running at once on different heads: 4x the Q / dO,
-    and GQA's 32K random 0.5 backward 12% slower than in grid order, H100.)"""
+    IDX_CHUNK > 0: indexed walks read the query-block indices IDX_CHUNK at a time into registers; else one
+    index load per iteration, which IDX_DEEP pipelines two levels deep in the unmasked pass (_dkdv_head;
+    MASKED_ONE_STAGE: how a contiguous schedule's masked pass is walked). WAVE (indexed rows): the wave order
+    of fwd_kernel, here over the query blocks of the transposed rows, so the programs running at once read
+    one stretch of Q / dO (_bwd_wave). With G query heads a program's unmasked walks are one walk of G rows,
+    started at the fraction t / P of it: head h0 = floor(G t / P) from slot s0 on, the other heads in turn,
+    then h0 up to s0. (Rotating each head's row on its own put the programs running at once on different
+    heads: 4x the Q / dO, and GQA's 32K random 0.5 backward 12% slower than in grid order, H100.)"""
     i_n = tl.program_id(0)
     i_b, i_hk = _batch_head(HKV, SPLIT_GRID)
     q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
@@ -869,10 +869,10 @@ def bwd_dq_kernel(
     KV_TMA: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr, IDX_DEEP: tl.constexpr,
     SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile), visiting the same schedule as the forward. KV_TMA: K/V tiles through
-    TMA descriptors (Hopper+, 16-byte aligned rows), else pointer loads. WAVE: the unmasked blocks'
-    indexed walk in the wave order; IDX_CHUNK, IDX_DEEP: how indexed walks read the block indices;
-    both as in bwd_dkdv_kernel."""
+    """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile), visiting the same schedule
+    as the forward. KV_TMA: K/V tiles through TMA descriptors (Hopper+, 16-byte aligned rows), else
+    pointer loads. WAVE: the unmasked blocks' indexed walk in the wave order; IDX_CHUNK, IDX_DEEP: how
+    indexed walks read the block indices; both as in bwd_dkdv_kernel."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE)

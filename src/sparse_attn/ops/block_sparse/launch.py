@@ -25,7 +25,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("auto", "1", "0", "dq", "dkdv"),
                  "BWD_QDO": ("tma", "ptr"), "BWD_DQ_KV": ("tma", "ptr"), "BWD_IDX_DEEP": ("auto", "0", "1"),
                  "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
-                 "BWD_DKDV_HEADS": ("auto", "inside", "outside"), "BWD_DKDV_MASKED": ("auto", "one-stage", "pipelined")}
+                 "BWD_DKDV_HEADS": ("auto", "inside", "outside"),
+                 "BWD_DKDV_MASKED": ("auto", "one-stage", "pipelined")}
 
 
 def _bwd_setting(name: str, env: str, default: str, choices_text: str | None = None) -> str:
@@ -144,11 +145,13 @@ BWD_DKDV_HEADS = _bwd_setting("BWD_DKDV_HEADS", "SPARSE_ATTN_BWD_DKDV_HEADS", "a
 # dK/dV kernel on contiguous schedules: its masked pass (each transposed row's query blocks with an element
 # mask or past the sequence end; a block or two) "one-stage" (one index load an iteration, no software
 # pipelining) or "pipelined" (register index chunks at NUM_STAGES, as the indexed walks); "auto": one-stage
-# on layouts with element masks. There the pipelined pass's buffers raised the pressure of the whole
-# kernel: triton 3.6's SASS of the causal variant spilled 13 loads an iteration in the arithmetic walk of
-# the unmasked blocks, none one-stage, and the kernel ran 3-5% faster (H200, 16K-32K: causal, window,
-# streaming, Hkv 32 and 8). Without element masks one-stage was 7% slower (dense, block-diagonal), though
-# its SASS spills less there too (NOTES backward 32).
+# on layouts with element masks and where GQA's heads loop inside (HEADS_INSIDE). There the pipelined
+# pass's buffers raised the pressure of the whole kernel: triton 3.6's SASS of the causal variant spilled
+# 13 loads an iteration in the arithmetic walk of the unmasked blocks, none one-stage, and the kernel ran
+# 3-5% faster (H200, 16K-32K: causal, window, streaming, Hkv 32 and 8); GQA's unmasked walk 6 -> 0, 6%
+# faster (dense, block-diagonal at Hkv 8). One query head per kv head without element masks, one-stage
+# was 4-7% slower (dense 16K and 32K, block-diagonal), though its SASS spills less there too (NOTES
+# backward 32).
 BWD_DKDV_MASKED = _bwd_setting("BWD_DKDV_MASKED", "SPARSE_ATTN_BWD_DKDV_MASKED", "auto")
 # backward kernels on contiguous schedules (every row's unmasked blocks one run: dense, causal, windows,
 # block-diagonal): walk the run by arithmetic ("1") or through the register index chunks like any
@@ -752,6 +755,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     dkdv_deep = deep and not dkdv_contiguous
     delta_acc = BWD_DKDV_DELTA_ACC == "1" or (BWD_DKDV_DELTA_ACC == "auto" and d_pad == 128 and not fused and (
         dkdv_deep or (not dkdv_wave and (heads_inside or dkdv_contiguous))))
+    masked_one_stage = BWD_DKDV_MASKED == "one-stage" or (
+        BWD_DKDV_MASKED == "auto" and (n_terms > 0 or heads_inside))
     kv_rows, kv_split = grid_rows(B, hkv)
     grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), *kv_rows)  # noqa: E731
     kern[grid](
@@ -763,7 +768,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=0 if dkdv_deep else BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first",
         HEADS_INSIDE=heads_inside, CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc,
-        IDX_DEEP=dkdv_deep, SPLIT_GRID=kv_split, MASKED_ONE_STAGE=BWD_DKDV_MASKED == "one-stage" or (BWD_DKDV_MASKED == "auto" and n_terms > 0), **common)
+        IDX_DEEP=dkdv_deep, SPLIT_GRID=kv_split, MASKED_ONE_STAGE=masked_one_stage, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
