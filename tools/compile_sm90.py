@@ -265,7 +265,7 @@ def report_residency(target) -> None:
         seen.add((d, m, n, s, w, quant))
         consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                       IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
-                      K_SCALE_SPAN=128 if quant else 0, WAVE=True)
+                      K_SCALE_SPAN=128 if quant else 0, WAVE=True, REVERSE=False)
         assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(8 if quant == 2 else 16), m, n, d, s)
         line(f"d{d} {m}x{n} {s} stages {w} warps quant {quant}", *_residency(target, K.fwd_kernel, consts, w, s),
              assumed)
@@ -278,8 +278,8 @@ def report_residency(target) -> None:
             seen.add((kind, d, m, n, s, w))
             consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=bq, BLOCK_K=bq, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                           IS_VARLEN=False, IDX_CHUNK=64, CONTIGUOUS=False, WAVE=True, IDX_DEEP=False)
-            consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True, DELTA_ACC=False)
-                          if kind == "dkdv" else dict(KV_TMA=True))
+            consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True, DELTA_ACC=False,
+                               MASKED_ONE_STAGE=True) if kind == "dkdv" else dict(KV_TMA=True, REVERSE=True))
             fn = K.bwd_dkdv_kernel if kind == "dkdv" else K.bwd_dq_kernel
             line(f"{kind} d{d} {m}x{n} {s} stages {w} warps", *_residency(target, fn, consts, w, s),
                  K._bwd_resident_per_sm.fn(m, n, d))
