@@ -243,10 +243,11 @@ def _forward_and_grads(call, q, k, v, do):
 @pytest.mark.parametrize("kind", ["causal", "causal-packed", "random-gqa"])
 def test_reversed_row_order_changes_only_which_program_runs_a_tile(monkeypatch, kind):
     """launch.ROW_ORDER "reverse" hands the forward's and the dQ kernel's query tiles to the grid's
-    programs last tile first (kernels._query_tile REVERSE; the default, "reverse-dq", the dQ kernel's). Each tile's arithmetic is its
-    own, so output, LSE and gradients are bitwise those of grid order; with 16-row blocks over 75 and
-    33 rows, a tile map off by one leaves a tile unwritten or writes a row twice. The wave orders,
-    which place a walk by the program's position, are off here (they differ by position, not tile)."""
+    programs last tile first (kernels._query_tile REVERSE; the default, "reverse-dq", the dQ
+    kernel's only). Each tile's arithmetic is its own, so output, LSE and gradients are bitwise those
+    of grid order; with 16-row blocks over 75 and 33 rows, a tile map off by one leaves a tile
+    unwritten or writes a row twice. The wave orders, which place a walk by the program's position,
+    are off here (they differ by position, not tile)."""
     from sparse_attn import patterns, varlen
     from sparse_attn.ops.block_sparse import attention_op, varlen_attention_op
     monkeypatch.setattr(launch, "FWD_WAVE", False)
@@ -416,30 +417,20 @@ def test_backward_refuses_settings_assigned_outside_their_choices(name, value, m
     ("block-diagonal", 96, 96, 2, 2),    # documents of 40 tokens: their edges inside blocks
     ("causal-packed", None, None, 2, 1),  # packed sequences
 ])
-def test_one_stage_masked_pass_does_not_change_gradients(kind, lq, lk, hq, hkv):
+def test_one_stage_masked_pass_does_not_change_gradients(kind, lq, lk, hq, hkv, monkeypatch):
     """On contiguous schedules the dK/dV kernel's masked pass (the blocks with an element mask or past
     the sequence end) may load one index an iteration, unpipelined (launch.BWD_DKDV_MASKED "one-stage";
     "auto", the default, where the layout has element masks or GQA's heads loop inside), instead of
-    register chunks at NUM_STAGES:
-    the same blocks in the same order, so gradients bitwise equal, and the oracle checks them elsewhere
-    (test_backward_meets_rule3 and the varlen tests run the default)."""
+    register chunks at NUM_STAGES: the same blocks in the same order, so gradients bitwise equal, and
+    the oracle checks them elsewhere (test_backward_meets_rule3 and the varlen tests run the default)."""
     from sparse_attn import patterns, varlen
-    from sparse_attn.ops.block_sparse import layout_inputs, varlen_attention_op
+    from sparse_attn.ops.block_sparse import attention_op, layout_inputs, varlen_attention_op
     if kind == "causal-packed":
         lens = [33, 5, 47]
         q, k, v = random_packed_qkv(sum(lens), sum(lens), hq, hkv, 16, seed=31)
         cu = torch.tensor([0, 33, 38, 85], dtype=torch.int32)
         stacked = varlen.stack(varlen.build_layouts(lens, lens, None, None, causal=True, block=16), 47, 47, hq)
-        do = torch.randn(q.shape, generator=torch.Generator().manual_seed(32)).half()
-        grads = []
-        for value in ("pipelined", "one-stage"):
-            saved, launch.BWD_DKDV_MASKED = launch.BWD_DKDV_MASKED, value
-            try:
-                out = varlen_attention_op(q, k, v, stacked, cu, cu, 47, 47, torch.tensor(lens))
-                grads.append(torch.autograd.grad(out, (q, k, v), do))
-            finally:
-                launch.BWD_DKDV_MASKED = saved
-        pipelined, one_stage = grads
+        call = lambda: varlen_attention_op(q, k, v, stacked, cu, cu, 47, 47, torch.tensor(lens))  # noqa: E731
     else:
         layout = {"causal": lambda: patterns.causal(lq, lk, block_q=16, block_k=16),
                   "local": lambda: patterns.local(lq, 48, block_q=16, block_k=16),
@@ -448,9 +439,13 @@ def test_one_stage_masked_pass_does_not_change_gradients(kind, lq, lk, hq, hkv):
         assert ins[10], "the transposed schedule must be contiguous"
         assert (ins[6] > ins[7]).any(), "some transposed row must have a masked pass to walk"
         q, k, v = _qkv(hq, hkv, lq, lk, 16, seed=31)
-        do = torch.randn(1, hq, lq, 16, generator=torch.Generator().manual_seed(32)).half()
-        pipelined, one_stage = grads_per_launch_setting(q, k, v, layout, do, "BWD_DKDV_MASKED",
-                                                        ("pipelined", "one-stage"))
+        call = lambda: attention_op(q, k, v, layout)  # noqa: E731
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(32)).half()
+    grads = []
+    for value in ("pipelined", "one-stage"):
+        monkeypatch.setattr(launch, "BWD_DKDV_MASKED", value)
+        grads.append(torch.autograd.grad(call(), (q, k, v), do))
+    pipelined, one_stage = grads
     assert all(torch.isfinite(g).all() for g in one_stage)
     assert all(torch.equal(a, b) for a, b in zip(pipelined, one_stage))
 
