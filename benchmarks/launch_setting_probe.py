@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,8 +22,8 @@ from sparse_attn.bench.results import make_header
 from sparse_attn.ops.block_sparse import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fwdbwd_timeline_probe import layout_for, profile_once, warm_up  # noqa: E402
-from mask_cost_probe import kernel_times  # noqa: E402
+from fwdbwd_timeline_probe import layout_for  # noqa: E402
+from mask_cost_probe import alternated_kernel_times, kernel_times  # noqa: E402
 
 
 def main():
@@ -53,20 +52,11 @@ def main():
             times = {a.label: kernel_times(step, (q, k, v), a.rounds)}
         else:
             saved = getattr(launch, a.setting)
-            per = {o: defaultdict(list) for o in a.values}
+            setups = {o: (lambda o=o: setattr(launch, a.setting, o)) for o in a.values}
             try:
-                for o in a.values:
-                    setattr(launch, a.setting, o)
-                    warm_up(step, (q, k, v))
-                for _ in range(a.rounds):
-                    for o in a.values:
-                        setattr(launch, a.setting, o)
-                        once = profile_once(step, (q, k, v))
-                        for name, ms in {**once["kernels"], "span": once["span_ms"]}.items():
-                            per[o][name].append(ms)
+                times = alternated_kernel_times(step, (q, k, v), a.rounds, setups)
             finally:
                 setattr(launch, a.setting, saved)
-            times = {o: {n: sorted(v)[len(v) // 2] for n, v in d.items()} for o, d in per.items()}
         for label, med in times.items():
             row = dict(case=case, seq_len=seq_len, kv_heads=kv_heads, label=label,
                        setting=a.setting if a.values else None, median_ms=med)

@@ -40,13 +40,23 @@ def _unmasked_backward(*args, **kw):
 
 def kernel_times(step, leaves, rounds: int) -> dict:
     """Median ms per kernel name over ``rounds`` profiled steps, and of the step's span ("span")."""
-    warm_up(step, leaves)
-    per_name = defaultdict(list)
+    return alternated_kernel_times(step, leaves, rounds, {None: lambda: None})[None]
+
+
+def alternated_kernel_times(step, leaves, rounds: int, setups: dict) -> dict:
+    """kernel_times under each of ``setups`` (label -> a callable putting that variant in place), the
+    variants alternated step by step in every round: {label: {kernel name or "span": median ms}}."""
+    for setup in setups.values():
+        setup()
+        warm_up(step, leaves)
+    per = {label: defaultdict(list) for label in setups}
     for _ in range(rounds):
-        once = profile_once(step, leaves)
-        for name, ms in {**once["kernels"], "span": once["span_ms"]}.items():
-            per_name[name].append(ms)
-    return {name: sorted(v)[len(v) // 2] for name, v in per_name.items()}
+        for label, setup in setups.items():
+            setup()
+            once = profile_once(step, leaves)
+            for name, ms in {**once["kernels"], "span": once["span_ms"]}.items():
+                per[label][name].append(ms)
+    return {label: {name: sorted(v)[len(v) // 2] for name, v in d.items()} for label, d in per.items()}
 
 
 def main():
