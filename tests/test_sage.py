@@ -245,7 +245,8 @@ def test_quantize_kernel_matches_twin_exactly(gran):
     _, k, _ = _qkv(2, 3, 8, 200, 32, k_offset=3.0, dtype=torch.float16)
     mean = launch.k_mean(k, False)
     k8, s = launch.quantize_rows(k, ks, kp, mean, False)
-    r8, rs = twin.quantize_rows(k, ks, kp, k.float().mean(-2))
+    torch.testing.assert_close(mean, k.float().mean(-2), rtol=1e-6, atol=1e-6)
+    r8, rs = twin.quantize_rows(k, ks, kp, mean)  # the kernel's own mean: the rows, not the sum, are tested
     assert torch.equal(k8, r8) and torch.equal(s, rs)
     # packed: each sequence's groups start at its first token, as if it were quantized alone
     packed = k[0].transpose(0, 1).contiguous()  # [T, H, D]
@@ -348,7 +349,9 @@ def test_packed_statistics_are_per_sequence():
     cu = torch.tensor([0, 3, 3, 1500, 1501], dtype=torch.int32)  # 1497 tokens: two chunks of 1024
     x = torch.randn(1501, 2, 48, dtype=torch.float16) + torch.arange(48) / 8
     mean = launch.k_mean(x, True, cu, 1497)
-    amax = launch.seq_stats(x, cu, 1497, True)
+    both = launch.kv_stats(x, x, True, cu, 1497)
+    assert torch.equal(both[0], mean)
+    amax = both[1]
     assert mean.shape == amax.shape == (4, 2, 48)
     for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         seg = x[a:e].float()
@@ -663,3 +666,30 @@ def test_the_8bit_lse_is_fp32_under_autocast():
     assert lse.dtype == torch.float32 and lse_packed.dtype == torch.float32
     assert (lse - plain).abs().max().item() < 1e-5
     assert (lse_packed - plain_packed).abs().max().item() < 1e-5
+
+
+@interp
+@pytest.mark.interpreter
+@pytest.mark.parametrize("varlen", [False, True])
+def test_kv_stats_take_k_mean_and_v_amax_in_one_pass(varlen, one_thread):
+    """kv_stats' one launch gives what torch's separate reductions give: K's smoothing mean and V's
+    per-channel amax, per batch row (or packed sequence) and head, NaN kept in the amax (the hardware
+    max drops it: the channel would have been rounded at a finite scale, silently)."""
+    from sparse_attn.ops.sage import launch as sage_launch
+    k = torch.randn(2, 3, 1100, 40) + torch.arange(40) / 4  # two chunks of 1024 rows, D padded to 64
+    v = torch.randn(2, 3, 1100, 40) * torch.linspace(0.1, 9, 40)
+    v[1, 2, 1050, 7] = float("nan")
+    k[0, 1, 3, 5] = float("inf")
+    if varlen:
+        cu = torch.tensor([0, 1100, 2200], dtype=torch.int32)
+        pk, pv = (x.transpose(1, 2).reshape(2200, 3, 40) for x in (k, v))
+        mean, amax = sage_launch.kv_stats(pk, pv, True, cu, 1100)
+    else:
+        mean, amax = sage_launch.kv_stats(k, v, False)
+    want_mean = k.mean(2)
+    want_mean[0, 1, 5] = 0.0  # a non-finite channel is not smoothed
+    torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-5)
+    want_amax = v.abs().amax(2)
+    assert want_amax[1, 2, 7].isnan()
+    assert torch.allclose(amax, want_amax, equal_nan=True, rtol=0, atol=0)
+    assert sage_launch.kv_stats(None, None, varlen)[0] is None

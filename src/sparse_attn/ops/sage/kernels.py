@@ -113,37 +113,52 @@ def quant_v_fp8_kernel(
 
 
 @triton.jit
-def seq_partials_kernel(
-    X, OUT, CU,
-    stride_xm, stride_xh,
-    stride_ob, stride_oh, stride_oc,
-    H,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, ABS_MAX: tl.constexpr,
-    SPLIT_GRID: tl.constexpr,
+def _max_nan(a, b):
+    """max that keeps a NaN (the hardware max drops it): a V channel holding a NaN gets a NaN amax."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def kv_partials_kernel(
+    K, V, KPART, VPART, CU,
+    stride_kb, stride_kh, stride_km,
+    stride_vb, stride_vh, stride_vm,
+    stride_pb, stride_ph, stride_pc,
+    H, L,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+    K_SUM: tl.constexpr, V_AMAX: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr,
 ):
-    """Grid (chunks, S * H; SPLIT_GRID: H, S) over packed [T, H, D] rows: per (sequence, head,
-    CHUNK-token chunk) the fp32 sum of the rows (ABS_MAX: the max of |x|) into OUT [S, H, chunks, D];
-    chunks past a sequence's end write zeros, neutral for both, so the caller reduces over all chunks
-    in a fixed order."""
+    """Grid (chunks, B * H; SPLIT_GRID: H, B), B the sequences when IS_VARLEN: per (batch row or
+    sequence, head, CHUNK-token chunk) the fp32 sum of K's rows (K_SUM) and the max of |V| (V_AMAX,
+    NaN kept) into KPART / VPART [B, H, chunks, D] (the same strides). One launch reads K and V once
+    each; chunks past a sequence's end write zeros, neutral for both, so the caller reduces over all
+    chunks in a fixed order (deterministic, no atomics)."""
     i_c = tl.program_id(0)
     i_b, i_h = _batch_head(H, SPLIT_GRID)
-    s0 = tl.load(CU + i_b)
-    n = tl.load(CU + i_b + 1) - s0
+    if IS_VARLEN:
+        s0 = tl.load(CU + i_b)
+        n = tl.load(CU + i_b + 1) - s0
+    else:
+        s0 = 0
+        n = L
     o_d = tl.arange(0, D_PAD)
     m_d = o_d < HEAD_DIM
     # elementwise over [ROWS, D] tiles, one cross-row reduction at the end (not one per tile)
-    b_acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    b_ks = tl.zeros([ROWS, D_PAD], tl.float32)
+    b_va = tl.zeros([ROWS, D_PAD], tl.float32)
     hi = tl.minimum((i_c + 1) * CHUNK, n)
     for r0 in range(i_c * CHUNK, hi, ROWS):
         o_m = r0 + tl.arange(0, ROWS)
-        p_x = X + (s0 + o_m).to(tl.int64)[:, None] * stride_xm + i_h.to(tl.int64) * stride_xh + o_d[None, :]
-        b_x = tl.load(p_x, mask=(o_m < hi)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        if ABS_MAX:
-            b_acc = tl.maximum(b_acc, tl.abs(b_x))
-        else:
-            b_acc += b_x
-    if ABS_MAX:
-        b_out = tl.max(b_acc, 0)
-    else:
-        b_out = tl.sum(b_acc, 0)
-    tl.store(OUT + i_b.to(tl.int64) * stride_ob + i_h * stride_oh + i_c * stride_oc + o_d, b_out, mask=m_d)
+        o_t = (s0 + o_m).to(tl.int64)[:, None]
+        m_md = (o_m < hi)[:, None] & m_d[None, :]
+        if K_SUM:  # (the pointer of an input not asked for is None: touched only under its flag)
+            p_k = K + i_b.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh + o_t * stride_km + o_d[None, :]
+            b_ks += tl.load(p_k, mask=m_md, other=0.0).to(tl.float32)
+        if V_AMAX:
+            p_v = V + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh + o_t * stride_vm + o_d[None, :]
+            b_va = _max_nan(b_va, tl.abs(tl.load(p_v, mask=m_md, other=0.0).to(tl.float32)))
+    p_out = i_b.to(tl.int64) * stride_pb + i_h * stride_ph + i_c * stride_pc + o_d
+    if K_SUM:
+        tl.store(KPART + p_out, tl.sum(b_ks, 0), mask=m_d)
+    if V_AMAX:
+        tl.store(VPART + p_out, tl.reduce(b_va, 0, _max_nan), mask=m_d)

@@ -3,7 +3,7 @@ block-sparse forward kernel with its QUANT flag. No autograd here.
 
 Dense inputs are ``[B, H, L, D]``; varlen inputs packed ``[T, H, D]`` with ``cu_seqlens``: every
 statistic is then taken per sequence, as for a dense batch row: K's mean and V's channel scales
-(``seq_stats``), and the scale groups, which start at every sequence's first token and never straddle
+(``kv_stats``), and the scale groups, which start at every sequence's first token and never straddle
 two sequences (so the attention kernel sees one K scale per key tile on packed inputs too). A packed
 sequence is quantized as if it were called alone, as the CPU twin does.
 """
@@ -77,21 +77,18 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     return xq, scale
 
 
-def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None, max_len: int | None = None):
+def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None, max_len: int | None = None,
+                   amax: torch.Tensor | None = None):
     """(FP8 e4m3 V^T, fp32 per-channel scale ``[B, H, D]``, varlen per sequence ``[S, H, D]``). V^T is dense ``[B, H, D, Lp]``
     (the token dim padded to a multiple of 16 for TMA, the pad zeroed); varlen ``[H, D, columns]``,
     with ``cu`` / ``max_len`` as in quantize_rows, each sequence from its own 16-aligned column
-    (vt_columns; zeros up to its next multiple of 16, the rest of the gaps never read)."""
+    (vt_columns; zeros up to its next multiple of 16, the rest of the gaps never read). ``amax``: V's
+    per-channel max of |v| when kv_stats already took it (else taken here)."""
     B, H, L, (svb, svh, svm) = _as_bhld(v, varlen)
     D = v.shape[-1]
     grid, split = _grid(varlen, cu, B, H, L, max_len)
-    if varlen:  # per sequence [S, H, D]
-        amax = seq_stats(v, cu, max_len, True)
-    elif L == 0:  # no keys: scale 1, as the twin (aminmax refuses an empty token dim)
-        amax = v.new_zeros(B, H, D, dtype=torch.float32)
-    else:
-        mn, mx = torch.aminmax(v, dim=2)  # one read of V; abs() would write a copy first
-        amax = torch.maximum(mx, -mn).float()
+    if amax is None:
+        amax = kv_stats(None, v, varlen, cu, max_len)[1]
     scale = v_channel_scale(amax)
     lp = vt_columns(L, cu.numel() - 1) if varlen else bs_launch._round_up(max(L, 1), 16)
     vt = torch.empty(((H, D, lp) if varlen else (B, H, D, lp)), device=v.device, dtype=torch.float8_e4m3fn)
@@ -104,37 +101,59 @@ def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None
     return vt, scale
 
 
-STAT_CHUNK, STAT_ROWS = 1024, 64  # tokens per seq_stats program, rows per load
+# tokens per kv_partials program, rows per load, warps: 32 rows on 4 warps hold 96 registers a thread
+# (sm_90 SASS, triton 3.6: 16-byte loads, no spills), so five programs share an SM
+STAT_CHUNK, STAT_ROWS, STAT_WARPS = 1024, 32, 4
 
 
-def seq_stats(x: torch.Tensor, cu: torch.Tensor, max_len: int, abs_max: bool) -> torch.Tensor:
-    """Per packed sequence and head of ``x [T, H, D]``: the fp32 sum over its tokens (``abs_max``: the
-    max of |x|), ``[S, H, D]``. Deterministic: fixed chunks, reduced in order (no atomics)."""
-    S, (_, H, D) = cu.numel() - 1, x.shape
-    chunks = triton.cdiv(max(max_len, 1), STAT_CHUNK)
-    part = torch.empty(S, H, chunks, D, device=x.device, dtype=torch.float32)
-    rows, split = bs_launch.grid_rows(S, H)
-    kernels.seq_partials_kernel[(chunks, *rows)](
-        x, part, cu, x.stride(0), x.stride(1), part.stride(0), part.stride(1), part.stride(2), H,
-        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, ABS_MAX=abs_max, SPLIT_GRID=split,
-        num_warps=4)
-    return part.amax(2) if abs_max else part.sum(2)
+def kv_stats(k: torch.Tensor | None, v: torch.Tensor | None, varlen: bool, cu: torch.Tensor | None = None,
+             max_len: int | None = None) -> tuple:
+    """(K's smoothing mean, V's per-channel amax), each fp32 ``[B, H, D]`` (varlen: per sequence,
+    ``[S, H, D]``), or None where that input is None, from one launch that reads K and V once each.
+    The mean is :func:`reference.smoothing_mean` of K's mean over tokens (an empty sequence's: 0; no
+    tokens at all: None); the amax keeps a NaN (v_channel_scale then gives the channel a NaN scale).
+    ``cu`` / ``max_len`` as in quantize_rows. Deterministic: fixed chunks, reduced in order."""
+    x = k if k is not None else v
+    if x is None:
+        return None, None
+    B, H, L, _ = _as_bhld(x, varlen)
+    D = x.shape[-1]
+    if varlen:
+        _check_packed(cu, max_len)
+        B, span = cu.numel() - 1, max_len
+    else:
+        span = L
+    if k is not None and k.shape[0 if varlen else 2] == 0:  # no keys at all: nothing to smooth
+        k = None
+    chunks = triton.cdiv(max(span, 1), STAT_CHUNK)
+    kpart = torch.empty(B, H, chunks, D, device=x.device, dtype=torch.float32) if k is not None else None
+    vpart = torch.empty(B, H, chunks, D, device=x.device, dtype=torch.float32) if v is not None else None
+    ref = kpart if kpart is not None else vpart
+    if ref is None:
+        return None, None
+    _, _, _, (skb, skh, skm) = _as_bhld(k, varlen) if k is not None else (0, 0, 0, (0, 0, 0))
+    _, _, _, (svb, svh, svm) = _as_bhld(v, varlen) if v is not None else (0, 0, 0, (0, 0, 0))
+    rows, split = bs_launch.grid_rows(B, H)
+    kernels.kv_partials_kernel[(chunks, *rows)](
+        k, v, kpart, vpart, cu, skb, skh, skm, svb, svh, svm, ref.stride(0), ref.stride(1), ref.stride(2), H, L,
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, K_SUM=k is not None,
+        V_AMAX=v is not None, IS_VARLEN=varlen, SPLIT_GRID=split, num_warps=STAT_WARPS)
+    mean = amax = None
+    if kpart is not None:
+        lens = (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)[:, None, None] if varlen else float(L)
+        mean = smoothing_mean(kpart.sum(2) / lens)
+    if vpart is not None:
+        amax = vpart.amax(2)  # torch's amax keeps NaN too
+    return mean, amax
 
 
 def k_mean(k: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None,
            max_len: int | None = None) -> torch.Tensor | None:
     """fp32 per-head mean of K over tokens, dense ``[B, Hkv, D]``, varlen per sequence ``[S, Hkv, D]``
-    (``cu`` / ``max_len`` as in quantize_rows; an empty sequence's mean is 0): subtracting it changes
-    every score of a query row by the same amount, which softmax ignores. Non-finite channels are
-    not smoothed (:func:`reference.smoothing_mean`)."""
-    if varlen:
-        if k.shape[0] == 0:
-            return None
-        _check_packed(cu, max_len)
-        lens = (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)
-        return smoothing_mean(seq_stats(k, cu, max_len, False) / lens[:, None, None])
-    # dtype= accumulates in fp32 while reading k once (k.float() would write an fp32 copy first)
-    return smoothing_mean(k.mean(2, dtype=torch.float32)) if k.shape[2] > 0 else None
+    (``cu`` / ``max_len`` as in quantize_rows; an empty sequence's mean is 0; no tokens at all: None):
+    subtracting it changes every score of a query row by the same amount, which softmax ignores.
+    Non-finite channels are not smoothed (:func:`reference.smoothing_mean`). kv_stats without V."""
+    return kv_stats(k, None, varlen, cu, max_len)[0]
 
 
 def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
@@ -146,10 +165,11 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     varlen = cu_q is not None
     (qs, qp), (ks, kp) = GRANULARITY[granularity]
     q8, q_scale = quantize_rows(q, qs, qp, None, varlen, cu_q, max_q)
-    mean = k_mean(k, varlen, cu_k, max_k) if smooth_k else None
+    # K's mean and V's amax in one pass over both
+    mean, v_amax = kv_stats(k if smooth_k else None, v if quant == 2 else None, varlen, cu_k, max_k)
     k8, k_scale = quantize_rows(k, ks, kp, mean, varlen, cu_k, max_k)
     if quant == 2:
-        vq, v_scale = quantize_v_fp8(v, varlen, cu_k, max_k)
+        vq, v_scale = quantize_v_fp8(v, varlen, cu_k, max_k, v_amax)
     else:
         vq, v_scale = v, None
     out, lse = bs_launch.forward(q8, k8, vq, counts, n_full, full_start, indices, mask_ids, contiguous, terms,
