@@ -491,6 +491,9 @@ def test_fp8_without_keys_gives_zeros():
 @interp
 @pytest.mark.interpreter
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+# the kernel casts a bad group's values to int8 as they are (NaN included: numpy warns under the
+# interpreter); the group's NaN scale means they are never used, so no per-element clean-up is paid
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
 def test_row_quantization_kernel_flags_non_finite_groups_as_the_twin_does(bad, one_thread):
     from sparse_attn.ops.sage import launch as sage_launch
     x = torch.randn(1, 2, 40, 32)

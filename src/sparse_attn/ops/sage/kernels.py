@@ -21,6 +21,13 @@ INT8_MAX = tl.constexpr(127.0)
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max that keeps a NaN (the hardware max drops it), so one reduction finds a row's or a channel's
+    largest magnitude and whether it holds a NaN."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _row_tile(CU, H, L, TILE: tl.constexpr, D_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr):
     """(batch or sequence, head, row offsets within it, head-dim offsets, its first token, its
     length) of a (row tile, batch * head) program (SPLIT_GRID: block_sparse.kernels' legend)."""
@@ -56,22 +63,27 @@ def quant_rows_kernel(
     o_t = s0 + o_m  # token index (the row within a dense batch row)
     p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh + o_t.to(tl.int64)[:, None] * stride_xm + o_d[None, :]
     b_x = tl.load(p_x, mask=m_md, other=0.0).to(tl.float32)  # [TILE, D]
-    if SMOOTH:
+    if SMOOTH:  # (padded head-dim columns load 0 and subtract a 0 mean)
         b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < HEAD_DIM, other=0.0)
-        b_x = tl.where(m_md, b_x - b_mean[None, :], 0.0)
+        b_x = b_x - b_mean[None, :]
+    # The kernel is instruction-bound at H200 copy rates, so the per-element work is kept to a minimum
+    # (sage_stats_probe / quant_shape_probe, NOTES 8-bit): one NaN-keeping max of |x| a row finds both the
+    # row's scale and whether it holds a NaN or inf; rows past the end are dropped per row, not per element.
+    b_amax = tl.reduce(tl.abs(b_x), 1, _max_nan)  # [TILE]
     # a group holding a NaN or inf gets a NaN scale (what it touches comes out NaN, as without
-    # quantization); the others scale from finite values only. (The hardware max drops NaN, and an inf
-    # amax rounded the whole group to 0: either way a non-finite input vanished silently.)
-    b_fin = (b_x == b_x) & (tl.abs(b_x) < float("inf"))
-    b_bad = tl.max(tl.where(b_fin | ~m_md, 0.0, 1.0), 1)  # [TILE]
-    b_x = tl.where(b_fin, b_x, 0.0)
-    b_amax = tl.max(tl.abs(b_x), 1)  # [TILE]
+    # quantization; its int8 values are then never used); the others scale from their finite values.
+    # (The hardware max drops NaN, and an inf amax rounded the whole group to 0: either way a
+    # non-finite input vanished silently.)
+    b_bad = tl.where(m_m & ~(b_amax < float("inf")), 1.0, 0.0)
+    b_amax = tl.where(m_m & (b_amax < float("inf")), b_amax, 0.0)
     b_g = tl.max(tl.reshape(b_amax, [TILE // SPAN, SPAN // PERIOD, PERIOD]), 1)  # [TILE // SPAN, PERIOD]
     b_amax = tl.reshape(tl.broadcast_to(b_g[:, None, :], [TILE // SPAN, SPAN // PERIOD, PERIOD]), [TILE])
     b_gb = tl.max(tl.reshape(b_bad, [TILE // SPAN, SPAN // PERIOD, PERIOD]), 1)
     b_bad = tl.reshape(tl.broadcast_to(b_gb[:, None, :], [TILE // SPAN, SPAN // PERIOD, PERIOD]), [TILE])
     b_scale = tl.where(b_amax > 0, b_amax / INT8_MAX, 1.0)
-    b_xs = b_x / b_scale[:, None]
+    # one correctly rounded reciprocal a row, then a multiply an element (the twin does the same; `/`
+    # compiles to an approximate division per element)
+    b_xs = b_x * tl.math.div_rn(tl.full([TILE], 1.0, tl.float32), b_scale)[:, None]
     b_q = (b_xs + tl.where(b_xs >= 0, 0.5, -0.5)).to(tl.int8)  # round half away from zero
     p_q = XQ + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_t.to(tl.int64)[:, None] * stride_qm + o_d[None, :]
     tl.store(p_q, b_q, mask=m_md)
@@ -110,12 +122,6 @@ def quant_v_fp8_kernel(
         m_t = m_md
     p_t = VT + i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + o_d.to(tl.int64)[:, None] * stride_td + (c0 + o_m)[None, :]
     tl.store(p_t, b_v8, mask=tl.trans(m_t))
-
-
-@triton.jit
-def _max_nan(a, b):
-    """max that keeps a NaN (the hardware max drops it): a V channel holding a NaN gets a NaN amax."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

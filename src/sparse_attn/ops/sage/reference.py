@@ -37,7 +37,7 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     amax = group_amax(xf.abs().amax(-1) if xf.shape[-1] else xf.new_zeros(xf.shape[:-1]), span, period)
     bad = group_amax((~finite).any(-1).float(), span, period) > 0
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-    xs = xf / scale[..., None]
+    xs = xf * (1.0 / scale)[..., None]  # a reciprocal a row, as the kernel (one multiply an element)
     scale = torch.where(bad, float("nan"), scale)
     q = torch.trunc(xs + torch.where(xs >= 0, 0.5, -0.5)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
