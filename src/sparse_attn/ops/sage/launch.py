@@ -17,10 +17,16 @@ from . import kernels
 from .granularity import GRANULARITY
 from .reference import lse_shift, packed_lse_shift, smoothing_mean, v_channel_scale
 
-TILE = 128  # rows per quantization program: a multiple of every group span
-# H100, 16K x 32 heads x d128 (benchmarks/results/quant-probe-h100.json): 8 warps 0.077 ms, 4 warps 0.095,
-# against 0.068 ms for the bytes at copy speed
+TILE = 128  # rows per V program, and per row program whose group spans more than 32 rows
 ROW_WARPS = 8
+
+
+def row_shape(span: int) -> tuple:
+    """(rows, warps) of a quant_rows_kernel program for groups of ``span`` rows: a multiple of the span.
+    H200, 32 heads x d128 (quant-shapes-rows-h200.json), Q in 16-row groups at 32K / 128K tokens: 32 rows
+    on 2 warps 0.102 / 0.382 ms (the copy rate: 0.097 / 0.382), 128 on 8 warps 0.113 / 0.423; K's 128-key
+    groups take 128 rows, fastest on 8 warps (0.118 / 0.448)."""
+    return (32, 2) if span <= 32 else (TILE, ROW_WARPS)
 
 
 def _as_bhld(x: torch.Tensor, varlen: bool) -> tuple:
@@ -35,16 +41,17 @@ def _check_packed(cu: torch.Tensor | None, max_len: int | None) -> None:
         raise ValueError("packed 8-bit quantization needs cu_seqlens and the longest sequence's length")
 
 
-def _grid(varlen: bool, cu: torch.Tensor | None, B: int, H: int, L: int, max_len: int | None) -> tuple:
-    """(grid, SPLIT_GRID): (row tiles, B * H) over dense rows, or over the packed sequences of ``cu``
-    (int32 [S + 1], the longest ``max_len``); past 65535 (sequence, head) pairs (row tiles, H, B)
-    (bs_launch.grid_rows)."""
+def _grid(varlen: bool, cu: torch.Tensor | None, B: int, H: int, L: int, max_len: int | None,
+          tile: int = TILE) -> tuple:
+    """(grid, SPLIT_GRID): (row tiles of ``tile`` rows, B * H) over dense rows, or over the packed
+    sequences of ``cu`` (int32 [S + 1], the longest ``max_len``); past 65535 (sequence, head) pairs
+    (row tiles, H, B) (bs_launch.grid_rows)."""
     if not varlen:
         rows, split = bs_launch.grid_rows(B, H)
-        return (triton.cdiv(L, TILE), *rows), split
+        return (triton.cdiv(L, tile), *rows), split
     _check_packed(cu, max_len)
     rows, split = bs_launch.grid_rows(cu.numel() - 1, H)
-    return (triton.cdiv(max(max_len, 1), TILE), *rows), split
+    return (triton.cdiv(max(max_len, 1), tile), *rows), split
 
 
 def vt_columns(total: int, num_seqs: int) -> int:
@@ -69,11 +76,12 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
     scale = torch.empty((H, lp) if varlen else (B, H, lp), device=x.device, dtype=torch.float32)[..., :L]
     ssb, ssh = (0, scale.stride(0)) if varlen else (scale.stride(0), scale.stride(1))
     smb, smh = (mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)  # [B or S, H, D]
-    grid, split = _grid(varlen, cu, B, H, L, max_len)
+    tile, warps = row_shape(span)
+    grid, split = _grid(varlen, cu, B, H, L, max_len, tile)
     kernels.quant_rows_kernel[grid](
         x, mean, xq, scale, cu, sxb, sxh, sxm, smb, smh, sqb, sqh, sqm, ssb, ssh, H, L,
-        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=TILE, SPAN=span, PERIOD=period, SMOOTH=mean is not None,
-        IS_VARLEN=varlen, SPLIT_GRID=split, num_warps=ROW_WARPS,
+        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), TILE=tile, SPAN=span, PERIOD=period, SMOOTH=mean is not None,
+        IS_VARLEN=varlen, SPLIT_GRID=split, num_warps=warps,
         enable_fp_fusion=False)  # x * (1 / scale) + 0.5 rounded twice, as the twin does: no FMA
     return xq, scale
 
