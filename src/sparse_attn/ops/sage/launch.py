@@ -23,9 +23,9 @@ ROW_WARPS = 8
 
 def row_shape(span: int) -> tuple:
     """(rows, warps) of a quant_rows_kernel program for groups of ``span`` rows: a multiple of the span.
-    H200, 32 heads x d128 (quant-shapes-rows-h200.json), Q in 16-row groups at 32K / 128K tokens: 32 rows
-    on 2 warps 0.102 / 0.382 ms (the copy rate: 0.097 / 0.382), 128 on 8 warps 0.113 / 0.423; K's 128-key
-    groups take 128 rows, fastest on 8 warps (0.118 / 0.448)."""
+    H200, 32 heads x d128 (results/sage-quant-h200/shapes-rows-after-h200.json), Q in 16-row groups
+    at 32K / 128K tokens: 32 rows on 2 warps 0.102 / 0.382 ms (the copy rate: 0.097 / 0.382), 128 on
+    8 warps 0.113 / 0.423; K's 128-key groups take 128 rows, fastest on 8 warps (0.118 / 0.448)."""
     return (32, 2) if span <= 32 else (TILE, ROW_WARPS)
 
 
@@ -111,8 +111,9 @@ def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None
 
 
 # tokens per kv_partials program, rows per load, warps. H200, K and V of 32 heads x d128
-# (quant-shapes-h200.json): 64 rows on 4 warps 0.141 ms at 32K tokens (92% of the copy rate), 0.512 at
-# 128K (at it); 32 rows, fewer registers but half the loads in flight a thread, 0.247 / 0.835
+# (results/sage-quant-h200/shapes-before-h200.json): 64 rows on 4 warps 0.141 ms at 32K tokens (92% of
+# the copy rate), 0.512 at 128K (at it); 32 rows, fewer registers but half the loads in flight a
+# thread, 0.247 / 0.835
 STAT_CHUNK, STAT_ROWS, STAT_WARPS = 1024, 64, 4
 
 
