@@ -28,9 +28,9 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _row_tile(CU, H, L, TILE: tl.constexpr, D_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr):
-    """(batch or sequence, head, row offsets within it, head-dim offsets, its first token, its
-    length) of a (row tile, batch * head) program (SPLIT_GRID: block_sparse.kernels' legend)."""
+def _sequence(CU, H, L, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr):
+    """(batch or sequence, head, its first token, its length) of a (tiles, batch * head) program
+    (SPLIT_GRID: block_sparse.kernels' legend)."""
     i_b, i_h = _batch_head(H, SPLIT_GRID)
     if IS_VARLEN:
         s0 = tl.load(CU + i_b)
@@ -38,6 +38,14 @@ def _row_tile(CU, H, L, TILE: tl.constexpr, D_PAD: tl.constexpr, IS_VARLEN: tl.c
     else:
         s0 = 0
         n = L
+    return i_b, i_h, s0, n
+
+
+@triton.jit
+def _row_tile(CU, H, L, TILE: tl.constexpr, D_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr):
+    """(batch or sequence, head, row offsets within it, head-dim offsets, its first token, its
+    length) of a (row tile, batch * head) program."""
+    i_b, i_h, s0, n = _sequence(CU, H, L, IS_VARLEN, SPLIT_GRID)
     return i_b, i_h, tl.program_id(0) * TILE + tl.arange(0, TILE), tl.arange(0, D_PAD), s0, n
 
 
@@ -140,13 +148,7 @@ def kv_partials_kernel(
     each; chunks past a sequence's end write zeros, neutral for both, so the caller reduces over all
     chunks in a fixed order (deterministic, no atomics)."""
     i_c = tl.program_id(0)
-    i_b, i_h = _batch_head(H, SPLIT_GRID)
-    if IS_VARLEN:
-        s0 = tl.load(CU + i_b)
-        n = tl.load(CU + i_b + 1) - s0
-    else:
-        s0 = 0
-        n = L
+    i_b, i_h, s0, n = _sequence(CU, H, L, IS_VARLEN, SPLIT_GRID)
     o_d = tl.arange(0, D_PAD)
     m_d = o_d < HEAD_DIM
     # elementwise over [ROWS, D] tiles, one cross-row reduction at the end (not one per tile)
