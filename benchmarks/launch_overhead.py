@@ -5,7 +5,8 @@
 Tiny inputs (B=1, H=32, L=256, D=128, bf16, causal), so the GPU finishes each kernel long before the
 host issues the next and the per-call wall time is the host path. For each entry point: host
 microseconds per call (median of 5 runs of 200 back-to-back calls), then a cProfile of 200 calls of
-the public op sorted by own time.
+the public op sorted by own time. ``--quant int8-fp8``: also the 8-bit call, whose cProfile is then the
+one printed (the sage-test benchmark's shortest rows looked host-bound).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def per_call_us(fn, n=200, runs=5) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--quant", help="also time (and profile) the 8-bit call with this quant")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     q, k, v = (torch.randn(1, 32, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -60,12 +62,20 @@ def main():
         "sparse_attn.attention(layout=...)": per_call_us(lambda: sparse_attn.attention(q, k, v, lay)),
         "sparse_attn.attention(causal=True)": per_call_us(lambda: sparse_attn.attention(q, k, v, causal=True)),
     }
+    profiled = lambda: sparse_attn.attention(q, k, v, causal=True)  # noqa: E731
+    if a.quant:
+        from sparse_attn.ops.sage import launch as sage_launch
+        rows["quantize_rows (Q, per_warp)"] = per_call_us(lambda: sage_launch.quantize_rows(q, 16, 1, None, False))
+        rows["kv_stats (K and V)"] = per_call_us(lambda: sage_launch.kv_stats(k, v, False))
+        rows["quantize_v_fp8"] = per_call_us(lambda: sage_launch.quantize_v_fp8(v, False))
+        profiled = lambda: sparse_attn.attention(q, k, v, lay, quant=a.quant)  # noqa: E731
+        rows[f"sparse_attn.attention(layout=..., quant={a.quant})"] = per_call_us(profiled)
     for name, us in rows.items():
         print(f"{us:8.1f} us  {name}", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):
-        sparse_attn.attention(q, k, v, causal=True)
+        profiled()
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
