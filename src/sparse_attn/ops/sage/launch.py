@@ -124,6 +124,8 @@ def kv_stats(k: torch.Tensor | None, v: torch.Tensor | None, varlen: bool, cu: t
     The mean is :func:`reference.smoothing_mean` of K's mean over tokens (an empty sequence's: 0; no
     tokens at all: None); the amax keeps a NaN (v_channel_scale then gives the channel a NaN scale).
     ``cu`` / ``max_len`` as in quantize_rows. Deterministic: fixed chunks, reduced in order."""
+    if k is not None and k.shape[0 if varlen else 2] == 0:  # no keys at all: nothing to smooth
+        k = None
     x = k if k is not None else v
     if x is None:
         return None, None
@@ -134,14 +136,10 @@ def kv_stats(k: torch.Tensor | None, v: torch.Tensor | None, varlen: bool, cu: t
         B, span = cu.numel() - 1, max_len
     else:
         span = L
-    if k is not None and k.shape[0 if varlen else 2] == 0:  # no keys at all: nothing to smooth
-        k = None
     chunks = triton.cdiv(max(span, 1), STAT_CHUNK)
     kpart = torch.empty(B, H, chunks, D, device=x.device, dtype=torch.float32) if k is not None else None
     vpart = torch.empty(B, H, chunks, D, device=x.device, dtype=torch.float32) if v is not None else None
-    ref = kpart if kpart is not None else vpart
-    if ref is None:
-        return None, None
+    ref = kpart if kpart is not None else vpart  # the two share their strides
     _, _, _, (skb, skh, skm) = _as_bhld(k, varlen) if k is not None else (0, 0, 0, (0, 0, 0))
     _, _, _, (svb, svh, svm) = _as_bhld(v, varlen) if v is not None else (0, 0, 0, (0, 0, 0))
     rows, split = bs_launch.grid_rows(B, H)
