@@ -204,5 +204,8 @@ def kv_finish_kernel(
         b_amax = tl.zeros([D_PAD], tl.float32)
         for c in range(CHUNKS):
             b_amax = _max_nan(b_amax, tl.load(VPART + p_part + c * stride_pc, mask=m_d, other=0.0))
-        b_scale = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full([D_PAD], FP8_MAX, tl.float32)), 1.0)
+        # times the fp32 reciprocal, as torch's CUDA division by a scalar computes amax / 448 (the twin on
+        # a GPU): the exact quotient differed from it by an ulp in some channels, and every dequantized
+        # value of those channels with it (test_quantization_kernels_match_the_twin_exactly on the H200)
+        b_scale = tl.where(b_amax > 0, b_amax * (1.0 / FP8_MAX), 1.0)
         tl.store(VSCALE + p_out, tl.where(b_amax < float("inf"), b_scale, float("nan")), mask=m_d)  # NaN: NaN
