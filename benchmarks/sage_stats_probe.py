@@ -28,20 +28,21 @@ from sparse_attn import patterns
 from sparse_attn.bench.providers import flex_provider
 from sparse_attn.bench.results import make_header
 from sparse_attn.ops.sage import launch as sage_launch
-from sparse_attn.ops.sage.reference import smoothing_mean
+from sparse_attn.ops.sage.reference import smoothing_mean, v_channel_scale
 
 FUSED = sage_launch.kv_stats
 
 
 def torch_kv_stats(k, v, varlen, cu=None, max_len=None):
-    """The launcher's statistics before kv_stats (dense inputs): two torch reductions."""
+    """The launcher's statistics before kv_stats (dense inputs): two torch reductions (and the same
+    finishing as kv_stats: K's smoothing mean, V's channel scale)."""
     assert not varlen
     mean = smoothing_mean(k.mean(2, dtype=torch.float32)) if k is not None and k.shape[2] else None
-    amax = None
+    scale = None
     if v is not None:
         mn, mx = torch.aminmax(v, dim=2)
-        amax = torch.maximum(mx, -mn).float()
-    return mean, amax
+        scale = v_channel_scale(torch.maximum(mx, -mn).float())
+    return mean, scale
 
 
 VARIANTS = {"torch": torch_kv_stats, "fused": FUSED}
@@ -89,7 +90,7 @@ def main():
             outs[name] = (mean, amax, call())
         sage_launch.kv_stats = FUSED
         (m0, a0, o0), (m1, a1, o1) = outs["torch"], outs["fused"]
-        check = dict(mean_max_abs_diff=(m0 - m1).abs().max().item(), amax_equal=bool(torch.equal(a0, a1)),
+        check = dict(mean_max_abs_diff=(m0 - m1).abs().max().item(), v_scale_equal=bool(torch.equal(a0, a1)),
                      out_max_abs_diff=(o0.float() - o1.float()).abs().max().item(),
                      out_finite=bool(torch.isfinite(o1).all()))
         flex = flex_provider(q, k, v, layout, causal)

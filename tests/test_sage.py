@@ -351,14 +351,14 @@ def test_packed_statistics_are_per_sequence():
     mean = launch.k_mean(x, True, cu, 1497)
     both = launch.kv_stats(x, x, True, cu, 1497)
     assert torch.equal(both[0], mean)
-    amax = both[1]
+    amax = both[1] * 448.0  # the V scale: amax / 448 (an empty sequence's: 1)
     assert mean.shape == amax.shape == (4, 2, 48)
     for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         seg = x[a:e].float()
         want_mean = seg.mean(0) if e > a else torch.zeros(2, 48)
-        want_amax = seg.abs().amax(0) if e > a else torch.zeros(2, 48)
+        want_amax = seg.abs().amax(0) if e > a else torch.full((2, 48), 448.0)
         torch.testing.assert_close(mean[b], want_mean, rtol=1e-5, atol=1e-5)
-        assert torch.equal(amax[b], want_amax)
+        torch.testing.assert_close(amax[b], want_amax, rtol=1e-6, atol=0)
 
 
 @interp
@@ -674,14 +674,16 @@ def test_the_8bit_lse_is_fp32_under_autocast():
 @interp
 @pytest.mark.interpreter
 @pytest.mark.parametrize("varlen", [False, True])
-def test_kv_stats_take_k_mean_and_v_amax_in_one_pass(varlen, one_thread):
-    """kv_stats' one launch gives what torch's separate reductions give: K's smoothing mean and V's
-    per-channel amax, per batch row (or packed sequence) and head, NaN kept in the amax (the hardware
-    max drops it: the channel would have been rounded at a finite scale, silently)."""
+def test_kv_stats_take_k_mean_and_v_scale_in_one_pass(varlen, one_thread):
+    """kv_stats' launches give what torch's separate reductions give: K's smoothing mean and V's FP8
+    channel scale, per batch row (or packed sequence) and head, a NaN in V kept (the hardware max
+    drops it: the channel would have been rounded at a finite scale, silently), an all-zero channel
+    scale 1."""
     from sparse_attn.ops.sage import launch as sage_launch
     k = torch.randn(2, 3, 1100, 40) + torch.arange(40) / 4  # two chunks of 1024 rows, D padded to 64
     v = torch.randn(2, 3, 1100, 40) * torch.linspace(0.1, 9, 40)
     v[1, 2, 1050, 7] = float("nan")
+    v[0, 0, :, 0] = 0.0  # an all-zero channel: scale 1
     k[0, 1, 3, 5] = float("inf")
     if varlen:
         cu = torch.tensor([0, 1100, 2200], dtype=torch.int32)
@@ -692,7 +694,7 @@ def test_kv_stats_take_k_mean_and_v_amax_in_one_pass(varlen, one_thread):
     want_mean = k.mean(2)
     want_mean[0, 1, 5] = 0.0  # a non-finite channel is not smoothed
     torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-5)
-    want_amax = v.abs().amax(2)
-    assert want_amax[1, 2, 7].isnan()
-    assert torch.allclose(amax, want_amax, equal_nan=True, rtol=0, atol=0)
+    want = twin.v_channel_scale(v.abs().amax(2))
+    assert want[1, 2, 7].isnan() and want[0, 0, 0] == 1.0
+    assert torch.allclose(amax, want, equal_nan=True, rtol=0, atol=0)
     assert sage_launch.kv_stats(None, None, varlen)[0] is None

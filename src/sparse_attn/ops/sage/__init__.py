@@ -35,11 +35,11 @@ def sage_attention_op(q, k, v, layout: BlockLayout, *, quant: str, granularity: 
     """8-bit kernels on validated ``[B, H, L, D]`` fp16/bf16 inputs. Returns (out, lse fp32
     ``[B, H, Lq]``): the LSE of the smoothed scores, or with ``unsmoothed_lse`` that of the scores
     themselves (the smoothing shift added back with the K mean the quantization took)."""
-    from .function import sage_fwd
+    from .function import sage_forward
     mode, (q, k, v) = _prepare(q, k, v, quant, granularity, layout.block_k)
     scale = softmax_scale(q, scale)
     fwd = forward_layout_inputs(layout)
-    return sage_fwd(q, k, v, *fwd, None, None, layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
+    return sage_forward(q, k, v, *fwd, None, None, layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
                     mode, granularity, smooth_k, unsmoothed_lse)
 
 
@@ -48,10 +48,10 @@ def sage_varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: i
                              unsmoothed_lse: bool = False):
     """8-bit kernels on packed ``[T, H, D]`` inputs (see varlen_attention_op). Returns (out, lse [H, T]),
     the LSE as in sage_attention_op."""
-    from .function import sage_fwd
+    from .function import sage_forward
     mode, (q, k, v) = _prepare(q, k, v, quant, granularity, stacked.block_k)
     scale = softmax_scale(q, scale)
     fwd = forward_layout_inputs(stacked, kv_lens)
     # offsets at unit stride, as the kernels read them (a strided view was read as packed: other sequences' bounds)
-    return sage_fwd(q, k, v, *fwd, _offsets(cu_q), _offsets(cu_k), stacked.block_q, stacked.block_k, scale, max_q,
+    return sage_forward(q, k, v, *fwd, _offsets(cu_q), _offsets(cu_k), stacked.block_q, stacked.block_k, scale, max_q,
                     max_k, mode, granularity, smooth_k, unsmoothed_lse)

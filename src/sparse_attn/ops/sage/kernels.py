@@ -16,8 +16,10 @@ import triton
 import triton.language as tl
 
 from ..block_sparse.kernels import _batch_head, vt_column0
+from .granularity import FP8_MAX as _FP8_MAX
 
 INT8_MAX = tl.constexpr(127.0)
+FP8_MAX = tl.constexpr(_FP8_MAX)
 
 
 @triton.jit
@@ -170,3 +172,40 @@ def kv_partials_kernel(
         tl.store(KPART + p_out, tl.sum(b_ks, 0), mask=m_d)
     if V_AMAX:
         tl.store(VPART + p_out, tl.reduce(b_va, 0, _max_nan), mask=m_d)
+
+
+@triton.jit
+def kv_finish_kernel(
+    KPART, VPART, MEAN, VSCALE, CU,
+    stride_pb, stride_ph, stride_pc,
+    stride_ob, stride_oh,
+    H, L, CHUNKS,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, K_SUM: tl.constexpr, V_AMAX: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr,
+):
+    """Grid (1, B * H; SPLIT_GRID: 1, H, B): kv_partials_kernel's chunks reduced in order into K's
+    smoothing mean (the sum over the sequence's tokens / their count, at least 1; a non-finite
+    channel 0, as reference.smoothing_mean) and V's FP8 channel scale (amax / FP8_MAX, 1 for an
+    all-zero channel, NaN for one holding a NaN or inf, as reference.v_channel_scale), each
+    [B, H, D] at MEAN / VSCALE (the same strides). One launch instead of a dozen small torch ops:
+    the host time of a short 8-bit call (benchmarks/launch_overhead.py --quant)."""
+    i_b, i_h, s0, n = _sequence(CU, H, L, IS_VARLEN, SPLIT_GRID)
+    o_d = tl.arange(0, D_PAD)
+    m_d = o_d < HEAD_DIM
+    p_part = i_b.to(tl.int64) * stride_pb + i_h * stride_ph + o_d
+    p_out = i_b.to(tl.int64) * stride_ob + i_h * stride_oh + o_d
+    if K_SUM:
+        b_sum = tl.zeros([D_PAD], tl.float32)
+        for c in range(CHUNKS):
+            b_sum += tl.load(KPART + p_part + c * stride_pc, mask=m_d, other=0.0)
+        b_mean = tl.math.div_rn(b_sum, tl.full([D_PAD], 1.0, tl.float32) * tl.maximum(n, 1).to(tl.float32))
+        tl.store(MEAN + p_out, tl.where(tl.abs(b_mean) < float("inf"), b_mean, 0.0), mask=m_d)  # NaN: 0 too
+    if V_AMAX:
+        b_amax = tl.zeros([D_PAD], tl.float32)
+        for c in range(CHUNKS):
+            b_amax = _max_nan(b_amax, tl.load(VPART + p_part + c * stride_pc, mask=m_d, other=0.0))
+        # times the fp32 reciprocal, as torch's CUDA division by a scalar computes amax / 448 (the twin on
+        # a GPU): the exact quotient differed from it by an ulp in some channels, and every dequantized
+        # value of those channels with it (test_quantization_kernels_match_the_twin_exactly on the H200)
+        b_scale = tl.where(b_amax > 0, b_amax * (1.0 / FP8_MAX), 1.0)
+        tl.store(VSCALE + p_out, tl.where(b_amax < float("inf"), b_scale, float("nan")), mask=m_d)  # NaN: NaN

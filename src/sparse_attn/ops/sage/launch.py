@@ -15,7 +15,7 @@ import triton
 from ..block_sparse import launch as bs_launch
 from . import kernels
 from .granularity import GRANULARITY
-from .reference import lse_shift, packed_lse_shift, smoothing_mean, v_channel_scale
+from .reference import lse_shift, packed_lse_shift
 
 TILE = 128  # rows per V program, and per row program whose group spans more than 32 rows
 ROW_WARPS = 8
@@ -87,18 +87,17 @@ def quantize_rows(x: torch.Tensor, span: int, period: int, mean: torch.Tensor | 
 
 
 def quantize_v_fp8(v: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None, max_len: int | None = None,
-                   amax: torch.Tensor | None = None):
+                   scale: torch.Tensor | None = None):
     """(FP8 e4m3 V^T, fp32 per-channel scale ``[B, H, D]``, varlen per sequence ``[S, H, D]``). V^T is dense ``[B, H, D, Lp]``
     (the token dim padded to a multiple of 16 for TMA, the pad zeroed); varlen ``[H, D, columns]``,
     with ``cu`` / ``max_len`` as in quantize_rows, each sequence from its own 16-aligned column
-    (vt_columns; zeros up to its next multiple of 16, the rest of the gaps never read). ``amax``: V's
-    per-channel max of |v| when kv_stats already took it (else taken here)."""
+    (vt_columns; zeros up to its next multiple of 16, the rest of the gaps never read). ``scale``: V's
+    channel scales when kv_stats already took them (else taken here)."""
     B, H, L, (svb, svh, svm) = _as_bhld(v, varlen)
     D = v.shape[-1]
     grid, split = _grid(varlen, cu, B, H, L, max_len)
-    if amax is None:
-        amax = kv_stats(None, v, varlen, cu, max_len)[1]
-    scale = v_channel_scale(amax)
+    if scale is None:
+        scale = kv_stats(None, v, varlen, cu, max_len)[1]
     lp = vt_columns(L, cu.numel() - 1) if varlen else bs_launch._round_up(max(L, 1), 16)
     vt = torch.empty(((H, D, lp) if varlen else (B, H, D, lp)), device=v.device, dtype=torch.float8_e4m3fn)
     if lp > L and not varlen:
@@ -119,11 +118,12 @@ STAT_CHUNK, STAT_ROWS, STAT_WARPS = 1024, 64, 4
 
 def kv_stats(k: torch.Tensor | None, v: torch.Tensor | None, varlen: bool, cu: torch.Tensor | None = None,
              max_len: int | None = None) -> tuple:
-    """(K's smoothing mean, V's per-channel amax), each fp32 ``[B, H, D]`` (varlen: per sequence,
-    ``[S, H, D]``), or None where that input is None, from one launch that reads K and V once each.
-    The mean is :func:`reference.smoothing_mean` of K's mean over tokens (an empty sequence's: 0; no
-    tokens at all: None); the amax keeps a NaN (v_channel_scale then gives the channel a NaN scale).
-    ``cu`` / ``max_len`` as in quantize_rows. Deterministic: fixed chunks, reduced in order."""
+    """(K's smoothing mean, V's FP8 channel scale), each fp32 ``[B, H, D]`` (varlen: per sequence,
+    ``[S, H, D]``), or None where that input is None: one launch reads K and V once each, a second
+    reduces its chunks. The mean is :func:`reference.smoothing_mean` of K's mean over tokens (an empty
+    sequence's: 0; no tokens at all: None); the scale is :func:`reference.v_channel_scale` of V's max
+    of |v| over tokens (NaN kept: such a channel gets a NaN scale). ``cu`` / ``max_len`` as in
+    quantize_rows. Deterministic: fixed chunks, reduced in order."""
     if k is not None and k.shape[0 if varlen else 2] == 0:  # no keys at all: nothing to smooth
         k = None
     x = k if k is not None else v
@@ -137,23 +137,20 @@ def kv_stats(k: torch.Tensor | None, v: torch.Tensor | None, varlen: bool, cu: t
     else:
         span = L
     chunks = triton.cdiv(max(span, 1), STAT_CHUNK)
-    kpart = torch.empty(B, H, chunks, D, device=x.device, dtype=torch.float32) if k is not None else None
-    vpart = torch.empty(B, H, chunks, D, device=x.device, dtype=torch.float32) if v is not None else None
-    ref = kpart if kpart is not None else vpart  # the two share their strides
+    part = torch.empty(2, B, H, chunks, D, device=x.device, dtype=torch.float32)  # [K sums, V amaxes]
     _, _, _, (skb, skh, skm) = _as_bhld(k, varlen) if k is not None else (0, 0, 0, (0, 0, 0))
     _, _, _, (svb, svh, svm) = _as_bhld(v, varlen) if v is not None else (0, 0, 0, (0, 0, 0))
     rows, split = bs_launch.grid_rows(B, H)
+    flags = dict(HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), K_SUM=k is not None, V_AMAX=v is not None, IS_VARLEN=varlen,
+                 SPLIT_GRID=split)
     kernels.kv_partials_kernel[(chunks, *rows)](
-        k, v, kpart, vpart, cu, skb, skh, skm, svb, svh, svm, ref.stride(0), ref.stride(1), ref.stride(2), H, L,
-        HEAD_DIM=D, D_PAD=bs_launch._d_pad(D), CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, K_SUM=k is not None,
-        V_AMAX=v is not None, IS_VARLEN=varlen, SPLIT_GRID=split, num_warps=STAT_WARPS)
-    mean = amax = None
-    if kpart is not None:
-        lens = (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)[:, None, None] if varlen else float(L)
-        mean = smoothing_mean(kpart.sum(2) / lens)
-    if vpart is not None:
-        amax = vpart.amax(2)  # torch's amax keeps NaN too
-    return mean, amax
+        k, v, part[0], part[1], cu, skb, skh, skm, svb, svh, svm, *part.stride()[1:4], H, L,
+        CHUNK=STAT_CHUNK, ROWS=STAT_ROWS, **flags, num_warps=STAT_WARPS)
+    out = torch.empty(2, B, H, D, device=x.device, dtype=torch.float32)  # [mean, V scale]
+    kernels.kv_finish_kernel[(1, *rows)](
+        part[0], part[1], out[0], out[1], cu, *part.stride()[1:4], *out.stride()[1:3], H, L, chunks, **flags,
+        num_warps=1)
+    return (out[0] if k is not None else None), (out[1] if v is not None else None)
 
 
 def k_mean(k: torch.Tensor, varlen: bool, cu: torch.Tensor | None = None,
@@ -174,11 +171,11 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     varlen = cu_q is not None
     (qs, qp), (ks, kp) = GRANULARITY[granularity]
     q8, q_scale = quantize_rows(q, qs, qp, None, varlen, cu_q, max_q)
-    # K's mean and V's amax in one pass over both
-    mean, v_amax = kv_stats(k if smooth_k else None, v if quant == 2 else None, varlen, cu_k, max_k)
+    # K's mean and V's FP8 channel scale from one pass over both
+    mean, v_scale = kv_stats(k if smooth_k else None, v if quant == 2 else None, varlen, cu_k, max_k)
     k8, k_scale = quantize_rows(k, ks, kp, mean, varlen, cu_k, max_k)
     if quant == 2:
-        vq, v_scale = quantize_v_fp8(v, varlen, cu_k, max_k, v_amax)
+        vq, v_scale = quantize_v_fp8(v, varlen, cu_k, max_k, v_scale)
     else:
         vq, v_scale = v, None
     out, lse = bs_launch.forward(q8, k8, vq, counts, n_full, full_start, indices, mask_ids, contiguous, terms,

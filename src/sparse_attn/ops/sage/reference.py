@@ -61,7 +61,9 @@ def v_channel_scale(amax: torch.Tensor) -> torch.Tensor:
     """FP8 scale per V channel from its amax: NaN for a channel holding a NaN or inf, so the channel
     comes out NaN (a NaN amax once gave scale 1: the channel's finite values rounded at the wrong
     scale, silently), 1 for an all-zero one."""
-    return torch.where(torch.isfinite(amax), torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)),
+    # times the reciprocal on every device: torch's CUDA division by a scalar multiplies by the
+    # reciprocal while its CPU one divides, so the twin differed by an ulp between the two
+    return torch.where(torch.isfinite(amax), torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax)),
                        torch.full_like(amax, float("nan")))
 
 
