@@ -244,27 +244,6 @@ def _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs, pv_log2, MAY_BE_EMPTY: tl.con
     return b_m, b_l, b_acc
 
 
-# Ping-pong of the two warpgroups of an 8-warp program (FA3's schedule, by named barriers): warpgroup w
-# waits on barrier 1 + w before its S = Q.K^T and, once S is in, lets the other one go (barrier 2 - w),
-# so one warpgroup's softmax runs while the other's product holds the tensor cores. Barrier 0 is
-# Triton's own (bar.sync 0 around its TMA issues).
-@triton.jit
-def _pp_asm(ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-PP_START: tl.constexpr = tl.constexpr(
-    "{ .reg .pred p; .reg .u32 w; mov.u32 w, %tid.x; shr.u32 w, w, 7; setp.eq.u32 p, w, 1; @p bar.arrive 1, 256; mov.u32 $0, 0; }")
-PP_SYNC: tl.constexpr = tl.constexpr(
-    "{ .reg .u32 w; mov.u32 w, %tid.x; shr.u32 w, w, 7; add.u32 w, w, 1; bar.sync w, 256; mov.u32 $0, 0; }")
-PP_ARRIVE: tl.constexpr = tl.constexpr(
-    "{ .reg .u32 w; mov.u32 w, %tid.x; shr.u32 w, w, 7; sub.u32 w, 2, w; bar.arrive w, 256; mov.u32 $0, 0; }")
-PP_TURN: tl.constexpr = tl.constexpr(
-    "{ .reg .u32 w, o; mov.u32 w, %tid.x; shr.u32 w, w, 7; add.u32 o, w, 1; bar.sync o, 256; sub.u32 o, 2, w; bar.arrive o, 256; mov.u32 $0, 0; }")
-PP_END: tl.constexpr = tl.constexpr(
-    "{ .reg .pred p; .reg .u32 w; mov.u32 w, %tid.x; shr.u32 w, w, 7; setp.eq.u32 p, w, 0; @p bar.sync 1, 256; mov.u32 $0, 0; }")
-
-
 @triton.jit
 def _globaltimer_ns(BLOCK: tl.constexpr):
     """The GPU's nanosecond clock (PTX %globaltimer, the same on every SM) as one int64 that every
@@ -325,7 +304,7 @@ def fwd_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
-    WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr, PINGPONG: tl.constexpr = False,
+    WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr,
 ):
     """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile). Phase 1 visits the row's
     unmasked blocks, phase 2 the masked ones. Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and
@@ -421,9 +400,6 @@ def fwd_kernel(
         else:
             period = N_SM * _resident_per_sm(Q, V, BLOCK_M, BLOCK_N, D_PAD, NUM_STAGES)
             rot = _wave_place(tl.program_id(0), period, SPLIT_GRID) * n_it // period  # dispatch order
-    PP: tl.constexpr = PINGPONG and BLOCK_M == 128  # 8 warps there (launch.fwd_configs, EIGHT_BIT_TILES)
-    if PP:
-        _pp_asm(PP_START)
     for it in tl.range(0, n_it, num_stages=NUM_STAGES if CONTIGUOUS else 2 * NUM_STAGES - 1):
         j = _rotated(it, rot, n_it, WAVE)  # the walk's step, wrapped from its start slot
         if CONTIGUOUS:
@@ -432,14 +408,10 @@ def fwd_kernel(
             start_n = tl.load(INDICES + p_row + j // SUB) * BLOCK_K + (j % SUB) * BLOCK_N
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
-        if PP:
-            _pp_asm(PP_TURN)
         b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
                               KS_TMA, KS_PER_TILE)
         b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
                                         ROW_SCALE)
-    if PP:
-        _pp_asm(PP_END)
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
         slot = it // SUB

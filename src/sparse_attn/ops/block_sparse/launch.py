@@ -64,8 +64,6 @@ if ROW_ORDER not in _ROW_ORDERS:
 # H100 bf16 128K random 0.25 / 0.5: L2 hits 38% -> 90%, +11-15% (benchmarks/NOTES.md "The wave order").
 # Not on packed (varlen) inputs, whose empty tiles past a sequence's end would shift the phases.
 FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
-# The forward's two warpgroups (128-row tiles on 8 warps) take turns at the tensor cores (kernels.PP_TURN)
-FWD_PINGPONG = os.environ.get("SPARSE_ATTN_FWD_PINGPONG", "off")
 # the wave order's phase from the GPU clock instead of the grid position (kernels.fwd_kernel WAVE_NS,
 # fwd_wave_clock), and a rotation by it of contiguous runs, which otherwise start at their first block:
 # "auto" where the keys the running rows read outgrow the L2 (H100: 128K+ random or dense / causal),
@@ -546,8 +544,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
         CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split, REVERSE=_reverse_rows("fwd"),
-        PINGPONG=FWD_PINGPONG == "on" and not INTERPRET)
+        K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split, REVERSE=_reverse_rows("fwd"))
     return out, lse
 
 
