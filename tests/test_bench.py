@@ -623,6 +623,34 @@ def test_cuda_rows_have_memory_and_time():
         assert math.isfinite(r.tflops)
 
 
+@pytest.mark.gpu
+def test_hide_host_times_the_gpu_not_the_host():
+    """A call whose host side (3 ms of Python) outlasts its kernel (a few microseconds): plain timing
+    measures the host, hide_host the GPU, and host_issue_ms the host's 3 ms."""
+    import time
+    from sparse_attn.bench.timing import host_issue_ms, time_cuda
+    x = torch.zeros(1024, device="cuda")
+
+    def call():
+        time.sleep(0.003)
+        x.add_(1)
+    plain = time_cuda(call, reps=10, warmup=1)
+    hidden = time_cuda(call, reps=10, warmup=1, hide_host=True)
+    assert plain > 2.5, plain  # the events waited for the host
+    assert hidden < 0.5, hidden
+    assert 2.9 < host_issue_ms(call, reps=3) < 30
+
+
+def test_sage_benchmark_table_has_the_host_column():
+    from sparse_attn import sage_suite
+    row = dict(seq_len=1024, ratio=0.5, top_k=4, k_blocks=8, blocks_per_row_min=4, blocks_per_row_max=4, kept=0.5,
+               dense_ms=1.0, sparse_ms=0.5, speedup=2.0, block_savings=0.5, dense_peak_bytes=None, sparse_tops=10.0,
+               bf16_sparse_ms=0.6, speedup_vs_bf16=1.2, sparse_host_ms=0.45)
+    header, _, line = sage_suite.bench_table([row])
+    assert header.endswith("| sparse host ms |") and line.endswith("| 1.20x | 0.450 |")
+    assert sage_suite.bench_table([dict(row, sparse_host_ms=None)])[2].endswith("| 1.20x | - |")  # CPU rows
+
+
 @pytest.mark.parametrize("case", ["local-gqa", "random-per-head-causal", "none-causal", "streaming", "empty"])
 def test_torch_sparse_provider_is_exact(case):
     """The seed's torch.sparse baseline: token-exact CSR attention equals the reference, rows without

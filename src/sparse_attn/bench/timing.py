@@ -10,6 +10,11 @@ uses it for the providers of one row, so their ratio is taken under the same clo
 at most 100 on CUDA / 20 on CPU); warm-up fills ~25 ms (1..10 calls). The first call, which
 compiles/autotunes, is never timed.
 
+``hide_host=True`` (CUDA): each timed call is queued behind a GPU sleep a little longer than the
+host's time to issue one call, so the events time the GPU's work alone, not the host's: without it a
+call whose host side outlasts its kernels (the 8-bit path at 1K-4K tokens) times the host.
+:func:`host_issue_ms` measures that host side.
+
 Peak memory (CUDA only; ``None`` on CPU, where torch allocations are invisible to tracemalloc):
 ``torch.cuda.max_memory_allocated()`` during one call minus ``torch.cuda.memory_allocated()``
 just before it, i.e. the extra memory the call needs beyond its inputs (and, in ``bwd`` mode,
@@ -50,29 +55,62 @@ def _counts(est_ms: float, reps: int | None, warmup: int | None, target_ms: floa
     return reps, warmup
 
 
+# GPU clock cycles per millisecond assumed when sizing the sleep of hide_host: 2 GHz, above the boost
+# clock of the GPUs measured (H100 / H200 1.98 GHz), so the sleep lasts at least as long as asked
+_SLEEP_CYCLES_PER_MS = 2_000_000
+_SLEEP_MAX_MS = 50.0
+
+
+def host_issue_ms(fn: Callable[[], object], reps: int = 7, grad_to_none: Sequence[torch.Tensor] = ()) -> float:
+    """Median wall milliseconds the host takes to issue one call of ``fn`` on CUDA, with the GPU idle
+    before each call (synchronized) and not waited for after it: what an eager caller pays per call
+    on the host. Where it exceeds the call's GPU time, back-to-back calls are bound by the host."""
+    fn()
+    times = []
+    for _ in range(reps):
+        reset_grads(grad_to_none)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def time_cuda(fn: Callable[[], object], *, reps: int | None = None, warmup: int | None = None,
-              grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0) -> float:
-    """Median milliseconds of ``fn`` on the current CUDA device."""
+              grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0, hide_host: bool = False) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA device. ``hide_host``: the GPU's time alone
+    (module docstring)."""
     flush = _flush()
     reset_grads(grad_to_none)
     fn()  # compile / autotune / first-touch
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(2):
         reset_grads(grad_to_none)
         fn()
+    host_ms = (time.perf_counter() - t0) * 1e3 / 2  # at least the host's issue time of one call
     end.record()
     torch.cuda.synchronize()
-    reps, warmup = _counts(start.elapsed_time(end) / 2, reps, warmup, target_ms, 100)
+    est_ms = start.elapsed_time(end) / 2
+    reps, warmup = _counts(est_ms, reps, warmup, target_ms, 100)
     for _ in range(warmup):
         reset_grads(grad_to_none)
         fn()
+    # a sleep 1.5x the host's issue time ahead of each timed call: the host then queues the call while
+    # the GPU sleeps, and the calls' events hold no wait for the host. Calls whose GPU time clearly
+    # exceeds the host's need none: the unsynchronized loop below keeps the host ahead by itself.
+    hide = hide_host and host_ms > 0.5 * est_ms
+    sleep_cycles = int(min(1.5 * host_ms, _SLEEP_MAX_MS) * _SLEEP_CYCLES_PER_MS) if hide else 0
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         reset_grads(grad_to_none)
         flush.zero_()
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
         starts[i].record()
         fn()
         ends[i].record()
@@ -169,8 +207,9 @@ def balanced_order(n: int) -> list[int]:
 
 
 def time_cpu(fn: Callable[[], object], *, reps: int | None = None, warmup: int | None = None,
-             grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0) -> float:
-    """Median milliseconds of ``fn`` by ``time.perf_counter``."""
+             grad_to_none: Sequence[torch.Tensor] = (), target_ms: float = 200.0, hide_host: bool = False) -> float:
+    """Median milliseconds of ``fn`` by ``time.perf_counter`` (``hide_host`` has no meaning on a CPU,
+    where the call is the host's work: accepted and ignored)."""
     reset_grads(grad_to_none)
     t0 = time.perf_counter()
     fn()  # first call: lazy imports, allocator warm-up
