@@ -65,6 +65,8 @@ def test_only_d128_forward_autotuners_get_the_long_prune(gpu_spaces, monkeypatch
     monkeypatch.setattr(launch, "_TUNED", {})
     monkeypatch.setattr(launch, "AUTOTUNE", True)
     tuned = launch._tuned(kernels.fwd_kernel, "fwd", 128, 128, d_pad, launch._KEY, "tma", eight_bit=eight_bit)
+    assert isinstance(tuned, launch._Picked)
+    tuned = tuned.autotuner
     assert isinstance(tuned, triton.runtime.autotuner.Autotuner)
     assert (getattr(tuned, "early_config_prune", None) is launch._prune_long_fwd) == pruned
 
@@ -151,3 +153,59 @@ def test_launched_kernels_key_their_autotuning_on_the_length_class_without_recom
     # the interpreter's wrapper drops the decorator's arguments: read them from the source
     decorator = inspect.getsource(getattr(kernel, "fn", kernel)).splitlines()[0]
     assert decorator.startswith("@triton.jit(do_not_specialize=[") and '"TUNE_CLASS"' in decorator
+
+
+class _StubAutotuner:
+    """What launch._Picked uses of triton's Autotuner: arg_names, cache, best_config, fn[grid] and
+    self[grid]. Each tuning picks the next of ``configs`` (so a re-tune is visible in the pick)."""
+
+    def __init__(self, configs):
+        self.arg_names = ["X", "N", "TUNE_CLASS", "HEAD_DIM"]
+        self.cache, self.configs, self.calls = {}, list(configs), []
+        outer = self
+
+        class _Fn:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: outer.calls.append(("direct", grid, a, kw))
+        self.fn = _Fn()
+
+    def __getitem__(self, grid):
+        def run(*a, **kw):
+            self.best_config = self.configs.pop(0)
+            self.cache[len(self.cache)] = self.best_config
+            self.calls.append(("tuned", grid, a, kw))
+        return run
+
+
+def test_picked_configs_skip_the_autotuner_only_for_a_key_it_has_seen():
+    """launch._Picked keys on the key arguments and every tensor's dtype, as Triton's autotuner does: a
+    new key value or dtype goes through the autotuner (which tunes), anything else launches the pick
+    directly with its constexprs and launch options."""
+    import torch
+    first = triton.Config({"BLOCK_M": 128}, num_warps=8, num_stages=3)
+    second = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
+    third = triton.Config({"BLOCK_M": 32}, num_warps=4, num_stages=1)
+    stub = _StubAutotuner([first, second, third])
+    picked = launch._Picked(stub, ("TUNE_CLASS", "HEAD_DIM"))
+    x16, x32 = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
+    picked[(1,)](x16, 10, 14, HEAD_DIM=128)
+    picked[(2,)](x16, 99, 14, HEAD_DIM=128)  # N is no key argument: the pick, launched directly
+    assert [c[0] for c in stub.calls] == ["tuned", "direct"]
+    assert stub.calls[1][1:] == ((2,), (x16, 99, 14), {"HEAD_DIM": 128, **first.all_kwargs()})
+    picked[(1,)](x16, 10, 15, HEAD_DIM=128)  # another length class
+    picked[(1,)](x32, 10, 14, HEAD_DIM=128)  # another dtype
+    assert [c[0] for c in stub.calls] == ["tuned", "direct", "tuned", "tuned"]
+    picked[(1,)](x32, 10, 14, HEAD_DIM=128)
+    assert stub.calls[-1][0] == "direct" and stub.calls[-1][3]["BLOCK_M"] == 32
+    assert picked.cache is stub.cache
+
+
+def test_picked_configs_with_a_pre_hook_always_go_through_the_autotuner():
+    import torch
+    hooked = triton.Config({"BLOCK_M": 128}, num_warps=8, num_stages=3, pre_hook=lambda nargs: None)
+    stub = _StubAutotuner([hooked, hooked])
+    picked = launch._Picked(stub, ("TUNE_CLASS",))
+    x = torch.zeros(2)
+    picked[(1,)](x, 1, 14)
+    picked[(1,)](x, 1, 14)
+    assert [c[0] for c in stub.calls] == ["tuned", "tuned"]
