@@ -40,7 +40,7 @@ def sage_attention_op(q, k, v, layout: BlockLayout, *, quant: str, granularity: 
     scale = softmax_scale(q, scale)
     fwd = forward_layout_inputs(layout)
     return sage_forward(q, k, v, *fwd, None, None, layout.block_q, layout.block_k, scale, q.shape[2], k.shape[2],
-                    mode, granularity, smooth_k, unsmoothed_lse)
+                        mode, granularity, smooth_k, unsmoothed_lse)
 
 
 def sage_varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,
@@ -53,5 +53,5 @@ def sage_varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: i
     scale = softmax_scale(q, scale)
     fwd = forward_layout_inputs(stacked, kv_lens)
     # offsets at unit stride, as the kernels read them (a strided view was read as packed: other sequences' bounds)
-    return sage_forward(q, k, v, *fwd, _offsets(cu_q), _offsets(cu_k), stacked.block_q, stacked.block_k, scale, max_q,
-                    max_k, mode, granularity, smooth_k, unsmoothed_lse)
+    return sage_forward(q, k, v, *fwd, _offsets(cu_q), _offsets(cu_k), stacked.block_q, stacked.block_k, scale,
+                        max_q, max_k, mode, granularity, smooth_k, unsmoothed_lse)
