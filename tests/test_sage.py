@@ -688,13 +688,13 @@ def test_kv_stats_take_k_mean_and_v_scale_in_one_pass(varlen, one_thread):
     if varlen:
         cu = torch.tensor([0, 1100, 2200], dtype=torch.int32)
         pk, pv = (x.transpose(1, 2).reshape(2200, 3, 40) for x in (k, v))
-        mean, amax = sage_launch.kv_stats(pk, pv, True, cu, 1100)
+        mean, scale = sage_launch.kv_stats(pk, pv, True, cu, 1100)
     else:
-        mean, amax = sage_launch.kv_stats(k, v, False)
+        mean, scale = sage_launch.kv_stats(k, v, False)
     want_mean = k.mean(2)
     want_mean[0, 1, 5] = 0.0  # a non-finite channel is not smoothed
     torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-5)
     want = twin.v_channel_scale(v.abs().amax(2))
     assert want[1, 2, 7].isnan() and want[0, 0, 0] == 1.0
-    assert torch.allclose(amax, want, equal_nan=True, rtol=0, atol=0)
+    assert torch.allclose(scale, want, equal_nan=True, rtol=0, atol=0)
     assert sage_launch.kv_stats(None, None, varlen)[0] is None
