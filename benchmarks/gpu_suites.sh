@@ -2,7 +2,7 @@
 # The GPU test suites in shards that each finish inside one device call (the six suites together took
 # 520 s on 8 workers of an H100, too close to the 600 s a call may run), and extra fuzz seeds.
 #   bash benchmarks/gpu_suites.sh a          # kernels + fuzz suites, and the gpu-marked tests beside CPU ones
-#   bash benchmarks/gpu_suites.sh b          # 8-bit, integration, grouped, tools, backward variants
+#   bash benchmarks/gpu_suites.sh b          # 8-bit, integration, grouped, CUDA graphs, tools, backward variants
 #   bash benchmarks/gpu_suites.sh fuzz START # six fuzz_more.py workers from seed START (+1000 each), 100 s
 # Carry .whl (sageattention's wheel, for shard b). Summaries land in $OUT (default out/gpu).
 set -u
@@ -27,6 +27,7 @@ case "${1:-a}" in
      # two differed on T5's configs and static caches, which only these CPU tests saw; 75 s)
      suites a-transformers tests/test_transformers_integration.py tests/test_eval_model.py ;;
   b) suites b tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_grouped_gpu.py \
+       tests/gpu/test_cuda_graphs_gpu.py \
        tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py ;;
   fuzz)
     start=${2:?a first seed, e.g. 58000}

@@ -37,3 +37,23 @@ def test_prepare_caches_schedules_for_plain_and_causal_use():
     assert ("schedule", False, None) in folded._transpose._derived
     sparse_attn.prepare(layout, backward=False)
     assert ("schedule", True, None) in layout._derived and layout._transpose is None
+
+
+def test_a_schedule_first_built_inside_cuda_graph_capture_is_a_named_error(monkeypatch):
+    """Building a schedule reads the layout on the host, which capture forbids: a named error that says
+    to prepare() first (capture faked here, no GPU), and none once the schedules are cached."""
+    import pytest
+
+    from sparse_attn.ops import block_sparse
+    state = {"capturing": True}
+    monkeypatch.setattr(block_sparse, "capturing", lambda device: state["capturing"])
+    layout = patterns.local(300, 64, block_q=64, block_k=64)
+    with pytest.raises(RuntimeError, match=r"cannot run inside CUDA graph capture; call sparse_attn.prepare\(layout\)"):
+        block_sparse.layout_inputs(layout, False)
+    assert ("schedule", True, None) not in layout._derived  # refused before building anything
+    state["capturing"] = False
+    sparse_attn.prepare(layout, backward=False)
+    state["capturing"] = True
+    assert block_sparse.layout_inputs(layout, False)[0] is not None
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):  # the backward's transpose is not prepared
+        block_sparse.layout_inputs(layout, True)

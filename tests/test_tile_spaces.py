@@ -209,3 +209,27 @@ def test_picked_configs_with_a_pre_hook_always_go_through_the_autotuner():
     picked[(1,)](x, 1, 14)
     picked[(1,)](x, 1, 14)
     assert [c[0] for c in stub.calls] == ["tuned", "tuned"]
+
+
+def test_picked_refuses_to_tune_inside_cuda_graph_capture(monkeypatch):
+    """A key the autotuner has not seen would be tuned (kernels timed, device synchronized) inside the
+    capture: a named error instead of CUDA's. Once seen, the key launches inside a capture, the pick
+    directly or, for a config the picks cannot keep (pre_hook), through the autotuner's own cache."""
+    import torch
+    state = {"capturing": True}
+    monkeypatch.setattr(launch, "capturing", lambda t: isinstance(t, torch.Tensor) and state["capturing"])
+    plain = triton.Config({"BLOCK_M": 128}, num_warps=8, num_stages=3)
+    hooked = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2, pre_hook=lambda nargs: None)
+    stub = _StubAutotuner([plain, hooked, hooked])
+    picked = launch._Picked(stub, ("TUNE_CLASS",))
+    x = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph before it ran at these sizes.*eagerly"):
+        picked[(1,)](x, 1, 14)
+    assert stub.calls == []
+    state["capturing"] = False
+    picked[(1,)](x, 1, 14)   # eager warm-up: tunes
+    picked[(1,)](x, 1, 15)   # another key, tuned to the hooked config
+    state["capturing"] = True
+    picked[(1,)](x, 1, 14)
+    picked[(1,)](x, 1, 15)
+    assert [c[0] for c in stub.calls] == ["tuned", "tuned", "direct", "tuned"]

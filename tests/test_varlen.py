@@ -449,3 +449,21 @@ def test_stack_keeps_each_sequences_blocks_and_masks():
         assert torch.equal(got < 0, own < 0) and torch.equal(got == -1, own == -1)
         for m_st, m_own in zip(got[own >= 0].tolist(), own[own >= 0].tolist()):
             assert st.masks[m_st] == lay.masks[m_own], (b, m_st, m_own)
+
+
+def test_varlen_and_groups_from_offsets_refuse_cuda_graph_capture_by_name(monkeypatch):
+    """Both read the offsets on the host; inside a CUDA graph capture that read is illegal and a replay
+    would keep the plan it made. The capture state is faked here (no GPU): the error must name the call,
+    the tensor and what to do instead, before any host read."""
+    import sparse_attn.validation as validation
+    monkeypatch.setattr(validation, "capturing", lambda t: isinstance(t, torch.Tensor))
+    q, k, v = _packed([5, 7], [5, 7])
+    cu = _cu([5, 7])
+    with pytest.raises(RuntimeError, match=r"varlen_attention cannot run inside CUDA graph capture: it reads "
+                                           r"cu_seqlens_q on the host.*padded"):
+        sparse_attn.varlen_attention(q, k, v, cu, cu, 7, 7)
+    with pytest.raises(RuntimeError, match=r"groups_from_cu_seqlens cannot run inside CUDA graph capture.*"
+                                           r"cu_seqlens_q.*before capturing"):
+        groups_from_cu_seqlens(cu, cu)
+    monkeypatch.setattr(validation, "capturing", lambda t: False)
+    assert sparse_attn.varlen_attention(q, k, v, cu, cu, 7, 7).shape == q.shape

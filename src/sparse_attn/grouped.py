@@ -28,7 +28,7 @@ import torch
 from .layout import BlockLayout, layout_key
 from .plan_cache import PlanCache
 from .reference import graph_anchor
-from .validation import check_causal, check_flags, check_packed_qkv, check_scale
+from .validation import check_causal, check_flags, check_not_capturing, check_packed_qkv, check_scale
 
 PatternFn = Callable[[int, int], BlockLayout]
 
@@ -62,6 +62,8 @@ def groups_from_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tenso
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32 or cu.numel() < 2:
             got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
             raise ValueError(f"{name} must be a 1-D int32 tensor [num_groups + 1] (at least 2 entries), got {got}")
+        check_not_capturing("groups_from_cu_seqlens", cu, f"it reads {name} on the host",
+                            "Build the groups before capturing; grouped_attention() itself takes host groups.")
         v = cu.tolist()
         if v[0] != 0:  # as varlen_attention's offsets; a negative start was reported later, as groups[0]'s
             raise ValueError(f"{name} must start at 0, got {name}[0]={v[0]}")

@@ -122,3 +122,17 @@ def check_scale(scale) -> float | None:
         hint = "; pass a Python float (scale.item())" if isinstance(scale, torch.Tensor) else ""
         raise ValueError(f"scale must be a finite positive number or None (1/sqrt(head_dim)), got {scale!r}{hint}")
     return float(scale)
+
+
+def capturing(t) -> bool:
+    """Whether ``t`` (a tensor or a device) is on CUDA and the current stream is capturing a CUDA graph."""
+    on_cuda = t.type == "cuda" if isinstance(t, torch.device) else bool(getattr(t, "is_cuda", False))
+    return on_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def check_not_capturing(what: str, t, why: str, instead: str) -> None:
+    """Refuse, by name, a step that reads ``t``'s values on the host while a CUDA graph is being
+    captured: the read itself is illegal there (torch's error names a pinned-memory copy), and a graph
+    replayed later would keep what it read now."""
+    if capturing(t):
+        raise RuntimeError(f"{what} cannot run inside CUDA graph capture: {why}. {instead}")

@@ -12,6 +12,7 @@ import torch
 
 from . import patterns
 from .layout import BlockLayout, LayoutError, _Coo, as_int
+from .validation import check_not_capturing
 
 PatternFn = Callable[[int, int], BlockLayout]
 
@@ -23,6 +24,9 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
         raise ValueError(f"{name} must be a 1-D int32 tensor [num_seqs + 1], got {got}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    check_not_capturing("varlen_attention", cu, f"it reads {name} on the host to plan each sequence's layout, "
+                        "and a replay would keep that plan whatever lengths the tensor then holds",
+                        "Call it eagerly, or capture attention() on a padded [B, H, L, D] batch.")
     vals = cu.tolist()
     if len(vals) < 2:
         raise ValueError(f"{name} must hold num_seqs + 1 >= 2 offsets (start 0, end {total}), got {vals}")

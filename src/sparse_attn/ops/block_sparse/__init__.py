@@ -6,6 +6,7 @@ import math
 import torch
 
 from ...layout import BlockLayout
+from ...validation import capturing
 from . import launch
 from .function import forward_op
 from .schedule import schedule, schedule_key
@@ -58,9 +59,14 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     t_contiguous; only for backward), and the term table (terms, n_terms). Schedules are cached on
     the layout: a layout used under torch.compile must have run once eagerly (or through
     :func:`prepare`) so no data-dependent work is traced."""
-    if torch.compiler.is_compiling() and not _prepared(layout, needs_grad, kv_lens):
-        raise RuntimeError("sparse_attn: this layout's kernel schedule is built on first use, which cannot be traced; "
-                           "call sparse_attn.prepare(layout) (or run attention once) before torch.compile")
+    compiling = torch.compiler.is_compiling()
+    if (compiling or capturing(layout.device)) and not _prepared(layout, needs_grad, kv_lens):
+        if compiling:
+            raise RuntimeError("sparse_attn: this layout's kernel schedule is built on first use, which cannot be "
+                               "traced; call sparse_attn.prepare(layout) (or run attention once) before torch.compile")
+        raise RuntimeError("sparse_attn: this layout's kernel schedule is built on first use, which reads the layout "
+                           "on the host and cannot run inside CUDA graph capture; call sparse_attn.prepare(layout) "
+                           "(or run attention once with it) before capturing")
     terms, _ = layout.mask_table()
     n_terms = terms.shape[1] if layout.masks else 0
     fwd = schedule(layout, kv_lens)

@@ -14,6 +14,7 @@ import os
 import torch
 import triton
 
+from ...validation import capturing
 from . import kernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -408,6 +409,7 @@ class _Picked:
         # each key argument by position when passed positionally, else by keyword
         self._key_args = tuple((names.index(n) if n in names else None, n) for n in key)
         self._picks: dict = {}
+        self._tuned: set = set()  # keys the autotuner has seen, so its own cache holds their pick
 
     @property
     def cache(self) -> dict:
@@ -424,7 +426,15 @@ class _Picked:
             config = self._picks.get(key)
             if config is not None:
                 return self.autotuner.fn[grid](*args, **kw, **config.all_kwargs())
+            if key not in self._tuned and capturing(next((a for a in args if isinstance(a, torch.Tensor)), None)):
+                name = getattr(self.autotuner.fn, "__name__", "a kernel")
+                raise RuntimeError(
+                    f"{name} is being captured in a CUDA graph before it ran at these sizes: its "
+                    "autotuner would now time its candidate configs, which capture forbids. Run "
+                    "the same call once eagerly before capturing (PyTorch's recipe warms up on a side "
+                    "stream), or use torch.compile(mode='reduce-overhead'), whose warm-up does that.")
             out = self.autotuner[grid](*args, **kw)
+            self._tuned.add(key)
             picked = getattr(self.autotuner, "best_config", None)
             if picked is not None and picked.pre_hook is None:  # a pre_hook would have to run per launch
                 self._picks[key] = picked
