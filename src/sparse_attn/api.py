@@ -165,8 +165,9 @@ def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) ->
     """Precompute what the GPU kernels derive from ``layout`` (its visiting schedule; for ``backward``
     the transposed one; with ``causal`` the layout's intersection with causal, as
     ``attention(..., causal=True)`` uses it). Optional in eager mode; call it once, on the device the
-    layout will be used on, before ``torch.compile`` so nothing data-dependent is traced. Returns
-    the layout."""
+    layout will be used on, before ``torch.compile`` so nothing data-dependent is traced, and before
+    capturing a CUDA graph with a layout not used yet (building the schedule reads it on the host).
+    Returns the layout."""
     from .ops.block_sparse import prepare as _prepare
     check_is_layout(layout)  # prepare(None) failed on None.q_len
     check_flags(backward=backward, causal=causal)  # causal="no" prepared the causal schedule
@@ -202,6 +203,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Under ``torch.compile`` the call is a graph break (``fullgraph=False``): ``cu_seqlens`` are read
     on the host to build the per-sequence layouts. :func:`attention` compiles with ``fullgraph=True``.
+    For the same reason the call refuses to run inside a CUDA graph capture (a replay would keep the
+    plan made for the captured lengths); :func:`attention` on a padded batch captures.
     """
     from . import varlen
     scale, causal = check_scale(scale), check_causal(causal)

@@ -57,8 +57,9 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     """The layout as the ops' arguments: the forward schedule (counts, n_full, full_start, indices,
     mask_ids, contiguous), the transposed schedule (t_counts, t_n_full, t_indices, t_mask_ids,
     t_contiguous; only for backward), and the term table (terms, n_terms). Schedules are cached on
-    the layout: a layout used under torch.compile must have run once eagerly (or through
-    :func:`prepare`) so no data-dependent work is traced."""
+    the layout: a layout used under torch.compile, or first used inside a CUDA graph capture, must
+    have run once eagerly (or through :func:`prepare`): building a schedule reads the layout on the
+    host, which can neither be traced nor captured."""
     compiling = torch.compiler.is_compiling()
     if (compiling or capturing(layout.device)) and not _prepared(layout, needs_grad, kv_lens):
         if compiling:
@@ -96,7 +97,8 @@ def _prepared(layout: BlockLayout, needs_grad: bool, kv_lens) -> bool:
 
 def prepare(layout: BlockLayout, backward: bool = True) -> BlockLayout:
     """Build (and cache) what the kernels derive from a layout: its schedule and, for backward, its
-    transposed schedule. Optional in eager mode; required once before torch.compile."""
+    transposed schedule. Optional in eager mode; required once before torch.compile, and before a
+    CUDA graph capture that uses the layout for the first time."""
     layout_inputs(layout, backward)
     return layout
 
