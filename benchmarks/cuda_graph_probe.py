@@ -30,6 +30,7 @@ from sparse_attn import patterns
 from sparse_attn.bench.results import make_header
 from sparse_attn.patterns import from_block_index
 from sparse_attn.sage_suite import block_grid, random_block_index, top_k_for
+from sparse_attn.testing import capture_graph
 
 DEV = "cuda"
 
@@ -39,25 +40,6 @@ def _randn(*shape, dtype=torch.bfloat16, grad=False):
     return t.requires_grad_(grad)
 
 
-def capture(fn, static_inputs, warmup: int = 3):
-    """Warm ``fn`` up on a side stream, capture it; return (graph, captured outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            for t in static_inputs:
-                t.grad = None
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    for t in static_inputs:
-        t.grad = None
-    with torch.cuda.graph(g):
-        outs = fn()
-    return g, outs
-
-
 def check_case(name, make, fn_of):
     """``make()`` -> list of input tensors; ``fn_of(inputs)`` -> a function returning the tensors to
     compare (outputs, then gradients)."""
@@ -65,7 +47,7 @@ def check_case(name, make, fn_of):
     static = make()
     fn = fn_of(static)
     try:
-        g, outs = capture(fn, static)
+        g, outs = capture_graph(fn)
     except Exception as e:  # noqa: BLE001 - the point is to record what breaks
         torch.cuda.synchronize()
         return dict(case=name, captured=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
@@ -151,7 +133,7 @@ def host_times(reps: int = 50) -> list[dict]:
         for name, kw in (("int8-fp8", dict(quant="int8-fp8")), ("bf16", {})):
             def fn():
                 return [sparse_attn.attention(q, k, v, layout, **kw)]
-            g, _ = capture(fn, [q, k, v])
+            g, _ = capture_graph(fn)
             res = {}
             for mode, call in (("eager", fn), ("graph", g.replay)):
                 per = []

@@ -105,7 +105,6 @@ def main():
                   f"allocator: {row['allocator']}", flush=True)
             print(row["profile"], flush=True)
             rows.append(row)
-        del q, k, v, layout
         torch.cuda.empty_cache()
     Path(a.out).write_text(json.dumps(dict(header=make_header("cuda", "host-issue-probe", lens=a.lens, ratio=a.ratio), rows=rows), indent=1))
 

@@ -357,3 +357,19 @@ def check_zero_length_case(case: str, device, dtype) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         assert t.grad is not None and t.grad.shape == t.shape, (case, name)
         assert torch.equal(t.grad, torch.zeros_like(t)), (case, name)
+
+
+def capture_graph(fn, warmup: int = 3):
+    """PyTorch's capture recipe: ``warmup`` eager calls of ``fn`` on a side stream (kernel compiles,
+    autotuning, layout caches), then one call captured into a ``torch.cuda.CUDAGraph``. Returns
+    ``(graph, what the captured call returned)``; ``graph.replay()`` refills those outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs

@@ -17,6 +17,7 @@ import sparse_attn
 from sparse_attn import Group, patterns
 from sparse_attn.grouped import groups_from_cu_seqlens
 from sparse_attn.ops.block_sparse import launch
+from sparse_attn.testing import capture_graph
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -27,23 +28,10 @@ def _randn(*shape, grad=False, dtype=torch.bfloat16):
     return torch.randn(*shape, device=DEV, dtype=dtype).requires_grad_(grad)
 
 
-def _capture(fn, inputs, warmup: int = 3):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    return graph, outs
-
-
 def _replay_matches_eager(make, fn_of, warmup: int = 3):
     """Capture ``fn_of(inputs)``, replay it on fresh inputs, compare with an eager call on them."""
     static = make()
-    graph, outs = _capture(fn_of(static), static, warmup)
+    graph, outs = capture_graph(fn_of(static), warmup)
     for _ in range(2):  # two replays on two input sets: nothing carried over from the first
         fresh = make()
         with torch.no_grad():
