@@ -30,7 +30,7 @@ from sparse_attn import patterns
 from sparse_attn.bench.results import make_header
 from sparse_attn.patterns import from_block_index
 from sparse_attn.sage_suite import block_grid, random_block_index, top_k_for
-from sparse_attn.testing import capture_graph
+from sparse_attn.testing import attention_runner, capture_graph
 
 DEV = "cuda"
 
@@ -74,24 +74,10 @@ def cases(L=1024, H=8, HKV=2, D=128):
     def qkv(grad=False, hkv=H):
         return [_randn(2, H, L, D, grad=grad), _randn(2, hkv, L, D, grad=grad), _randn(2, hkv, L, D, grad=grad)]
 
-    def fwd(layout=None, **kw):
-        def fn_of(t):
-            def run():
-                out = sparse_attn.attention(t[0], t[1], t[2], layout, **kw)
-                return list(out) if isinstance(out, tuple) else [out]
-            return run
-        return fn_of
+    fwd = attention_runner
 
     def fwd_bwd(layout=None, **kw):
-        def fn_of(t):
-            def run():
-                for x in t:
-                    x.grad = None
-                out = sparse_attn.attention(t[0], t[1], t[2], layout, **kw)
-                out.float().square().sum().backward()
-                return [out, t[0].grad, t[1].grad, t[2].grad]
-            return run
-        return fn_of
+        return attention_runner(layout, backward=True, **kw)
 
     yield "bf16 fwd causal (default layout)", qkv, fwd(causal=True)
     yield "bf16 fwd random 0.3, return_lse", qkv, fwd(rnd, return_lse=True)

@@ -373,3 +373,26 @@ def capture_graph(fn, warmup: int = 3):
     with torch.cuda.graph(graph):
         outs = fn()
     return graph, outs
+
+
+def attention_runner(layout=None, *, backward: bool = False, **kwargs):
+    """For comparing one attention call across input sets (e.g. a CUDA graph's replay against eager):
+    ``runner(inputs)`` with ``inputs = [q, k, v]`` gives a no-argument call of
+    ``sparse_attn.attention(q, k, v, layout, **kwargs)`` that returns a list: the output (and LSE), and
+    with ``backward`` the gradients of q, k, v under the loss ``sum(out ** 2)``, cleared first."""
+    from .api import attention
+
+    def runner(inputs):
+        q, k, v = inputs
+
+        def run():
+            if backward:
+                for t in inputs:
+                    t.grad = None
+            out = attention(q, k, v, layout, **kwargs)
+            if not backward:
+                return list(out) if isinstance(out, tuple) else [out]
+            out.float().square().sum().backward()
+            return [out, q.grad, k.grad, v.grad]
+        return run
+    return runner

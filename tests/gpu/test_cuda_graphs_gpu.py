@@ -17,7 +17,7 @@ import sparse_attn
 from sparse_attn import Group, patterns
 from sparse_attn.grouped import groups_from_cu_seqlens
 from sparse_attn.ops.block_sparse import launch
-from sparse_attn.testing import capture_graph
+from sparse_attn.testing import attention_runner, capture_graph
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -51,27 +51,6 @@ def _qkv(hkv=H, grad=False):
     return make
 
 
-def _forward(layout=None, **kw):
-    def fn_of(t):
-        def run():
-            out = sparse_attn.attention(t[0], t[1], t[2], layout, **kw)
-            return list(out) if isinstance(out, tuple) else [out]
-        return run
-    return fn_of
-
-
-def _forward_backward(layout=None, **kw):
-    def fn_of(t):
-        def run():
-            for x in t:
-                x.grad = None
-            out = sparse_attn.attention(t[0], t[1], t[2], layout, **kw)
-            out.float().square().sum().backward()
-            return [out] + [x.grad for x in t]
-        return run
-    return fn_of
-
-
 FORWARD_CASES = {
     "causal, default layout": dict(causal=True),
     "random 0.3, LSE": dict(layout="random", return_lse=True),
@@ -95,18 +74,18 @@ def _layout(name):
 def test_forward_replays_bitwise(case):
     kw = dict(FORWARD_CASES[case])
     layout, hkv = _layout(kw.pop("layout", None)), kw.pop("hkv", H)
-    _replay_matches_eager(_qkv(hkv), _forward(layout, **kw))
+    _replay_matches_eager(_qkv(hkv), attention_runner(layout, **kw))
 
 
 @pytest.mark.parametrize("case", ["random 0.3", "causal, GQA", "int8-fp8 forward, gradient through bf16"])
 def test_forward_and_backward_replay_bitwise(case):
     """The backward too: its dQ kernel runs on a side stream forked from and joined into the captured one."""
     if case == "random 0.3":
-        _replay_matches_eager(_qkv(grad=True), _forward_backward(_layout("random")))
+        _replay_matches_eager(_qkv(grad=True), attention_runner(_layout("random"), backward=True))
     elif case == "causal, GQA":
-        _replay_matches_eager(_qkv(HKV, grad=True), _forward_backward(causal=True))
+        _replay_matches_eager(_qkv(HKV, grad=True), attention_runner(causal=True, backward=True))
     else:
-        _replay_matches_eager(_qkv(grad=True), _forward_backward(causal=True, quant="int8-fp8"))
+        _replay_matches_eager(_qkv(grad=True), attention_runner(causal=True, quant="int8-fp8", backward=True))
 
 
 def test_a_layout_first_used_inside_the_capture_needs_prepare():
@@ -114,14 +93,14 @@ def test_a_layout_first_used_inside_the_capture_needs_prepare():
     seen). The second's schedule would be built inside the capture, reading it on the host: a named
     error; after sparse_attn.prepare(layout) it captures and replays bitwise with no warm-up call."""
     make = _qkv()
-    _forward(patterns.random(L, density=0.3, heads=H, seed=1, device=DEV))(make())()
+    attention_runner(patterns.random(L, density=0.3, heads=H, seed=1, device=DEV))(make())()
     fresh_layout = patterns.random(L, density=0.3, heads=H, seed=2, device=DEV)
     q, k, v = make()
     with pytest.raises(RuntimeError, match=r"cannot run inside CUDA graph capture; call sparse_attn.prepare"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             sparse_attn.attention(q, k, v, fresh_layout)
     sparse_attn.prepare(fresh_layout, backward=False)
-    _replay_matches_eager(make, _forward(fresh_layout), warmup=0)
+    _replay_matches_eager(make, attention_runner(fresh_layout), warmup=0)
 
 
 def test_grouped_attention_replays_bitwise():
