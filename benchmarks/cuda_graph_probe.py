@@ -6,7 +6,8 @@ Part 1, capture: each case is warmed up eagerly on a side stream (PyTorch's reci
 autotuning and layout caches happen there), captured once into a ``torch.cuda.CUDAGraph``, then
 replayed on fresh inputs copied into the captured ones; the replay's outputs (and gradients, where the
 case runs a backward) are compared with an eager call on the same fresh inputs. A case that fails to
-capture records the exception's first line.
+capture records the exception's first line (results/cuda-graphs-h200/ was recorded before varlen
+refused capture by name: its varlen rows hold torch's pinned-memory error).
 
 Part 2, host time: the 8-bit sparse call and the bf16 one at the sage-test's benchmark shape (B=4,
 H=32, D=128, random top-k 0.5 at q block 64 / k block 128), 1K and 4K tokens: milliseconds a call
