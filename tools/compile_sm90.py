@@ -24,7 +24,7 @@ from sparse_attn.ops.block_sparse import launch as L
 POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
                 "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK", "CU_L"}
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may have
-SCALES_F32 = {"LSE", "LSE2", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE", "DQA"}
+SCALES_F32 = {"LSE", "LSE2", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE", "DQA", "O_PART", "LSE_PART"}
 
 
 def signature(fn, consts):
@@ -34,7 +34,8 @@ def signature(fn, consts):
             sig[name] = "constexpr"
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
-        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM", "WAVE_NS"):
+        elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM", "WAVE_NS",
+                                                        "N_SPLIT"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
@@ -85,7 +86,7 @@ def variants():
     """Every variant on the usual grid (SPLIT_GRID False), then the kernels' split-grid variants (more
     than 65535 (sequence, head) pairs: kernels.py's legend), the wave order's included."""
     for fn, consts in _usual_grid_variants():
-        yield fn, dict(consts, SPLIT_GRID=False)
+        yield fn, dict(consts, SPLIT_GRID=False) if "SPLIT_GRID" in fn.arg_names else consts
     for fn, consts in _usual_grid_variants():
         if consts.get("WAVE") or fn is K.bwd_delta_kernel:
             yield fn, dict(consts, SPLIT_GRID=True)
@@ -100,7 +101,7 @@ def _usual_grid_variants():
 
 def _variants_as_written():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, REVERSE=False)  # launch.ROW_ORDER's default
+    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, REVERSE=False, KV_SPLIT=False, PACK_GQA=False)  # ROW_ORDER's default
     bwd = dict(base, WAVE=False, IDX_DEEP=False)
     dkdv = dict(bwd, DELTA_ACC=False)
     dq = dict(bwd, REVERSE=True)
@@ -124,6 +125,15 @@ def _variants_as_written():
     for n_terms in (0, 2):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=True, QUANT=0, PV_SKIP=False, WAVE=True)
+    # short queries (launch.short_query_plan): 16-row tiles (decoding) and 64-row ones, split-KV or not,
+    # GQA's rows packed or not, d128 and d256
+    for bm, n_terms, contiguous, split, pack in itertools.product((16, 64), (0, 2), (False, True), (False, True),
+                                                                  (False, True)):
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False, CONTIGUOUS=contiguous,
+                                 USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=split, PACK_GQA=pack)
+    yield K.fwd_kernel, dict(fwd, HEAD_DIM=256, D_PAD=256, NUM_STAGES=2, BLOCK_M=16, BLOCK_N=64, N_TERMS=2,
+                             IS_VARLEN=False, CONTIGUOUS=True, USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=True)
+    yield K.split_merge_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_R=16)
     # 8-bit: per-key K scales (span 0) and one K scale per tile (span 128, per_block / per_warp)
     for quant, tma, bn, span in itertools.product((1, 2), (False, True), (64, 128), (0, 128)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=bn, N_TERMS=2, IS_VARLEN=False, CONTIGUOUS=True,
@@ -204,7 +214,7 @@ def num_warps(fn, consts) -> int:
     variant compiled at warps no config uses says nothing about the shipped kernels."""
     if fn is K.fwd_kernel:
         return 8 if consts["BLOCK_M"] >= 128 else 4
-    return 4 if fn is K.bwd_delta_kernel else 8
+    return 4 if fn in (K.bwd_delta_kernel, K.split_merge_kernel) else 8
 
 
 def ptxas_log(ptx: str) -> str:
@@ -265,7 +275,7 @@ def report_residency(target) -> None:
         seen.add((d, m, n, s, w, quant))
         consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                       IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
-                      K_SCALE_SPAN=128 if quant else 0, WAVE=True, REVERSE=False)
+                      K_SCALE_SPAN=128 if quant else 0, WAVE=True, REVERSE=False, KV_SPLIT=False, PACK_GQA=False)
         assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(8 if quant == 2 else 16), m, n, d, s)
         line(f"d{d} {m}x{n} {s} stages {w} warps quant {quant}", *_residency(target, K.fwd_kernel, consts, w, s),
              assumed)
@@ -299,7 +309,7 @@ def main(filters: list[str]):
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
                                                                  "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC", "IDX_DEEP",
-                                                                 "SPLIT_GRID")}
+                                                                 "SPLIT_GRID", "KV_SPLIT", "PACK_GQA", "BLOCK_M", "BLOCK_R")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

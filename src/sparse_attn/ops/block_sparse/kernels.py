@@ -112,13 +112,19 @@ def _batch_head(H, SPLIT_GRID: tl.constexpr):
 @triton.jit
 def _query_tile(CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
                 BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT_GRID: tl.constexpr,
-                REVERSE: tl.constexpr):
+                REVERSE: tl.constexpr, N_SPLIT, KV_SPLIT: tl.constexpr):
     """Where a (query tile, batch * head) program of the forward / dQ grid stands: its ids, its
     sequence's bounds, and the offsets of its layout row (counts at p_cnt, slots from p_row). The
     caller returns early when i_m * BLOCK_M >= q_len (a helper cannot end its caller).
     REVERSE: the grid's first program takes the last query tile (launch.ROW_ORDER), so on causal rows,
-    longest last, the long tiles start first and the short ones fill the final wave."""
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
+    longest last, the long tiles start first and the short ones fill the final wave.
+    KV_SPLIT (forward): axis 0 holds N_SPLIT programs per query tile (tile * N_SPLIT + part)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.num_programs(0)
+    if KV_SPLIT:
+        pid = pid // N_SPLIT
+        n_tiles = n_tiles // N_SPLIT
+    i_m = n_tiles - 1 - pid if REVERSE else pid
     i_b, i_h = _batch_head(H, SPLIT_GRID)
     i_hk = i_h // G
     q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
@@ -286,7 +292,7 @@ def _resident_per_sm(Q, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: 
     return BY_REGS if BY_REGS < BY_SMEM else BY_SMEM
 
 
-@triton.jit(do_not_specialize=["TUNE_CLASS", "WAVE_NS"])
+@triton.jit(do_not_specialize=["TUNE_CLASS", "WAVE_NS", "N_SPLIT"])
 def fwd_kernel(
     Q, K, V, O, LSE,
     COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE,
@@ -299,12 +305,13 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS, N_SPLIT, stride_os, stride_ls,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
-    WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr,
+    WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr, KV_SPLIT: tl.constexpr,
+    PACK_GQA: tl.constexpr,
 ):
     """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile). Phase 1 visits the row's
     unmasked blocks, phase 2 the masked ones. Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and
@@ -324,22 +331,54 @@ def fwd_kernel(
     at one fraction of their walks however dispatch went (on rows of equal length the grid's waves
     start together and then drift, which the grid-position phase cannot follow). With CONTIGUOUS,
     WAVE rotates the run by that phase (the launcher sets it only with WAVE_NS > 0). The start slot
-    then depends on timing, so the summation order, and the output's last bits, vary run to run."""
+    then depends on timing, so the summation order, and the output's last bits, vary run to run.
+    KV_SPLIT (split-KV, for grids too small to fill the GPU, e.g. decoding; launch.kv_splits): part
+    i_split of N_SPLIT walks its share of each phase's tiles and writes its own normalized output
+    (fp32) and LSE at O + i_split * stride_os, LSE + i_split * stride_ls; split_merge_kernel combines
+    the parts. A part with no tiles writes zeros and LSE -inf, which the merge weighs 0.
+    PACK_GQA (decoding with GQA on a layout shared by all heads; launch.pack_gqa): the grid's heads
+    (H) are kv heads and one tile holds the q_len rows of each of the G query heads that share one,
+    so the K/V tiles are read once for the G heads (one layout row: every query in the first block)."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE)
+        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE, N_SPLIT, KV_SPLIT)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
     count = tl.load(COUNTS + p_cnt)
     n_full = tl.load(N_FULL + p_cnt)
+    # each phase's tile range, [lo1, hi1) unmasked and [lo2, hi2) masked: the whole row, or a part's share
+    lo1 = 0
+    hi1 = n_full * SUB
+    lo2 = n_full * SUB
+    hi2 = count * SUB
+    if KV_SPLIT:
+        i_split = tl.program_id(0) % N_SPLIT
+        lo1 = hi1 * i_split // N_SPLIT
+        hi1 = hi1 * (i_split + 1) // N_SPLIT
+        n2 = hi2 - lo2
+        hi2 = lo2 + n2 * (i_split + 1) // N_SPLIT
+        lo2 = lo2 + n2 * i_split // N_SPLIT
+        O += i_split.to(tl.int64) * stride_os
+        LSE += i_split.to(tl.int64) * stride_ls
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK_GQA:  # row g * q_len + i: query i of query head i_hk * G + g (the grid's heads are kv heads)
+        tl.static_assert(QUANT == 0, "PACK_GQA is for 16-bit inputs")
+        i_hk = i_h
+        g_m = o_m // q_len
+        o_m = o_m % q_len
+        m_m = g_m < G
+        h_l = i_hk * G + g_m  # [BM] each row's query head
+        h_q = h_l[:, None]
+    else:
+        m_m = o_m < q_len
+        h_l = i_h
+        h_q = i_h
     o_d = tl.arange(0, D_PAD)
-    m_m = o_m < q_len
     m_d = o_d < HEAD_DIM
-    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :]
+    p_q = Q + i_b.to(tl.int64) * stride_qb + h_q.to(tl.int64) * stride_qh + (q0 + o_m.to(tl.int64))[:, None] * stride_qm + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, D]
     kv_base = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + k0.to(tl.int64) * stride_kn
     V_TRANS: tl.constexpr = QUANT == 2
@@ -390,9 +429,9 @@ def fwd_kernel(
     # Indexed rows get 2 * NUM_STAGES - 1 stages: the pipeliner splits a loop's stages between the
     # index load and the K/V loads it addresses, and this keeps K/V as many tiles ahead as on
     # contiguous rows (H100: random layouts +10-21%, benchmarks/NOTES.md v4).
-    n_it = n_full * SUB
+    n_it = hi1 - lo1
     if CONTIGUOUS:
-        run0 = tl.load(FULL_START + p_cnt) * BLOCK_K
+        run0 = tl.load(FULL_START + p_cnt) * BLOCK_K + lo1 * BLOCK_N
     rot = 0
     if WAVE:  # contiguous runs take only the clock's phase (the launcher sets WAVE_NS > 0 there)
         if WAVE_NS > 0:
@@ -405,6 +444,7 @@ def fwd_kernel(
         if CONTIGUOUS:
             start_n = run0 + j * BLOCK_N
         else:
+            j += lo1
             start_n = tl.load(INDICES + p_row + j // SUB) * BLOCK_K + (j % SUB) * BLOCK_N
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, False, V_TRANS)
@@ -413,7 +453,7 @@ def fwd_kernel(
         b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, b_rs_t, pv_log2, False, LOG2_P_SCALE, PV_SKIP,
                                         ROW_SCALE)
     # phase 2: blocks with an element mask or crossing the sequence end
-    for it in tl.range(n_full * SUB, count * SUB, num_stages=NUM_STAGES):
+    for it in tl.range(lo2, hi2, num_stages=NUM_STAGES):
         slot = it // SUB
         start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
         o_n = start_n + tl.arange(0, BLOCK_N)
@@ -435,10 +475,50 @@ def fwd_kernel(
         b_vs = tl.load(V_SCALE + i_b.to(tl.int64) * stride_vsb + i_hk.to(tl.int64) * stride_vsh + o_d, mask=m_d,
                        other=0.0)
         b_o = b_o * b_vs[None, :]
-    p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + (q0 + o_m.to(tl.int64))[:, None] * stride_om + o_d[None, :]
+    p_o = O + i_b.to(tl.int64) * stride_ob + h_q.to(tl.int64) * stride_oh + (q0 + o_m.to(tl.int64))[:, None] * stride_om + o_d[None, :]
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     b_lse = tl.where(has, (b_m + tl.math.log2(tl.where(has, b_l, 1.0)) - LOG2_P_SCALE) * LN2, float("-inf"))
-    tl.store(LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm, b_lse, mask=m_m)
+    tl.store(LSE + i_b.to(tl.int64) * stride_lb + h_l.to(tl.int64) * stride_lh + (q0 + o_m) * stride_lm, b_lse, mask=m_m)
+
+
+@triton.jit
+def split_merge_kernel(O_PART, LSE_PART, O, LSE, N_SPLIT,
+                       stride_ps, stride_pb, stride_ph, stride_pm, stride_lps, stride_lpb, stride_lph,
+                       stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm, H, Lq,
+                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Grid (row tiles, B * H): combines the N_SPLIT parts of a split-KV forward (fwd_kernel KV_SPLIT),
+    each a normalized fp32 output O_PART [N_SPLIT, B, H, Lq, HEAD_DIM] with its LSE (natural log)
+    LSE_PART [N_SPLIT, B, H, Lq] (contiguous rows), into O (O's dtype) and LSE: weights exp(LSE_s - max_s LSE_s). Rows
+    whose parts all hold LSE -inf (no key allowed) get zeros and -inf, as the unsplit kernel gives."""
+    i_r = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_d = tl.arange(0, D_PAD)
+    m_r = o_r < Lq
+    m_rd = m_r[:, None] & (o_d < HEAD_DIM)[None, :]
+    p_l = LSE_PART + i_b.to(tl.int64) * stride_lpb + i_h.to(tl.int64) * stride_lph + o_r
+    p_o = (O_PART + i_b.to(tl.int64) * stride_pb + i_h.to(tl.int64) * stride_ph
+           + o_r.to(tl.int64)[:, None] * stride_pm + o_d[None, :])
+    # int32 part offsets: launch.kv_splits splits only grids of at most half the SMs' programs, whose
+    # parts hold a few million values at most
+    b_m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(0, N_SPLIT):
+        b_m = tl.maximum(b_m, tl.load(p_l + s * stride_lps, mask=m_r, other=float("-inf")))
+    b_m = tl.where(b_m == float("-inf"), 0.0, b_m)  # every part empty: weights exp(-inf) = 0, not NaN
+    b_w_sum = tl.zeros([BLOCK_R], tl.float32)
+    b_acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
+    for s in range(0, N_SPLIT):
+        b_w = tl.exp(tl.load(p_l + s * stride_lps, mask=m_r, other=float("-inf")) - b_m)
+        b_acc += b_w[:, None] * tl.load(p_o + s * stride_ps, mask=m_rd, other=0.0)
+        b_w_sum += b_w
+    has = b_w_sum > 0
+    b_o = b_acc / tl.where(has, b_w_sum, 1.0)[:, None]
+    tl.store(O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + o_r.to(tl.int64)[:, None] * stride_om
+             + o_d[None, :], b_o.to(O.dtype.element_ty), mask=m_rd)
+    b_lse = tl.where(has, b_m + tl.log(tl.where(has, b_w_sum, 1.0)), float("-inf"))
+    tl.store(LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_r * stride_lm, b_lse, mask=m_r)
 
 
 @triton.jit
@@ -875,7 +955,7 @@ def bwd_dq_kernel(
     indexed walks read the block indices; both as in bwd_dkdv_kernel."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE)
+        BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE, 1, False)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len

@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -65,6 +66,27 @@ if ROW_ORDER not in _ROW_ORDERS:
 # H100 bf16 128K random 0.25 / 0.5: L2 hits 38% -> 90%, +11-15% (benchmarks/NOTES.md "The wave order").
 # Not on packed (varlen) inputs, whose empty tiles past a sequence's end would shift the phases.
 FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
+# split-KV (flash-decoding) forward for grids too small to fill the GPU, such as decoding (a few query
+# rows against a long cache): each query tile's key walk is cut into parts run by separate programs,
+# whose outputs split_merge_kernel combines by their LSE (kv_splits says when and how many).
+# "auto", "0" (never) or a count of parts forced on every eligible launch (tests, benchmarks).
+FWD_KV_SPLIT = os.environ.get("SPARSE_ATTN_FWD_KV_SPLIT", "auto")
+# auto: split only where the grid's programs fill at most half the SMs, into at most this many parts,
+# each walking at least KV_SPLIT_MIN_TILES key tiles (its partial output costs one extra fp32 write and read)
+KV_SPLIT_MAX = 64
+KV_SPLIT_MIN_TILES = 8
+# programs per SM the auto split aims at (parts = KV_SPLIT_WAVES * SMs // programs)
+KV_SPLIT_WAVES = 1
+# up to this many query rows the forward runs split_config's small query tile even unsplit: the
+# autotuned 128-row tile would spend 127 of its 128 rows' products on padding when decoding
+SMALL_Q_ROWS = 64
+# decoding with GQA: one tile holds the query rows of all G query heads of a kv head (fwd_kernel PACK_GQA),
+# so each K/V tile is read once for them rather than once per query head ("0": off)
+PACK_GQA = os.environ.get("SPARSE_ATTN_FWD_PACK_GQA", "1") != "0"
+PACK_GQA_MAX_ROWS = 64
+# benchmarks only (benchmarks/decode_config_probe.py): entries replacing split_config's choices
+# ("BLOCK_N", "NUM_STAGES", "num_warps")
+SPLIT_CONFIG_OVERRIDE: dict = {}
 # the wave order's phase from the GPU clock instead of the grid position (kernels.fwd_kernel WAVE_NS,
 # fwd_wave_clock), and a rotation by it of contiguous runs, which otherwise start at their first block:
 # "auto" where the keys the running rows read outgrow the L2 (H100: 128K+ random or dense / causal),
@@ -577,26 +599,119 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     variant = FWD_VARIANT if _tma_ok(q, k, v) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
+    contiguous = contiguous and not FORCE_INDEXED
+    rows, split = grid_rows(B, H)
+
+    def run_fwd(kern, grid, o, o_strides, l, l_strides_, wave_ns, wave, n_parts, part_strides, heads=H, **meta):
+        kern[grid](
+            q, k, v, o, l, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale,
+            v_scale, sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
+            *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *o_strides,
+            *l_strides_, *_layout_strides(counts, indices),
+            *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
+            heads, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns, n_parts,
+            *part_strides, HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
+            CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
+            K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split, **meta)
+
+    plan = None if varlen or quant or split else short_query_plan(
+        B, H, hkv, Lq, block_q, block_k, d_pad, counts.shape[1], indices.shape[-1], variant, q.device)
+    if plan is not None:  # few query rows (decoding) or a grid too small for the GPU
+        kern = _Fixed(kernels.fwd_kernel, plan.config)
+        grid = (plan.tiles * plan.parts, B * plan.heads)
+        if plan.parts == 1:  # the small tile alone, written in place
+            run_fwd(kern, grid, out, _qkv_strides(out, varlen), lse, l_strides, 0, False, 1, (0, 0), plan.heads,
+                    REVERSE=False, KV_SPLIT=False, PACK_GQA=plan.pack)
+            return out, lse
+        o_part = torch.empty(plan.parts, B, H, Lq, D, device=q.device, dtype=torch.float32)
+        l_part = torch.empty(plan.parts, B, H, Lq, device=q.device, dtype=torch.float32)
+        run_fwd(kern, grid, o_part, o_part.stride()[1:4], l_part, l_part.stride()[1:], 0, False, plan.parts,
+                (o_part.stride(0), l_part.stride(0)), plan.heads, REVERSE=False, KV_SPLIT=True, PACK_GQA=plan.pack)
+        block_r = 16 if Lq <= 16 else 64
+        kernels.split_merge_kernel[(triton.cdiv(Lq, block_r), B * H)](
+            o_part, l_part, out, lse, plan.parts, *o_part.stride()[:4], *l_part.stride()[:3], *out.stride()[:3],
+            *l_strides, H, Lq, HEAD_DIM=D, D_PAD=d_pad, BLOCK_R=block_r, num_warps=4)
+        return out, lse
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP", "WAVE"),
                   variant, eight_bit=quant != 0)
-    contiguous = contiguous and not FORCE_INDEXED
     wave_ns = fwd_wave_clock(q.device, d_pad, k.element_size(), quant, block_q, block_k, Lk, indices.shape[-1],
                              contiguous) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
     # indexed rows: the grid position's phase or the clock's; contiguous runs: only the clock's
     wave = FWD_WAVE and not varlen and (not contiguous or wave_ns > 0)
-    rows, split = grid_rows(B, H)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
-    kern[grid](
-        q, k, v, out, lse, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale, v_scale,
-        sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
-        *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *_qkv_strides(out, varlen),
-        *l_strides, *_layout_strides(counts, indices),
-        *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
-        H, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns,
-        HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
-        CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-        K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split, REVERSE=_reverse_rows("fwd"))
+    run_fwd(kern, grid, out, _qkv_strides(out, varlen), lse, l_strides, wave_ns, wave, 1, (0, 0),
+            REVERSE=_reverse_rows("fwd"), KV_SPLIT=False, PACK_GQA=False)
     return out, lse
+
+
+class ShortQueryPlan(NamedTuple):
+    """How launch.forward runs a call with few query rows (short_query_plan)."""
+    config: triton.Config  # split_config's
+    heads: int  # the grid's heads: query heads, or kv heads when ``pack``
+    tiles: int  # query tiles per (batch, grid head)
+    parts: int  # split-KV parts per tile (1: unsplit, written in place)
+    pack: bool  # PACK_GQA: a tile holds the rows of all query heads of one kv head
+
+
+def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: int, d_pad: int, layout_heads: int,
+                     max_k: int, variant: str, device: torch.device) -> ShortQueryPlan | None:
+    """The small-tile forward's plan for a 16-bit, unpacked call, or None for the autotuned kernel. It
+    runs where the call has at most SMALL_Q_ROWS query rows or where kv_splits splits its grid. GQA
+    rows are packed (pack_gqa) where all query heads share the layout, every query sits in its first
+    query block and the G * lq rows fit PACK_GQA_MAX_ROWS: K/V tiles are then read once per kv head."""
+    group = H // hkv
+    pack = PACK_GQA and group > 1 and layout_heads == 1 and lq <= block_q and group * lq <= PACK_GQA_MAX_ROWS
+    heads = hkv if pack else H
+    config = split_config(block_q, block_k, d_pad, group * lq if pack else lq, variant, packed=pack)
+    tiles = 1 if pack else triton.cdiv(lq, config.kwargs["BLOCK_M"])
+    parts = kv_splits(tiles * B * heads, max_k * (block_k // config.kwargs["BLOCK_N"]), device)
+    if parts == 1 and lq > SMALL_Q_ROWS:
+        return None
+    return ShortQueryPlan(config, heads, tiles, parts, pack)
+
+
+def split_config(block_q: int, block_k: int, d_pad: int, lq: int, variant: str, packed: bool = False
+                 ) -> triton.Config:
+    """The split-KV forward's one config (fwd_kernel KV_SPLIT, no autotuning: its launches are short and
+    few rows long). Query tiles of 16 rows for up to 16 query rows (decoding), else 64, where they divide
+    the layout's query blocks; ``packed`` (PACK_GQA, ``lq`` the packed rows: at most 64): the least power
+    of two from 16 holding them, whatever block_q. 128-key tiles at 3 stages (64 at 2 for head dim 256,
+    as _keep_fwd), 4 warps."""
+    if packed:
+        bm = max(16, triton.next_power_of_2(lq))
+    elif INTERPRET:
+        bm = 16 if block_q % 16 == 0 else _divisors(block_q)[-1]
+    else:
+        want_m = 16 if lq <= 16 else 64
+        bm = max([t for t in _divisors(block_q) if t <= want_m] or _divisors(block_q)[:1])
+    if INTERPRET:
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": max(_divisors(block_k, (16, 32))), "NUM_STAGES": 1,
+                              "USE_TMA": False}, num_warps=4, num_stages=1)
+    bns = _divisors(block_k, (64,) if d_pad >= 256 else (64, 128)) or _divisors(block_k)[-1:]
+    bn = SPLIT_CONFIG_OVERRIDE.get("BLOCK_N", bns[-1])
+    stages = SPLIT_CONFIG_OVERRIDE.get("NUM_STAGES", 2 if d_pad >= 256 else 3)
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": stages, "USE_TMA": variant != "ptr"},
+                         num_warps=SPLIT_CONFIG_OVERRIDE.get("num_warps", 4), num_stages=stages)
+
+
+def kv_splits(programs: int, tiles_per_row: int, device: torch.device) -> int:
+    """How many parts a split-KV forward cuts each query tile's key walk into (FWD_KV_SPLIT), 1 for no
+    split. ``programs``: the unsplit grid's (query tiles x batch x heads); ``tiles_per_row``: key tiles of
+    the layout's longest row. "auto": where ``programs`` fill at most half the SMs, as many parts as
+    keep the grid within one wave (SMs // programs), at most KV_SPLIT_MAX and so that each part walks
+    at least KV_SPLIT_MIN_TILES tiles of the longest row. A forced count is capped by the row's tiles."""
+    if FWD_KV_SPLIT == "auto":
+        n_sm = _sm_count(device)
+        if programs == 0 or 2 * programs > n_sm:  # no query row (an empty grid) or a grid that fills the GPU
+            return 1
+        return max(1, min(KV_SPLIT_WAVES * n_sm // programs, KV_SPLIT_MAX, tiles_per_row // KV_SPLIT_MIN_TILES))
+    try:
+        forced = int(FWD_KV_SPLIT)
+    except ValueError:
+        forced = -1
+    if forced < 0:
+        raise ValueError(f"SPARSE_ATTN_FWD_KV_SPLIT must be 'auto', '0' or a number of parts, got {FWD_KV_SPLIT!r}")
+    return max(1, min(forced, tiles_per_row))
 
 
 def _reverse_rows(kernel: str) -> bool:
