@@ -1,5 +1,6 @@
 """The split-KV forward's tile and split count on decoding shapes: every variant of --variants
-(BLOCK_N:stages:warps:waves, launch.SPLIT_CONFIG_OVERRIDE and KV_SPLIT_WAVES) captured in a CUDA graph
+(BLOCK_N:stages:warps:waves[:min_tiles], launch.SPLIT_CONFIG_OVERRIDE, KV_SPLIT_WAVES and
+KV_SPLIT_MIN_TILES) captured in a CUDA graph
 and the graphs replayed interleaved, as decode_probe.py times its providers (L2 flushed, K/V copies
 cycled). Microseconds a call on the GPU, and each variant's largest output difference from the first.
 
@@ -47,26 +48,30 @@ def main():
                for _ in range(sets)]
         graphs, diffs, splits, first = {}, {}, {}, None
         for variant in a.variants:
-            bn, stages, warps, waves = map(int, variant.split(":"))
+            bn, stages, warps, waves, min_tiles = (list(map(int, variant.split(":"))) + [launch.KV_SPLIT_MIN_TILES])[:5]
 
-            def call(i, bn=bn, stages=stages, warps=warps, waves=waves):
+            def call(i, bn=bn, stages=stages, warps=warps, waves=waves, min_tiles=min_tiles):
+                saved = launch.KV_SPLIT_MIN_TILES
                 launch.SPLIT_CONFIG_OVERRIDE.update(BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
-                launch.KV_SPLIT_WAVES = waves
+                launch.KV_SPLIT_WAVES, launch.KV_SPLIT_MIN_TILES = waves, min_tiles
                 try:
                     return sparse_attn.attention(qs[i], *kvs[i], layout)
                 finally:
                     launch.SPLIT_CONFIG_OVERRIDE.clear()
-                    launch.KV_SPLIT_WAVES = 1
+                    launch.KV_SPLIT_WAVES, launch.KV_SPLIT_MIN_TILES = 1, saved
             try:
                 out = call(0).float()
                 first = out if first is None else first
                 diffs[variant] = (out - first).abs().max().item()
                 graphs[variant], _ = capture_graph(lambda call=call: [call(j % sets) for j in range(CALLS)])
-                launch.KV_SPLIT_WAVES = waves
-                splits[variant] = launch.kv_splits(math.ceil(lq / (16 if lq <= 16 else 64)) * B * H,
-                                                   layout.kv_indices.shape[-1] * (layout.block_k // bn),
-                                                   torch.device("cuda"))
-                launch.KV_SPLIT_WAVES = 1
+                saved = launch.KV_SPLIT_MIN_TILES
+                launch.KV_SPLIT_WAVES, launch.KV_SPLIT_MIN_TILES = waves, min_tiles
+                launch.SPLIT_CONFIG_OVERRIDE.update(BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
+                plan = launch.short_query_plan(B, H, hkv, lq, layout.block_q, layout.block_k, D, layout.heads,
+                                               layout.kv_indices.shape[-1], "tma", torch.device("cuda"))
+                splits[variant] = None if plan is None else plan.parts
+                launch.SPLIT_CONFIG_OVERRIDE.clear()
+                launch.KV_SPLIT_WAVES, launch.KV_SPLIT_MIN_TILES = 1, saved
             except Exception as e:  # noqa: BLE001
                 diffs[variant] = f"{type(e).__name__}: {str(e)[:200]}"
         names = list(graphs)

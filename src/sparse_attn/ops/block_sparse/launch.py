@@ -614,6 +614,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
             K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split, **meta)
 
+    reverse = _reverse_rows("fwd")  # checks ROW_ORDER on every call, whichever kernel runs
     plan = None if varlen or quant or split else short_query_plan(
         B, H, hkv, Lq, block_q, block_k, d_pad, counts.shape[1], indices.shape[-1], variant, q.device)
     if plan is not None:  # few query rows (decoding) or a grid too small for the GPU
@@ -640,7 +641,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     wave = FWD_WAVE and not varlen and (not contiguous or wave_ns > 0)
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
     run_fwd(kern, grid, out, _qkv_strides(out, varlen), lse, l_strides, wave_ns, wave, 1, (0, 0),
-            REVERSE=_reverse_rows("fwd"), KV_SPLIT=False, PACK_GQA=False)
+            REVERSE=reverse, KV_SPLIT=False, PACK_GQA=False)
     return out, lse
 
 
