@@ -165,6 +165,7 @@ def test_short_query_plan_packs_only_what_one_tile_may_hold(monkeypatch):
     assert not plan(hkv=32).pack                                # MHA: nothing to pack
     assert plan(B=8).parts == 2 and plan(B=16).parts == 1       # 64 / 128 programs
     assert plan(B=16, lq=200, hkv=32) is None                   # long queries on a full grid: autotuned kernel
+    assert plan(lq=0) is None                                   # no query row: the autotuned kernel's empty grid
     monkeypatch.setattr(launch, "PACK_GQA", False)
     assert not plan().pack and plan().heads == 32 and plan().parts == 4
 

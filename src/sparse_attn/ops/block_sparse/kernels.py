@@ -336,7 +336,7 @@ def fwd_kernel(
     i_split of N_SPLIT walks its share of each phase's tiles and writes its own normalized output
     (fp32) and LSE at O + i_split * stride_os, LSE + i_split * stride_ls; split_merge_kernel combines
     the parts. A part with no tiles writes zeros and LSE -inf, which the merge weighs 0.
-    PACK_GQA (decoding with GQA on a layout shared by all heads; launch.pack_gqa): the grid's heads
+    PACK_GQA (decoding with GQA on a layout shared by all heads; launch.short_query_plan): the grid's heads
     (H) are kv heads and one tile holds the q_len rows of each of the G query heads that share one,
     so the K/V tiles are read once for the G heads (one layout row: every query in the first block)."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
@@ -488,8 +488,9 @@ def split_merge_kernel(O_PART, LSE_PART, O, LSE, N_SPLIT,
                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     """Grid (row tiles, B * H): combines the N_SPLIT parts of a split-KV forward (fwd_kernel KV_SPLIT),
     each a normalized fp32 output O_PART [N_SPLIT, B, H, Lq, HEAD_DIM] with its LSE (natural log)
-    LSE_PART [N_SPLIT, B, H, Lq] (contiguous rows), into O (O's dtype) and LSE: weights exp(LSE_s - max_s LSE_s). Rows
-    whose parts all hold LSE -inf (no key allowed) get zeros and -inf, as the unsplit kernel gives."""
+    LSE_PART [N_SPLIT, B, H, Lq] (contiguous rows), into O (O's dtype) and LSE, weighing part s by
+    exp(LSE_s - max_s LSE_s). Rows whose parts all hold LSE -inf (no key allowed) get zeros and -inf,
+    as the unsplit kernel gives."""
     i_r = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H

@@ -658,8 +658,10 @@ def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: i
                      max_k: int, variant: str, device: torch.device) -> ShortQueryPlan | None:
     """The small-tile forward's plan for a 16-bit, unpacked call, or None for the autotuned kernel. It
     runs where the call has at most SMALL_Q_ROWS query rows or where kv_splits splits its grid. GQA
-    rows are packed (pack_gqa) where all query heads share the layout, every query sits in its first
+    rows are packed (PACK_GQA) where all query heads share the layout, every query sits in its first
     query block and the G * lq rows fit PACK_GQA_MAX_ROWS: K/V tiles are then read once per kv head."""
+    if lq == 0:  # nothing to attend: the autotuned kernel's empty grid, as before
+        return None
     group = H // hkv
     pack = PACK_GQA and group > 1 and layout_heads == 1 and lq <= block_q and group * lq <= PACK_GQA_MAX_ROWS
     heads = hkv if pack else H
@@ -673,8 +675,8 @@ def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: i
 
 def split_config(block_q: int, block_k: int, d_pad: int, lq: int, variant: str, packed: bool = False
                  ) -> triton.Config:
-    """The split-KV forward's one config (fwd_kernel KV_SPLIT, no autotuning: its launches are short and
-    few rows long). Query tiles of 16 rows for up to 16 query rows (decoding), else 64, where they divide
+    """The short-query forward's one config, split or not (short_query_plan; no autotuning: its launches
+    are short and few rows long). Query tiles of 16 rows for up to 16 query rows (decoding), else 64, where they divide
     the layout's query blocks; ``packed`` (PACK_GQA, ``lq`` the packed rows: at most 64): the least power
     of two from 16 holding them, whatever block_q. 128-key tiles at 3 stages (64 at 2 for head dim 256,
     as _keep_fwd), 4 warps."""
