@@ -12,7 +12,7 @@ import torch
 from sparse_attn import patterns, reference
 from sparse_attn.layout import BlockLayout
 from sparse_attn.masks import ElementMask, MaskTerm, window_term
-from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle
+from sparse_attn.testing import assert_close_to_oracle, assert_grads_close_to_oracle, launch_import_stderr
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="interpreter tests run only without a GPU")
@@ -197,6 +197,8 @@ def test_forced_and_disabled_settings_and_a_clear_error(monkeypatch):
         monkeypatch.setattr(launch, "FWD_KV_SPLIT", bad)
         with pytest.raises(ValueError, match="SPARSE_ATTN_FWD_KV_SPLIT must be 'auto', '0' or a number of parts"):
             launch.kv_splits(1, 64, cpu)
+    assert "SPARSE_ATTN_FWD_KV_SPLIT must be 'auto', '0' or a number of parts, got 'on'" in launch_import_stderr(
+        "SPARSE_ATTN_FWD_KV_SPLIT", "on")
 
 
 def test_split_tile_follows_the_query_rows(monkeypatch):

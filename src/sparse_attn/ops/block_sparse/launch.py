@@ -71,6 +71,8 @@ FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 # whose outputs split_merge_kernel combines by their LSE (kv_splits says when and how many).
 # "auto", "0" (never) or a count of parts forced on every eligible launch (tests, benchmarks).
 FWD_KV_SPLIT = os.environ.get("SPARSE_ATTN_FWD_KV_SPLIT", "auto")
+if FWD_KV_SPLIT != "auto" and not FWD_KV_SPLIT.isdigit():
+    raise ValueError(f"SPARSE_ATTN_FWD_KV_SPLIT must be 'auto', '0' or a number of parts, got {FWD_KV_SPLIT!r}")
 # auto: split only where the grid's programs fill at most half the SMs, into at most this many parts,
 # each walking at least KV_SPLIT_MIN_TILES key tiles (its partial output costs one extra fp32 write and read)
 KV_SPLIT_MAX = 64
