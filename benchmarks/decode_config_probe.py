@@ -21,7 +21,7 @@ import sparse_attn
 from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import time_interleaved
 from sparse_attn.ops.block_sparse import launch
-from sparse_attn.testing import capture_graph
+from sparse_attn.testing import capture_graph, launch_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_probe import CALLS, D, H, layout_for  # noqa: E402
@@ -49,29 +49,20 @@ def main():
         graphs, diffs, splits, first = {}, {}, {}, None
         for variant in a.variants:
             bn, stages, warps, waves, min_tiles = (list(map(int, variant.split(":"))) + [launch.KV_SPLIT_MIN_TILES])[:5]
+            settings = dict(SPLIT_CONFIG_OVERRIDE=dict(BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps),
+                            KV_SPLIT_WAVES=waves, KV_SPLIT_MIN_TILES=min_tiles)
 
-            def call(i, bn=bn, stages=stages, warps=warps, waves=waves, min_tiles=min_tiles):
-                saved = launch.KV_SPLIT_MIN_TILES
-                launch.SPLIT_CONFIG_OVERRIDE.update(BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
-                launch.KV_SPLIT_WAVES, launch.KV_SPLIT_MIN_TILES = waves, min_tiles
-                try:
+            def call(i, settings=settings):
+                with launch_settings(**settings):
                     return sparse_attn.attention(qs[i], *kvs[i], layout)
-                finally:
-                    launch.SPLIT_CONFIG_OVERRIDE.clear()
-                    launch.KV_SPLIT_WAVES, launch.KV_SPLIT_MIN_TILES = 1, saved
             try:
                 out = call(0).float()
                 first = out if first is None else first
                 diffs[variant] = (out - first).abs().max().item()
                 graphs[variant], _ = capture_graph(lambda call=call: [call(j % sets) for j in range(CALLS)])
-                saved = launch.KV_SPLIT_MIN_TILES
-                launch.KV_SPLIT_WAVES, launch.KV_SPLIT_MIN_TILES = waves, min_tiles
-                launch.SPLIT_CONFIG_OVERRIDE.update(BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
-                plan = launch.short_query_plan(B, H, hkv, lq, layout.block_q, layout.block_k, D, layout.heads,
-                                               layout.kv_indices.shape[-1], "tma", torch.device("cuda"))
+                with launch_settings(**settings):
+                    plan = launch.layout_query_plan(layout, B, H, hkv, lq, D, torch.device("cuda"))
                 splits[variant] = None if plan is None else plan.parts
-                launch.SPLIT_CONFIG_OVERRIDE.clear()
-                launch.KV_SPLIT_WAVES, launch.KV_SPLIT_MIN_TILES = 1, saved
             except Exception as e:  # noqa: BLE001
                 diffs[variant] = f"{type(e).__name__}: {str(e)[:200]}"
         names = list(graphs)

@@ -32,7 +32,7 @@ from sparse_attn.bench.providers import _flex_fn
 from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import time_interleaved
 from sparse_attn.ops.block_sparse import launch
-from sparse_attn.testing import capture_graph
+from sparse_attn.testing import capture_graph, launch_settings
 
 H, D = 32, 128
 CALLS = 20
@@ -85,14 +85,8 @@ def main():
 
             def ours(**settings):
                 def call(i):
-                    saved = {name: getattr(launch, name) for name in settings}
-                    for name, value in settings.items():
-                        setattr(launch, name, value)
-                    try:
+                    with launch_settings(**settings):
                         return sparse_attn.attention(qs[i], *kvs[i], layout)
-                    finally:
-                        for name, value in saved.items():
-                            setattr(launch, name, value)
                 return call
 
             providers = {
@@ -121,8 +115,7 @@ def main():
                     errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             names = list(graphs)
             ms = time_interleaved([graphs[n].replay for n in names], "cuda")
-            plan = launch.short_query_plan(B, H, hkv, lq, layout.block_q, layout.block_k, D, layout.heads,
-                                           layout.kv_indices.shape[-1], "tma", torch.device("cuda"))
+            plan = launch.layout_query_plan(layout, B, H, hkv, lq, D, torch.device("cuda"))
             row.update(
                 plan=None if plan is None else dict(block_m=plan.config.kwargs["BLOCK_M"],
                                                     block_n=plan.config.kwargs["BLOCK_N"], heads=plan.heads,

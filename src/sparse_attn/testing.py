@@ -23,7 +23,8 @@ from .reference import attention as reference_attention
 
 __all__ = ["oracle_attention", "assert_close_to_oracle", "assert_grads_close_to_oracle",
            "assert_layout_grads_close_to_oracle", "split_and_fused_grads",
-           "grads_per_launch_setting", "launch_import_stderr", "QUANT_L1_BOUND", "default_atol_floor", "random_qkv",
+           "grads_per_launch_setting", "launch_settings", "launch_import_stderr", "QUANT_L1_BOUND",
+           "default_atol_floor", "random_qkv",
            "random_packed_qkv", "ZERO_LENGTH_CASES", "check_zero_length_case", "check_non_finite_spread",
            "naive_masked_attention", "causal_token_mask", "element_mask_dense", "block_map_from_token_mask"]
 
@@ -214,6 +215,22 @@ def grads_per_launch_setting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return grads
     finally:
         setattr(launch, attr, saved)
+
+
+@contextlib.contextmanager
+def launch_settings(**values):
+    """``ops.block_sparse.launch.<name> = value`` for each keyword inside the block (probes, tests);
+    the previous values are restored after it."""
+    from .ops.block_sparse import launch
+
+    saved = {name: getattr(launch, name) for name in values}
+    for name, value in values.items():
+        setattr(launch, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(launch, name, value)
 
 
 @contextlib.contextmanager

@@ -33,9 +33,7 @@ def _layout(kind, lq, lk, heads, bq=128, bk=128):
 
 
 def _plan(layout, B, H, hkv, lq, d):
-    launch = _launch()
-    return launch.short_query_plan(B, H, hkv, lq, layout.block_q, layout.block_k, launch._d_pad(d), layout.heads,
-                                   layout.kv_indices.shape[-1], "tma", torch.device("cuda"))
+    return _launch().layout_query_plan(layout, B, H, hkv, lq, d, torch.device("cuda"))
 
 
 def _forward(monkeypatch, parts, q, k, v, layout, pack=True):

@@ -675,6 +675,13 @@ def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: i
     return ShortQueryPlan(config, heads, tiles, parts, pack)
 
 
+def layout_query_plan(layout, B: int, H: int, hkv: int, lq: int, head_dim: int, device: torch.device,
+                      variant: str = "tma") -> ShortQueryPlan | None:
+    """short_query_plan for a call on ``layout`` (benchmarks and tests: what forward would run)."""
+    return short_query_plan(B, H, hkv, lq, layout.block_q, layout.block_k, _d_pad(head_dim), layout.heads,
+                            layout.max_k, variant, device)
+
+
 def split_config(block_q: int, block_k: int, d_pad: int, lq: int, variant: str, packed: bool = False
                  ) -> triton.Config:
     """The short-query forward's one config, split or not (short_query_plan; no autotuning: its launches
