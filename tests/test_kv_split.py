@@ -217,3 +217,87 @@ def test_split_tile_follows_the_query_rows(monkeypatch):
     assert pick(128, 64, 64, 1) == (16, 64, 3)
     assert launch.split_config(16, 128, 128, 40, "tma", packed=True).kwargs["BLOCK_M"] == 64
     assert launch.split_config(128, 128, 128, 3, "tma", packed=True).kwargs["BLOCK_M"] == 16
+
+
+def _varlen_case(kind, hq, hkv, seed):
+    """Packed decoding-style inputs: sequences of 0-3 query rows against caches of 0-300 keys, and the
+    stacked layout the kernels get: one-shot causal (varlen.stack_dense_or_causal, what the API builds on
+    CUDA) or per-sequence streaming layouts (sinks + window, element masks)."""
+    from sparse_attn import varlen
+    from sparse_attn.testing import random_packed_qkv
+    q_lens, k_lens = [1, 2, 0, 1, 3], [300, 17, 50, 0, 129]
+    q, k, v = random_packed_qkv(sum(q_lens), sum(k_lens), hq, hkv, 32, seed=seed, requires_grad=False)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    max_q, max_k = max(q_lens), max(k_lens)
+    if kind == "causal":
+        stacked, pattern = varlen.stack_dense_or_causal(q_lens, k_lens, True, max_q, max_k, "cpu", 32), None
+    else:
+        pattern = lambda lq, lk: _layout("streaming", lq, lk, hq)  # noqa: E731
+        stacked = varlen.stack(varlen.build_layouts(q_lens, k_lens, None, pattern, False), max_q, max_k, hq)
+    return q, k, v, cu(q_lens), cu(k_lens), max_q, max_k, k_lens, stacked, pattern
+
+
+@interpreted
+@pytest.mark.parametrize("kind,hq,hkv,pack,parts", [
+    ("causal", 4, 1, True, "3"),      # MQA rows packed, split: empty parts and an empty cache
+    ("causal", 4, 2, False, "4"),     # unpacked, split
+    ("causal", 2, 1, True, "0"),      # packed, small tile unsplit
+    ("streaming", 2, 2, True, "5"),   # per-sequence masks, split
+])
+def test_varlen_short_queries_match_the_reference(monkeypatch, kind, hq, hkv, pack, parts):
+    """Packed (varlen) calls with few query rows take the short-query plan too: small tile, split-KV
+    merged as T rows, GQA packing with each sequence's own q_len."""
+    import sparse_attn
+    from sparse_attn.ops.block_sparse import kernels, varlen_attention_op
+    launch = _launch()
+    q, k, v, cq, ck, max_q, max_k, k_lens, stacked, pattern = _varlen_case(kind, hq, hkv, seed=hq * 10 + hkv)
+    plans, merges = [], []
+    plan, merge = launch.short_query_plan, kernels.split_merge_kernel
+    monkeypatch.setattr(launch, "short_query_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+
+    class Counting:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return merge[grid]
+    monkeypatch.setattr(kernels, "split_merge_kernel", Counting())
+    monkeypatch.setattr(launch, "PACK_GQA", pack)
+
+    def run(n_parts):
+        monkeypatch.setattr(launch, "FWD_KV_SPLIT", n_parts)
+        return varlen_attention_op(q, k, v, stacked, cq, ck, max_q, max_k, tuple(k_lens), return_lse=True)
+    out, lse = run(parts)
+    assert plans[-1] is not None and plans[-1].pack == (pack and hq > hkv and kind == "causal")
+    assert len(merges) == (parts != "0")
+    o_ref, lse_ref = sparse_attn.varlen_attention(q.double(), k.double(), v.double(), cq, ck, max_q, max_k,
+                                                  pattern=pattern, causal=kind == "causal", return_lse=True)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)) and not torch.isnan(out).any()
+    fin = torch.isfinite(lse_ref)
+    assert (out.double() - o_ref).abs().max() < 5e-3
+    assert (lse.double() - lse_ref)[fin].abs().max() < 1e-3
+    plain, plain_lse = run("0")
+    assert (out.float() - plain.float()).abs().max() < 2e-3
+    assert (lse - plain_lse)[fin].abs().max() < 1e-4
+
+
+@interpreted
+@pytest.mark.parametrize("pack", [True, False])
+def test_short_queries_on_a_split_grid_equal_the_usual_grid(monkeypatch, pack):
+    """Decoding thousands of packed sequences puts heads and sequences on grid axes 1 and 2
+    (launch.SPLIT_GRID_ABOVE, lowered here so every launch splits): the short-query tile runs there too,
+    bit for bit as on the usual grid."""
+    from sparse_attn.ops.block_sparse import varlen_attention_op
+    launch = _launch()
+    q, k, v, cq, ck, max_q, max_k, k_lens, stacked, _ = _varlen_case("causal", 4, 2, seed=3)
+    monkeypatch.setattr(launch, "FWD_KV_SPLIT", "0")
+    monkeypatch.setattr(launch, "PACK_GQA", pack)
+    plans = []
+    plan = launch.short_query_plan
+    monkeypatch.setattr(launch, "short_query_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    run = lambda: varlen_attention_op(q, k, v, stacked, cq, ck, max_q, max_k, tuple(k_lens), return_lse=True)  # noqa: E731
+    usual = run()
+    monkeypatch.setattr(launch, "SPLIT_GRID_ABOVE", 1)
+    assert launch.grid_rows(5, 2) == ((2, 5), True)
+    split = run()
+    assert len(plans) == 2 and plans[1] is not None and plans[1].pack == pack
+    for a, b in zip(usual, split):
+        assert torch.equal(a, b)

@@ -88,7 +88,9 @@ def variants():
     for fn, consts in _usual_grid_variants():
         yield fn, dict(consts, SPLIT_GRID=False) if "SPLIT_GRID" in fn.arg_names else consts
     for fn, consts in _usual_grid_variants():
-        if consts.get("WAVE") or fn is K.bwd_delta_kernel:
+        # the short-query tile unsplit: decoding thousands of packed sequences
+        short_unsplit = fn is K.fwd_kernel and consts.get("BLOCK_M") == 16 and not consts["KV_SPLIT"]
+        if consts.get("WAVE") or fn is K.bwd_delta_kernel or short_unsplit:
             yield fn, dict(consts, SPLIT_GRID=True)
 
 
@@ -126,10 +128,10 @@ def _variants_as_written():
         yield K.fwd_kernel, dict(fwd, BLOCK_M=128, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False, CONTIGUOUS=True,
                                  USE_TMA=True, QUANT=0, PV_SKIP=False, WAVE=True)
     # short queries (launch.short_query_plan): 16-row tiles (decoding) and 64-row ones, split-KV or not,
-    # GQA's rows packed or not, d128 and d256
-    for bm, n_terms, contiguous, split, pack in itertools.product((16, 64), (0, 2), (False, True), (False, True),
-                                                                  (False, True)):
-        yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=False, CONTIGUOUS=contiguous,
+    # GQA's rows packed or not, padded or packed (varlen) inputs, d128 and d256
+    for bm, n_terms, contiguous, split, pack, varlen in itertools.product((16, 64), (0, 2), (False, True),
+                                                                          (False, True), (False, True), (False, True)):
+        yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, CONTIGUOUS=contiguous,
                                  USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=split, PACK_GQA=pack)
     yield K.fwd_kernel, dict(fwd, HEAD_DIM=256, D_PAD=256, NUM_STAGES=2, BLOCK_M=16, BLOCK_N=64, N_TERMS=2,
                              IS_VARLEN=False, CONTIGUOUS=True, USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=True)

@@ -245,9 +245,13 @@ def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, 
            None if layouts is None else tuple(layout_key(lay) for lay in layouts))
 
     def build():
+        cuda = torch.device(device).type == "cuda"
+        if cuda and layouts is None and pattern is None:  # dense / causal: no per-sequence layouts to build
+            stacked = varlen.stack_dense_or_causal(q_lens, k_lens, causal, max_q, max_k, device)
+            return _VarlenPlan((None, None), None, stacked, tuple(k_lens))
         per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal, heads=heads)
         stacked = kv_lens = None
-        if torch.device(device).type == "cuda":
+        if cuda:
             stacked = varlen.stack([lay.to(device) for lay in per_seq], max_q, max_k, heads)
             kv_lens = tuple(k_lens)
         # a tuple: pinning the caller's list would let it replace an entry, freeing the layout whose id
@@ -259,9 +263,13 @@ def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, 
 @dataclasses.dataclass
 class _VarlenPlan:
     pinned: tuple  # the pattern / layouts whose ids are in the key
-    per_seq: list
+    per_seq: list | None  # one layout per sequence (None: dense / causal on CUDA, stacked at once)
     stacked: BlockLayout | None
     kv_lens: tuple | None  # per-sequence key lengths (Python ints: schedule lookups never sync)
+
+    @property
+    def block_k(self) -> int:
+        return (self.stacked if self.per_seq is None else self.per_seq[0]).block_k
 
 
 def _varlen_reference(q, k, v, cq, ck, per_seq, scale, return_lse):

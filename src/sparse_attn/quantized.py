@@ -49,7 +49,7 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, plan, *, scale
                      granularity: str, smooth_k: bool, hp_call):
     """Validated packed ``[T, H, D]`` inputs and a varlen plan (see api._varlen_plan); ``hp_call()``
     runs the fp16/bf16 varlen attention (for gradients)."""
-    check_quant_shapes(check_quant(quant, granularity), q.shape[-1], plan.per_seq[0].block_k if plan.per_seq else None,
+    check_quant_shapes(check_quant(quant, granularity), q.shape[-1], plan.block_k,
                        v.shape[-1])
     with torch.no_grad():
         if q.is_cuda:

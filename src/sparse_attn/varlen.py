@@ -139,3 +139,45 @@ def stack(layouts: Sequence[BlockLayout], max_q: int, max_k: int, heads: int) ->
     cat = _Coo(*(torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("b", "h", "qb", "kb", "mask_id")))
     return BlockLayout._from_coo(cat, batch=len(layouts), heads=hl, block_q=bq, block_k=bk,
                                  q_len=max_q, kv_len=max_k, masks=tuple(masks))
+
+
+def stack_dense_or_causal(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, max_q: int, max_k: int,
+                          device, block: int = 128) -> BlockLayout:
+    """``stack(build_layouts(q_lens, k_lens, None, None, causal, block), max_q, max_k, heads)`` for the
+    kernels, built at once with a few tensor ops on ``device`` instead of one layout per sequence
+    (a decoding step changes every key length, so no plan is ever reused: 8 sequences cost ~10 ms of
+    host time per call that way). Same blocks and masks, with one mask entry that every sequence
+    shares (the kernels align it per sequence). Its forward schedule for ``k_lens`` is seeded
+    (schedule.seed_ordered): every row's blocks are one run from key block 0 whose partial blocks
+    (the causal edge, the sequence's cut last block) come last, so nothing is reordered or synced.
+
+    Returns a BlockLayout with batch = number of sequences, heads 1, q_len ``max_q``, kv_len ``max_k``."""
+    from .ops.block_sparse.schedule import seed_ordered
+    from .patterns._common import CAUSAL
+    n_q, n_k = -(-max_q // block), -(-max_k // block)
+    # the longest row: a sequence's last query row sees all its keys (bottom-right causal too)
+    max_count = max([-(-lk // block) for lq, lk in zip(q_lens, k_lens) if lq > 0] + [0])
+    lq = torch.tensor(list(q_lens), device=device).view(-1, 1, 1)
+    lk = torch.tensor(list(k_lens), device=device).view(-1, 1, 1)
+    qb = torch.arange(n_q, device=device).view(1, -1, 1)
+    kb = torch.arange(max_count, device=device).view(1, 1, -1)
+    k_first, k_last = kb * block, torch.minimum((kb + 1) * block, lk) - 1  # [S, 1, max_count]
+    present = (qb * block < lq) & (k_first < lk)  # [S, n_q, max_count]
+    partial = torch.zeros_like(present)
+    if causal:  # as patterns.causal: a block is kept if it holds a key at or before its last row's position
+        offset = lk - lq
+        p_first, p_last = qb * block + offset, torch.minimum((qb + 1) * block, lq) - 1 + offset
+        present &= k_first <= p_last
+        partial = present & (k_last > p_first)
+    # present is a prefix of each row, partial a suffix of it
+    counts = present.sum(-1, dtype=torch.int32)
+    mask_ids = torch.where(partial, 0, -1).to(torch.int32)
+    indices = torch.where(present, kb.to(torch.int32), -1)
+    layout = BlockLayout(block, block, max_q, max_k, counts.unsqueeze(1), indices.unsqueeze(1),
+                         mask_ids.unsqueeze(1), (CAUSAL,) if causal else ())
+    layout._validated = True  # in range and ascending by construction
+    # the schedule's masked phase: the partial blocks and a last block cut by the sequence end
+    cut = (kb == (lk - 1) // block) & (lk % block != 0)
+    n_full = counts - (partial | (present & cut)).sum(-1, dtype=torch.int32)
+    seed_ordered(layout, n_full.unsqueeze(1), contiguous=True, kv_lens=k_lens)
+    return layout

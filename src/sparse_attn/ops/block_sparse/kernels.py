@@ -490,7 +490,8 @@ def split_merge_kernel(O_PART, LSE_PART, O, LSE, N_SPLIT,
     each a normalized fp32 output O_PART [N_SPLIT, B, H, Lq, HEAD_DIM] with its LSE (natural log)
     LSE_PART [N_SPLIT, B, H, Lq] (contiguous rows), into O (O's dtype) and LSE, weighing part s by
     exp(LSE_s - max_s LSE_s). Rows whose parts all hold LSE -inf (no key allowed) get zeros and -inf,
-    as the unsplit kernel gives."""
+    as the unsplit kernel gives. Packed (varlen) results merge as B = 1 and Lq = T: [N_SPLIT, T, H, D]
+    through the strides, LSE_PART [N_SPLIT, H, T]."""
     i_r = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H

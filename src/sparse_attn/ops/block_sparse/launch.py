@@ -604,7 +604,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     contiguous = contiguous and not FORCE_INDEXED
     rows, split = grid_rows(B, H)
 
-    def run_fwd(kern, grid, o, o_strides, l, l_strides_, wave_ns, wave, n_parts, part_strides, heads=H, **meta):
+    def run_fwd(kern, grid, o, o_strides, l, l_strides_, wave_ns, wave, n_parts, part_strides, heads=H,
+                split_grid=split, **meta):
         kern[grid](
             q, k, v, o, l, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale,
             v_scale, sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
@@ -614,26 +615,31 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             heads, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns, n_parts,
             *part_strides, HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
             CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-            K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split, **meta)
+            K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split_grid, **meta)
 
     reverse = _reverse_rows("fwd")  # checks ROW_ORDER on every call, whichever kernel runs
-    plan = None if varlen or quant or split else short_query_plan(
+    plan = None if quant else short_query_plan(
         B, H, hkv, Lq, block_q, block_k, d_pad, counts.shape[1], indices.shape[-1], variant, q.device)
     if plan is not None:  # few query rows (decoding) or a grid too small for the GPU
         kern = _Fixed(kernels.fwd_kernel, plan.config)
-        grid = (plan.tiles * plan.parts, B * plan.heads)
+        plan_rows, plan_split = grid_rows(B, plan.heads)  # a split grid: decoding thousands of sequences
+        grid = (plan.tiles * plan.parts, *plan_rows)
         if plan.parts == 1:  # the small tile alone, written in place
             run_fwd(kern, grid, out, _qkv_strides(out, varlen), lse, l_strides, 0, False, 1, (0, 0), plan.heads,
-                    REVERSE=False, KV_SPLIT=False, PACK_GQA=plan.pack)
+                    plan_split, REVERSE=False, KV_SPLIT=False, PACK_GQA=plan.pack)
             return out, lse
-        o_part = torch.empty(plan.parts, B, H, Lq, D, device=q.device, dtype=torch.float32)
-        l_part = torch.empty(plan.parts, B, H, Lq, device=q.device, dtype=torch.float32)
-        run_fwd(kern, grid, o_part, o_part.stride()[1:4], l_part, l_part.stride()[1:], 0, False, plan.parts,
-                (o_part.stride(0), l_part.stride(0)), plan.heads, REVERSE=False, KV_SPLIT=True, PACK_GQA=plan.pack)
-        block_r = 16 if Lq <= 16 else 64
-        kernels.split_merge_kernel[(triton.cdiv(Lq, block_r), B * H)](
-            o_part, l_part, out, lse, plan.parts, *o_part.stride()[:4], *l_part.stride()[:3], *out.stride()[:3],
-            *l_strides, H, Lq, HEAD_DIM=D, D_PAD=d_pad, BLOCK_R=block_r, num_warps=4)
+        # (kv_splits splits grids of at most half the SMs' programs: never a split grid, nor a merge grid
+        # over CUDA's 65535 on axis 1)
+        parts = _SplitParts.new(plan.parts, out, varlen)
+        run_fwd(kern, grid, parts.out, parts.o_strides, parts.lse, parts.l_strides, 0, False, plan.parts,
+                parts.part_strides, plan.heads, plan_split, REVERSE=False, KV_SPLIT=True, PACK_GQA=plan.pack)
+        # packed rows merge as one sequence of T rows: the merge is row by row
+        merge_b, merge_rows = (1, out.shape[0]) if varlen else (B, Lq)
+        block_r = 16 if merge_rows <= 16 else 64
+        kernels.split_merge_kernel[(triton.cdiv(merge_rows, block_r), merge_b * H)](
+            parts.out, parts.lse, out, lse, plan.parts, parts.out.stride(0), *parts.o_strides, parts.lse.stride(0),
+            *parts.l_strides[:2], *_qkv_strides(out, varlen), *l_strides, H, merge_rows, HEAD_DIM=D, D_PAD=d_pad,
+            BLOCK_R=block_r, num_warps=4)
         return out, lse
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP", "WAVE"),
                   variant, eight_bit=quant != 0)
@@ -647,6 +653,30 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     return out, lse
 
 
+class _SplitParts(NamedTuple):
+    """The split-KV forward's per-part results (fp32): outputs ``out`` [parts, B, H, Lq, D] (packed:
+    [parts, T, H, D]) and LSEs ``lse`` [parts, B, H, Lq] (packed: [parts, H, T]), with the (batch, head,
+    row) strides of one part as fwd_kernel and split_merge_kernel take them, and the part strides."""
+    out: torch.Tensor
+    lse: torch.Tensor
+    o_strides: tuple
+    l_strides: tuple
+    part_strides: tuple
+
+    @staticmethod
+    def new(parts: int, out: torch.Tensor, varlen: bool) -> "_SplitParts":
+        if varlen:
+            T, H, D = out.shape
+            o = torch.empty(parts, T, H, D, device=out.device, dtype=torch.float32)
+            lse = torch.empty(parts, H, T, device=out.device, dtype=torch.float32)
+            o_strides, l_strides = (0, o.stride(2), o.stride(1)), (0, lse.stride(1), lse.stride(2))
+        else:
+            o = torch.empty(parts, *out.shape, device=out.device, dtype=torch.float32)
+            lse = torch.empty(parts, *out.shape[:3], device=out.device, dtype=torch.float32)
+            o_strides, l_strides = o.stride()[1:4], lse.stride()[1:]
+        return _SplitParts(o, lse, o_strides, l_strides, (o.stride(0), lse.stride(0)))
+
+
 class ShortQueryPlan(NamedTuple):
     """How launch.forward runs a call with few query rows (short_query_plan)."""
     config: triton.Config  # split_config's
@@ -658,7 +688,8 @@ class ShortQueryPlan(NamedTuple):
 
 def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: int, d_pad: int, layout_heads: int,
                      max_k: int, variant: str, device: torch.device) -> ShortQueryPlan | None:
-    """The small-tile forward's plan for a 16-bit, unpacked call, or None for the autotuned kernel. It
+    """The small-tile forward's plan for a 16-bit call (packed or not; ``lq`` packed: the longest
+    sequence's query rows), or None for the autotuned kernel. It
     runs where the call has at most SMALL_Q_ROWS query rows or where kv_splits splits its grid. GQA
     rows are packed (PACK_GQA) where all query heads share the layout, every query sits in its first
     query block and the G * lq rows fit PACK_GQA_MAX_ROWS: K/V tiles are then read once per kv head."""

@@ -48,8 +48,8 @@ def schedule(layout: BlockLayout, kv_lens=None, *, bound_tail: bool = True) -> S
     return caches[key]
 
 
-def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool = False) -> Schedule:
-    """Cache the forward schedule (``kv_lens`` None, tail bound) of a layout whose rows are already in
+def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool = False, kv_lens=None) -> Schedule:
+    """Cache the forward schedule (for ``kv_lens``, tail bound) of a layout whose rows are already in
     visiting order: in every row the first ``n_full`` listed blocks need no mask and the rest do
     (an element mask or the sequence-end bound). A builder that knows this (``predict.meansim``)
     calls it so a fresh layout costs no reordering and no host sync; ``contiguous`` is a claim the
@@ -64,7 +64,7 @@ def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool 
         first = torch.zeros_like(n_full)
     sched = Schedule(layout.kv_counts.contiguous(), n_full, first, layout.kv_indices.contiguous(),
                      layout.kv_mask_ids.contiguous(), contiguous)
-    layout._caches()[schedule_key(None)] = sched
+    layout._caches()[schedule_key(kv_lens)] = sched
     return sched
 
 
