@@ -141,26 +141,36 @@ def stack(layouts: Sequence[BlockLayout], max_q: int, max_k: int, heads: int) ->
                                  q_len=max_q, kv_len=max_k, masks=tuple(masks))
 
 
+# a one-shot plan of at most this many (sequence, query block, key slot) entries is built on the host
+# and copied to the device at once: a decoding step's, whose few hundred entries took ~40 small CUDA ops
+# (1 ms of launches on the H200's host) where the CPU takes a fraction of that; larger ones on the device
+HOST_PLAN_ENTRIES = 1 << 16
+
+
 def stack_dense_or_causal(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, max_q: int, max_k: int,
                           device, block: int = 128) -> BlockLayout:
     """``stack(build_layouts(q_lens, k_lens, None, None, causal, block), max_q, max_k, heads)`` for the
-    kernels, built at once with a few tensor ops on ``device`` instead of one layout per sequence
-    (a decoding step changes every key length, so no plan is ever reused: 8 sequences cost ~10 ms of
-    host time per call that way). Same blocks and masks, with one mask entry that every sequence
-    shares (the kernels align it per sequence). Its forward schedule for ``k_lens`` is seeded
+    kernels, built at once with a few tensor ops instead of one layout per sequence (a decoding step
+    changes every key length, so no plan is ever reused: 8 sequences cost ~12 ms of host time a call
+    that way on the H200). Same blocks and masks, with one mask entry that every sequence shares (the
+    kernels align it per sequence). Its forward schedule for ``k_lens`` is seeded
     (schedule.seed_ordered): every row's blocks are one run from key block 0 whose partial blocks
     (the causal edge, the sequence's cut last block) come last, so nothing is reordered or synced.
 
-    Returns a BlockLayout with batch = number of sequences, heads 1, q_len ``max_q``, kv_len ``max_k``."""
+    Returns a BlockLayout on ``device`` with batch = number of sequences, heads 1, q_len ``max_q``,
+    kv_len ``max_k``."""
     from .ops.block_sparse.schedule import seed_ordered
     from .patterns._common import CAUSAL
-    n_q, n_k = -(-max_q // block), -(-max_k // block)
+    from .predict.pack import packed_layout
+    n_q = -(-max_q // block)
     # the longest row: a sequence's last query row sees all its keys (bottom-right causal too)
     max_count = max([-(-lk // block) for lq, lk in zip(q_lens, k_lens) if lq > 0] + [0])
-    lq = torch.tensor(list(q_lens), device=device).view(-1, 1, 1)
-    lk = torch.tensor(list(k_lens), device=device).view(-1, 1, 1)
-    qb = torch.arange(n_q, device=device).view(1, -1, 1)
-    kb = torch.arange(max_count, device=device).view(1, 1, -1)
+    host = len(q_lens) * n_q * max(max_count, 1) <= HOST_PLAN_ENTRIES
+    at = "cpu" if host else device
+    lq = torch.tensor(list(q_lens), device=at).view(-1, 1, 1)
+    lk = torch.tensor(list(k_lens), device=at).view(-1, 1, 1)
+    qb = torch.arange(n_q, device=at).view(1, -1, 1)
+    kb = torch.arange(max_count, device=at).view(1, 1, -1)
     k_first, k_last = kb * block, torch.minimum((kb + 1) * block, lk) - 1  # [S, 1, max_count]
     present = (qb * block < lq) & (k_first < lk)  # [S, n_q, max_count]
     partial = torch.zeros_like(present)
@@ -169,15 +179,20 @@ def stack_dense_or_causal(q_lens: Sequence[int], k_lens: Sequence[int], causal: 
         p_first, p_last = qb * block + offset, torch.minimum((qb + 1) * block, lq) - 1 + offset
         present &= k_first <= p_last
         partial = present & (k_last > p_first)
-    # present is a prefix of each row, partial a suffix of it
-    counts = present.sum(-1, dtype=torch.int32)
-    mask_ids = torch.where(partial, 0, -1).to(torch.int32)
-    indices = torch.where(present, kb.to(torch.int32), -1)
-    layout = BlockLayout(block, block, max_q, max_k, counts.unsqueeze(1), indices.unsqueeze(1),
-                         mask_ids.unsqueeze(1), (CAUSAL,) if causal else ())
-    layout._validated = True  # in range and ascending by construction
-    # the schedule's masked phase: the partial blocks and a last block cut by the sequence end
+    # present is a prefix of each row, partial a suffix of it; the schedule's masked phase also takes a
+    # last block cut by the sequence end
     cut = (kb == (lk - 1) // block) & (lk % block != 0)
-    n_full = counts - (partial | (present & cut)).sum(-1, dtype=torch.int32)
-    seed_ordered(layout, n_full.unsqueeze(1), contiguous=True, kv_lens=k_lens)
+    rows = torch.stack([present.sum(-1), (present & ~partial & ~cut).sum(-1)])  # counts, n_full [2, S, n_q]
+    slots = torch.stack([torch.where(present, kb, -1), torch.where(partial, 0, -1)])  # indices, mask ids
+    if host:  # one copy to the device
+        n_rows = rows.numel()
+        flat = torch.cat([rows.flatten(), slots.flatten()]).to(torch.int32).to(device)
+        rows, slots = flat[:n_rows].view(rows.shape), flat[n_rows:].view(slots.shape)
+    else:
+        rows, slots = rows.to(torch.int32), slots.to(torch.int32)
+    counts, n_full = rows.unsqueeze(2)  # [S, 1, n_q] each
+    indices, mask_ids = slots.unsqueeze(2)  # [S, 1, n_q, max_count] each
+    layout = packed_layout(counts, indices, mask_ids, (CAUSAL,) if causal else (), q_len=max_q, kv_len=max_k,
+                           block_q=block, block_k=block, causal=False)  # causal per sequence, not as a whole
+    seed_ordered(layout, n_full, contiguous=True, kv_lens=k_lens)
     return layout

@@ -151,13 +151,17 @@ VARLEN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("host_plan", [True, False], ids=["host-plan", "device-plan"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"S{len(c[0])}-h{c[2]}/{c[3]}-D{c[4]}-causal{c[5]}")
-def test_varlen_decoding_matches_per_sequence_references(case, dtype):
-    """varlen_attention without layouts= or pattern= builds its plan at once (varlen.stack_dense_or_causal)
-    and runs the short-query forward: outputs and LSE as each sequence's reference (DESIGN.md rule 3)."""
+def test_varlen_decoding_matches_per_sequence_references(monkeypatch, case, dtype, host_plan):
+    """varlen_attention without layouts= or pattern= builds its plan at once (varlen.stack_dense_or_causal,
+    on the host and copied, or with the device's ops: HOST_PLAN_ENTRIES) and runs the short-query forward:
+    outputs and LSE as each sequence's reference (DESIGN.md rule 3)."""
     q_lens, k_lens, hq, hkv, d, causal = case
-    from sparse_attn import api
+    from sparse_attn import api, varlen
+    monkeypatch.setattr(varlen, "HOST_PLAN_ENTRIES", 1 << 30 if host_plan else 0)
+    api._VARLEN_PLANS.clear()  # the plan is built here, as set
     launch = _launch()
     q = torch.randn(sum(q_lens), hq, d, device="cuda").to(dtype)
     k, v = (torch.randn(sum(k_lens), hkv, d, device="cuda").to(dtype) for _ in range(2))

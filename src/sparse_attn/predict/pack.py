@@ -103,7 +103,7 @@ def layout_from_keep(keep: torch.Tensor, *, q_len: int, kv_len: int, block_q: in
                 -1, slot, torch.where(keep & partial, 0, -1).to(torch.int32))
         else:
             mask_ids = torch.full_like(csum, -1)
-    layout = _packed_layout(counts, indices, mask_ids, masks, q_len=q_len, kv_len=kv_len, block_q=block_q,
+    layout = packed_layout(counts, indices, mask_ids, masks, q_len=q_len, kv_len=kv_len, block_q=block_q,
                             block_k=block_k, causal=causal)
     if schedule if schedule is not None else keep.is_cuda:
         _seed_schedule(layout, keep, partial if masks else None)
@@ -121,14 +121,17 @@ def layout_from_packed(counts: torch.Tensor, indices: torch.Tensor, mask_ids: to
     writes them so), with the schedule seeded from ``n_full`` (int32 ``[B, H, Qb]``, leading slots that need
     no mask). Mask id 0 means the causal mask, present when :func:`causal_masks` says so."""
     masks = causal_masks(q_len, kv_len, block_q, block_k) if causal else ()
-    layout = _packed_layout(counts, indices, mask_ids, masks, q_len=q_len, kv_len=kv_len, block_q=block_q,
+    layout = packed_layout(counts, indices, mask_ids, masks, q_len=q_len, kv_len=kv_len, block_q=block_q,
                             block_k=block_k, causal=causal)
     from ..ops.block_sparse.schedule import seed_ordered
     seed_ordered(layout, n_full)
     return layout
 
 
-def _packed_layout(counts, indices, mask_ids, masks, *, q_len, kv_len, block_q, block_k, causal) -> BlockLayout:
+def packed_layout(counts, indices, mask_ids, masks, *, q_len, kv_len, block_q, block_k, causal) -> BlockLayout:
+    """A BlockLayout of rows already packed (ascending, -1 after the count), valid by construction, with
+    the masks' term table shared per device (no host-to-device copy per layout); ``causal``: marked as
+    its own causal cut."""
     layout = BlockLayout(block_q, block_k, q_len, kv_len, counts, indices, mask_ids, masks)
     layout._validated = True  # sorted, unique, in range by construction
     layout._table = _mask_table(bool(masks), counts.device)
