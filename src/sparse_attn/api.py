@@ -192,7 +192,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             ``lambda lq, lk: patterns.local(lq, 256, kv_len=lk)``); neither = dense. The layouts
             are cached per batch shape and pattern object (the last 16), so a training loop builds
             them once: the pattern must be a pure function of its arguments; to change what it
-            returns, pass another function object.
+            returns, pass another function object. With neither (dense, or ``causal``) a CUDA
+            call builds its plan in one pass over all sequences, cheap enough for decoding steps,
+            whose growing caches make every shape new (README, "Decoding").
         causal: bottom-right aligned per sequence (query i of a sequence sees key j iff
             ``j <= i + kv_len - q_len``), combined with the layout by intersection.
         quant, quant_granularity, smooth_k: 8-bit attention as in :func:`attention`; each packed
