@@ -7,15 +7,16 @@ and the short-query forward, against the per-sequence plan (the path before this
     python benchmarks/varlen_decode_probe.py --out $OUT/varlen-decode.json [--cases 8:1:8:1024:32768 ...]
 
 A case is S:Lq:Hkv:Kmin:Kmax (32 query heads, head dim 128, bf16): S sequences of Lq query rows, key
-lengths spread evenly over [Kmin, Kmax]. Two timings per provider:
+lengths spread evenly over [Kmin, Kmax]. Timings per provider:
 - ``us_per_step``: eager calls as a decoder makes them, each step with caches one token longer
-  (STEPS distinct steps cycled), host work included: the GPU stream's time for CALLS calls
-  (bench.timing.time_interleaved), which counts the gaps while it waits for the host;
+  (STEPS distinct steps cycled, the plan cache cleared before each), host work included: the GPU
+  stream's time for CALLS calls (bench.timing.time_interleaved), which counts its waits for the host;
+- ``us_per_step_wall``: the same calls back to back, host clock, synchronized at the end;
 - ``us_per_call_gpu``: the kernels alone, CALLS calls on step 0's plan captured in a CUDA graph
   (varlen_attention_op: the API refuses capture, since it plans on the host).
 FlexAttention's row is GPU time only, a document + bottom-right causal mask_mod on the packed tokens
-with its block mask built once (a decoder would rebuild it every step); not past FLEX_MAX_QUERIES. Each output is compared with the
-per-sequence plan's unsplit forward on the same inputs.
+with its block mask built once (a decoder would rebuild it every step); not past FLEX_MAX_QUERIES.
+Each output is compared with the per-sequence plan's unsplit forward on the same inputs.
 """
 from __future__ import annotations
 

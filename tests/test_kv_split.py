@@ -40,21 +40,35 @@ def _layout(kind, lq, lk, heads):
     return patterns.random(lq, kv_len=lk, density=0.4, heads=heads, seed=5, block_q=32, block_k=32)
 
 
-def _run(monkeypatch, parts, q, k, v, layout, pack=True):
-    """(out, lse) of the kernels' forward with FWD_KV_SPLIT = ``parts`` and PACK_GQA = ``pack``, and how
-    many merges ran."""
-    from sparse_attn.ops.block_sparse import attention_op, kernels
-    launch = _launch()
-    monkeypatch.setattr(launch, "FWD_KV_SPLIT", parts)
-    monkeypatch.setattr(launch, "PACK_GQA", pack)
-    merges = []
-    merge = kernels.split_merge_kernel
+def _spy_merges(monkeypatch) -> list:
+    """The grids of split_merge_kernel's launches from now on (the split path must have run)."""
+    from sparse_attn.ops.block_sparse import kernels
+    merges, merge = [], kernels.split_merge_kernel
 
-    class Counting:  # the merge kernel's launches, counted: the split path must have run
+    class Counting:
         def __getitem__(self, grid):
             merges.append(grid)
             return merge[grid]
     monkeypatch.setattr(kernels, "split_merge_kernel", Counting())
+    return merges
+
+
+def _spy_plans(monkeypatch) -> list:
+    """What launch.short_query_plan returns from now on, call by call."""
+    launch = _launch()
+    plans, plan = [], launch.short_query_plan
+    monkeypatch.setattr(launch, "short_query_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    return plans
+
+
+def _run(monkeypatch, parts, q, k, v, layout, pack=True):
+    """(out, lse) of the kernels' forward with FWD_KV_SPLIT = ``parts`` and PACK_GQA = ``pack``, and how
+    many merges ran."""
+    from sparse_attn.ops.block_sparse import attention_op
+    launch = _launch()
+    monkeypatch.setattr(launch, "FWD_KV_SPLIT", parts)
+    monkeypatch.setattr(launch, "PACK_GQA", pack)
+    merges = _spy_merges(monkeypatch)
     out, lse = attention_op(q, k, v, layout, return_lse=True)
     return out, lse, len(merges)
 
@@ -132,10 +146,7 @@ def test_gradients_through_a_split_forward(monkeypatch):
 def test_packed_gqa_rows_match_the_reference_and_the_unpacked_kernel(monkeypatch, kind, lq, lk, hq, hkv, parts):
     """PACK_GQA: one tile holds the rows of the G query heads of a kv head (query i of head g in row
     g * lq + i), on a layout shared by every head."""
-    launch = _launch()
-    plans = []
-    plan = launch.short_query_plan
-    monkeypatch.setattr(launch, "short_query_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    plans = _spy_plans(monkeypatch)
     layout = _layout(kind, lq, lk, hq)
     assert layout.heads == 1
     q, k, v = _qkv(1, hq, hkv, lq, lk, 32, torch.float16, seed=lq * 100 + lk)
@@ -248,18 +259,10 @@ def test_varlen_short_queries_match_the_reference(monkeypatch, kind, hq, hkv, pa
     """Packed (varlen) calls with few query rows take the short-query plan too: small tile, split-KV
     merged as T rows, GQA packing with each sequence's own q_len."""
     import sparse_attn
-    from sparse_attn.ops.block_sparse import kernels, varlen_attention_op
+    from sparse_attn.ops.block_sparse import varlen_attention_op
     launch = _launch()
     q, k, v, cq, ck, max_q, max_k, k_lens, stacked, pattern = _varlen_case(kind, hq, hkv, seed=hq * 10 + hkv)
-    plans, merges = [], []
-    plan, merge = launch.short_query_plan, kernels.split_merge_kernel
-    monkeypatch.setattr(launch, "short_query_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
-
-    class Counting:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return merge[grid]
-    monkeypatch.setattr(kernels, "split_merge_kernel", Counting())
+    plans, merges = _spy_plans(monkeypatch), _spy_merges(monkeypatch)
     monkeypatch.setattr(launch, "PACK_GQA", pack)
 
     def run(n_parts):
@@ -290,9 +293,7 @@ def test_short_queries_on_a_split_grid_equal_the_usual_grid(monkeypatch, pack):
     q, k, v, cq, ck, max_q, max_k, k_lens, stacked, _ = _varlen_case("causal", 4, 2, seed=3)
     monkeypatch.setattr(launch, "FWD_KV_SPLIT", "0")
     monkeypatch.setattr(launch, "PACK_GQA", pack)
-    plans = []
-    plan = launch.short_query_plan
-    monkeypatch.setattr(launch, "short_query_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    plans = _spy_plans(monkeypatch)
     run = lambda: varlen_attention_op(q, k, v, stacked, cq, ck, max_q, max_k, tuple(k_lens), return_lse=True)  # noqa: E731
     usual = run()
     monkeypatch.setattr(launch, "SPLIT_GRID_ABOVE", 1)
