@@ -9,7 +9,6 @@ cycled). Microseconds a call on the GPU, and each variant's largest output diffe
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -18,22 +17,19 @@ from pathlib import Path
 import torch
 
 import sparse_attn
-from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import time_interleaved
 from sparse_attn.ops.block_sparse import launch
 from sparse_attn.testing import capture_graph, launch_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_probe import CALLS, D, H, layout_for  # noqa: E402
+from decode_probe import CALLS, D, H, layout_for, probe_parser, save_rows  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=["dense:1:1:8:32768", "dense:1:1:8:131072", "local:1:1:8:131072",
-                                                   "dense:8:1:8:32768", "dense:1:1:32:32768"])
+    ap = probe_parser(["dense:1:1:8:32768", "dense:1:1:8:131072", "local:1:1:8:131072", "dense:8:1:8:32768",
+                       "dense:1:1:32:32768"])
     ap.add_argument("--variants", nargs="+", default=["128:3:4:1", "128:2:4:1", "64:3:4:1", "64:4:4:1",
                                                       "64:3:4:2", "64:4:4:2", "128:2:4:2"])
-    ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows = []
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -73,8 +69,7 @@ def main():
         rows.append(row)
         del graphs
         torch.cuda.empty_cache()
-        Path(a.out).write_text(json.dumps({"header": make_header("cuda", "decode-config-probe"), "rows": rows},
-                                          indent=1))
+        save_rows(a.out, "decode-config-probe", rows)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,22 @@ def visited_kv_bytes(layout, B: int, hkv: int, lk: int) -> int:
     return int(2 * B * hkv * lk * D * 2 * per_row.max(dim=-1).values.mean().item())
 
 
-def main():
+def probe_parser(default_cases: list[str]) -> argparse.ArgumentParser:
+    """The decode probes' command line: --cases (default ``default_cases``) and --out (the JSON)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    ap.add_argument("--cases", nargs="+", default=default_cases)
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    return ap
+
+
+def save_rows(out: str, suite: str, rows: list[dict]) -> None:
+    """The rows so far under the GPU's header. The probes call it after every case: a later case that
+    runs past the device call's time limit keeps the earlier ones."""
+    Path(out).write_text(json.dumps({"header": make_header("cuda", suite), "rows": rows}, indent=1))
+
+
+def main():
+    a = probe_parser(DEFAULT_CASES).parse_args()
     rows = []
     flex = _flex_fn("cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -130,8 +141,7 @@ def main():
             print(row["error"], file=sys.stderr, flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
-        # after every case: a later case that runs past the call's time limit keeps the earlier ones
-        Path(a.out).write_text(json.dumps({"header": make_header("cuda", "decode-probe"), "rows": rows}, indent=1))
+        save_rows(a.out, "decode-probe", rows)
 
 
 if __name__ == "__main__":

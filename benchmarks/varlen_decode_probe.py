@@ -20,7 +20,6 @@ Each output is compared with the per-sequence plan's unsplit forward on the same
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -32,10 +31,12 @@ import torch
 import sparse_attn
 from sparse_attn import api, patterns
 from sparse_attn.bench.providers import _flex_fn
-from sparse_attn.bench.results import make_header
 from sparse_attn.bench.timing import time_interleaved
 from sparse_attn.ops.block_sparse import varlen_attention_op
 from sparse_attn.testing import capture_graph, launch_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_probe import probe_parser, save_rows  # noqa: E402
 
 H, D = 32, 128
 CALLS = 10
@@ -76,10 +77,7 @@ def flex_call(q, k, v, q_lens, k_lens):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = probe_parser(DEFAULT_CASES).parse_args()
     rows = []
     for spec in a.cases:
         S, lq, hkv, kmin, kmax = (int(x) for x in spec.split(":"))
@@ -161,8 +159,7 @@ def main():
             print(row["error"], file=sys.stderr, flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
-        Path(a.out).write_text(json.dumps({"header": make_header("cuda", "varlen-decode-probe"), "rows": rows},
-                                          indent=1))
+        save_rows(a.out, "varlen-decode-probe", rows)
 
 
 if __name__ == "__main__":
