@@ -26,11 +26,13 @@ def _lengths(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("host", [True, False], ids=["host-built", "device-built"])
-def test_one_shot_stack_equals_the_per_sequence_stack(monkeypatch, seed, causal, host):
-    """Small plans are built on the host and copied at once, large ones with the device's tensor ops
-    (HOST_PLAN_ENTRIES; both on the CPU here): either way the per-sequence path's blocks."""
-    monkeypatch.setattr(varlen, "HOST_PLAN_ENTRIES", 1 << 30 if host else 0)
+@pytest.mark.parametrize("site", ["arithmetic", "host-grid", "device-grid"])
+def test_one_shot_stack_equals_the_per_sequence_stack(monkeypatch, seed, causal, site):
+    """Plans of few rows are computed row by row in closed form (ARITHMETIC_PLAN_ROWS), small ones on the
+    host's tensor grid and copied at once, large ones with the device's tensor ops (HOST_PLAN_ENTRIES;
+    all on the CPU here): each way the per-sequence path's blocks."""
+    monkeypatch.setattr(varlen, "ARITHMETIC_PLAN_ROWS", 1 << 30 if site == "arithmetic" else 0)
+    monkeypatch.setattr(varlen, "HOST_PLAN_ENTRIES", 0 if site == "device-grid" else 1 << 30)
     rng = random.Random(seed * 2 + causal)
     for _ in range(25):
         q_lens, k_lens = _lengths(rng, rng.randint(1, 6))
@@ -62,3 +64,17 @@ def test_one_shot_stack_is_a_schedule_for_its_own_key_lengths_only():
     assert schedule(fast, (300, 40)) is seeded
     other = schedule(fast, [300, 64])  # 64: no cut last block for the second sequence
     assert other is not seeded and int(other.n_full[1].sum()) == int(seeded.n_full[1].sum()) + 1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_arithmetic_equals_the_grid_on_every_small_shape(causal):
+    """The closed form of each row against the tensor grid on every (q_len, kv_len) up to a few blocks
+    of 16: block edges, Lq > Lk, a query block's last position on a key block's edge."""
+    block = 16
+    shapes = [(lq, lk) for lq in range(0, 41) for lk in range(0, 61)]
+    q_lens, k_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    n_q, max_count = -(-40 // block), -(-60 // block)
+    rows, slots = varlen._rows_by_arithmetic(q_lens, k_lens, causal, n_q, max_count, block)
+    want_rows, want_slots = varlen._rows_by_grid(q_lens, k_lens, causal, n_q, max_count, block, "cpu")
+    differ = (rows != want_rows).any(0).any(-1) | (slots != want_slots).any(0).flatten(1).any(-1)  # per shape
+    assert not differ.any(), [shapes[i] for i in differ.nonzero().flatten().tolist()][:5]

@@ -11,6 +11,7 @@ import torch
 from . import patterns, reference
 from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
+from .patterns.basic import mark_causal
 from .plan_cache import PlanCache
 from .validation import (check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv, check_qkv,
                          check_scale)
@@ -57,13 +58,29 @@ def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
                                "device=...))")
         return _DEFAULT_LAYOUTS[key]
     layout = _DEFAULT_LAYOUTS.pop(key, None)
-    if layout is None:
+    if layout is None and torch.device(device).type == "cuda":
+        layout = _one_sequence_layout(causal, lq, lk, device)
+    elif layout is None:
         builder = patterns.causal if causal else patterns.dense  # entries built directly, no per-block counting
         layout = builder(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
     _DEFAULT_LAYOUTS[key] = layout  # (re)inserted last: the first key is the least recently used
     if len(_DEFAULT_LAYOUTS) > DEFAULT_LAYOUTS_KEPT:
         del _DEFAULT_LAYOUTS[next(iter(_DEFAULT_LAYOUTS))]
     return layout
+
+
+def _one_sequence_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
+    """The blocks of ``patterns.dense`` / ``patterns.causal`` (lq, lk) with their forward schedule seeded, for
+    a CUDA call: varlen's one-shot plan of one sequence (varlen.stack_dense_or_causal), built on the host
+    and copied asynchronously. A decoding loop's growing cache makes every call a new shape: through the
+    patterns and the schedule's reordering (~60 small CUDA ops and a sync) each step took about 1 ms of host time
+    (benchmarks/host_overhead_probe.py, ``decode-growing``)."""
+    from .ops.block_sparse.schedule import schedule_key
+    from .varlen import stack_dense_or_causal
+    layout = stack_dense_or_causal([lq], [lk], causal, lq, lk, device, DEFAULT_BLOCK)
+    caches = layout._caches()
+    caches[schedule_key(None)] = caches[schedule_key([lk])]  # one sequence of lk keys: the call's own rows
+    return mark_causal(layout) if causal else layout
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | str | None = None, *,

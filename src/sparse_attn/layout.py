@@ -42,6 +42,12 @@ def as_int(value):
         return None
 
 
+def _version(t) -> int:
+    """A tensor's version counter (-1 for a non-tensor, or a tensor made under torch.inference_mode, which
+    has none): BlockLayout._fingerprint."""
+    return -1 if not isinstance(t, torch.Tensor) or t.is_inference() else t._version
+
+
 def check_block_size(name: str, value: int) -> None:
     v = as_int(value)
     if v is None or v % 16 or not MIN_BLOCK <= v <= MAX_BLOCK:
@@ -118,14 +124,13 @@ class BlockLayout:
         their in-place edits go unseen), the masks' identity and the four sizes. A list of masks (a
         hand-built layout's; builders give tuples) also by its contents, which an in-place edit changes
         (ElementMask compares and hashes by value; anything else, refused by validate(), by identity)."""
-        def version(t):
-            return -1 if not isinstance(t, torch.Tensor) or t.is_inference() else t._version
-        tensors = (self.kv_counts, self.kv_indices, self.kv_mask_ids)
+        # written out (no helper, no generators): it runs a few times in every call, decoding steps included
+        c, i, m = self.kv_counts, self.kv_indices, self.kv_mask_ids
         masks = ()
         if isinstance(self.masks, list):
-            masks = tuple(m if isinstance(m, ElementMask) else id(m) for m in self.masks)
-        return (tuple((id(t), version(t)) for t in tensors), id(self.masks), masks, self.block_q, self.block_k,
-                self.q_len, self.kv_len)
+            masks = tuple(x if isinstance(x, ElementMask) else id(x) for x in self.masks)
+        return (id(c), _version(c), id(i), _version(i), id(m), _version(m), id(self.masks), masks, self.block_q,
+                self.block_k, self.q_len, self.kv_len)
 
     def _drop_stale_caches(self) -> None:
         """Forget every cache (and the validation) if the layout changed since they were filled: a

@@ -145,6 +145,9 @@ def stack(layouts: Sequence[BlockLayout], max_q: int, max_k: int, heads: int) ->
 # and copied to the device at once: a decoding step's, whose few hundred entries took ~40 small CUDA ops
 # (1 ms of launches on the H200's host) where the CPU takes a fraction of that; larger ones on the device
 HOST_PLAN_ENTRIES = 1 << 16
+# and a plan of at most this many (sequence, query block) rows row by row in Python (_rows_by_arithmetic):
+# a decoding step's one or few rows then cost a few tensor ops instead of ~40 over the whole grid
+ARITHMETIC_PLAN_ROWS = 64
 
 
 def stack_dense_or_causal(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, max_q: int, max_k: int,
@@ -156,6 +159,8 @@ def stack_dense_or_causal(q_lens: Sequence[int], k_lens: Sequence[int], causal: 
     kernels align it per sequence). Its forward schedule for ``k_lens`` is seeded
     (schedule.seed_ordered): every row's blocks are one run from key block 0 whose partial blocks
     (the causal edge, the sequence's cut last block) come last, so nothing is reordered or synced.
+    Plans built on the host reach a CUDA device by one asynchronous copy (pinned memory): no sync,
+    so a decoding loop's host can run ahead of its kernels.
 
     Returns a BlockLayout on ``device`` with batch = number of sequences, heads 1, q_len ``max_q``,
     kv_len ``max_k``."""
@@ -165,8 +170,47 @@ def stack_dense_or_causal(q_lens: Sequence[int], k_lens: Sequence[int], causal: 
     n_q = -(-max_q // block)
     # the longest row: a sequence's last query row sees all its keys (bottom-right causal too)
     max_count = max([-(-lk // block) for lq, lk in zip(q_lens, k_lens) if lq > 0] + [0])
-    host = len(q_lens) * n_q * max(max_count, 1) <= HOST_PLAN_ENTRIES
-    at = "cpu" if host else device
+    if len(q_lens) * n_q <= ARITHMETIC_PLAN_ROWS:
+        host, (rows, slots) = True, _rows_by_arithmetic(q_lens, k_lens, causal, n_q, max_count, block)
+    else:
+        host = len(q_lens) * n_q * max(max_count, 1) <= HOST_PLAN_ENTRIES
+        rows, slots = _rows_by_grid(q_lens, k_lens, causal, n_q, max_count, block, "cpu" if host else device)
+    counts, n_full, indices, mask_ids = rows[0], rows[1], slots[0], slots[1]
+    if host:  # one copy to the device
+        counts, n_full, indices, mask_ids = _to_device_aligned((counts, n_full, indices, mask_ids), device)
+    counts, n_full = counts.unsqueeze(1), n_full.unsqueeze(1)  # [S, 1, n_q] each
+    indices, mask_ids = indices.unsqueeze(1), mask_ids.unsqueeze(1)  # [S, 1, n_q, max_count] each
+    layout = packed_layout(counts, indices, mask_ids, (CAUSAL,) if causal else (), q_len=max_q, kv_len=max_k,
+                           block_q=block, block_k=block, causal=False)  # causal per sequence, not as a whole
+    # every row's run starts at key block 0
+    seed_ordered(layout, n_full, contiguous=True, kv_lens=k_lens, first=torch.zeros_like(n_full))
+    return layout
+
+
+def _to_device_aligned(tensors, device) -> list[torch.Tensor]:
+    """Host int32 tensors on ``device`` by one copy, each starting on a 16-byte boundary: Triton compiles a
+    kernel apart for every pattern of aligned pointers, and packed back to back the tensors' offsets
+    moved with the plan's sizes, so a decoding loop compiled new variants as its caches grew. To CUDA
+    the copy goes through pinned memory, asynchronously (a pageable copy waits for every queued kernel)."""
+    sizes = [t.numel() for t in tensors]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // 4) * 4)  # 4 int32: 16 bytes
+    flat = torch.empty(starts[-1], dtype=torch.int32)
+    for t, a, n in zip(tensors, starts, sizes):
+        flat[a:a + n] = t.flatten()
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:  # Dynamo cannot trace pin_memory (a compiled varlen call traces its plan up to the graph break)
+        flat = flat.to(device)
+    return [flat[a:a + n].view(t.shape) for t, a, n in zip(tensors, starts, sizes)]
+
+
+def _rows_by_grid(q_lens, k_lens, causal: bool, n_q: int, max_count: int, block: int, at) -> tuple:
+    """The plan's rows ``[2, S, n_q]`` (counts, unmasked counts) and slots ``[2, S, n_q, max_count]``
+    (key blocks, mask ids; -1 past the count), int32 on ``at``, from the [S, n_q, max_count] grid of
+    blocks: each block is kept as ``patterns.causal`` keeps it (it holds a key at or before its query
+    block's last position), partial if its last real key is after the block's first position."""
     lq = torch.tensor(list(q_lens), device=at).view(-1, 1, 1)
     lk = torch.tensor(list(k_lens), device=at).view(-1, 1, 1)
     qb = torch.arange(n_q, device=at).view(1, -1, 1)
@@ -185,13 +229,34 @@ def stack_dense_or_causal(q_lens: Sequence[int], k_lens: Sequence[int], causal: 
     rows = torch.stack([present.sum(-1, dtype=torch.int32),  # counts, n_full [2, S, n_q]
                         (present & ~partial & ~cut).sum(-1, dtype=torch.int32)])
     slots = torch.stack([torch.where(present, kb, -1), torch.where(partial, 0, -1).to(torch.int32)])  # indices, mask ids
-    if host:  # one copy to the device
-        n_rows = rows.numel()
-        flat = torch.cat([rows.flatten(), slots.flatten()]).to(device)
-        rows, slots = flat[:n_rows].view(rows.shape), flat[n_rows:].view(slots.shape)
-    counts, n_full = rows.unsqueeze(2)  # [S, 1, n_q] each
-    indices, mask_ids = slots.unsqueeze(2)  # [S, 1, n_q, max_count] each
-    layout = packed_layout(counts, indices, mask_ids, (CAUSAL,) if causal else (), q_len=max_q, kv_len=max_k,
-                           block_q=block, block_k=block, causal=False)  # causal per sequence, not as a whole
-    seed_ordered(layout, n_full, contiguous=True, kv_lens=k_lens)
-    return layout
+    return rows, slots
+
+
+def _row_by_arithmetic(lq: int, lk: int, qb: int, causal: bool, block: int) -> tuple[int, int, int]:
+    """One row of _rows_by_grid's plan in closed form: (kept blocks, unmasked blocks, first partial
+    slot). The kept blocks are key blocks 0 .. count - 1; the partial ones a suffix of them (a block's
+    last real key only grows with its index); the sequence's cut last block, if kept, is masked too."""
+    nk = -(-lk // block)
+    if qb * block >= lq or nk == 0:
+        return 0, 0, 0
+    count, partial = nk, nk
+    if causal:
+        offset = lk - lq
+        p_first, p_last = qb * block + offset, min((qb + 1) * block, lq) - 1 + offset
+        count = min(nk, p_last // block + 1) if p_last >= 0 else 0
+        first = max((p_first + 1) // block, 0)  # the first block whose last key (uncut) is past p_first
+        partial = first if first < count and min((first + 1) * block, lk) - 1 > p_first else count
+    cut = lk % block != 0 and count == nk and nk - 1 < partial  # the cut last block, kept and not partial
+    return count, partial - cut, partial
+
+
+def _rows_by_arithmetic(q_lens, k_lens, causal: bool, n_q: int, max_count: int, block: int) -> tuple:
+    """_rows_by_grid's result (on the CPU) from each row's closed form: a Python loop over the rows, and
+    four tensor ops over the slots."""
+    plan = [_row_by_arithmetic(lq, lk, qb, causal, block) for lq, lk in zip(q_lens, k_lens) for qb in range(n_q)]
+    per_row = torch.tensor(plan, dtype=torch.int32).view(len(q_lens), n_q, 3)
+    count, partial = per_row[..., :1], per_row[..., 2:]
+    kb = torch.arange(max_count, dtype=torch.int32)
+    kept = kb < count
+    slots = torch.stack([torch.where(kept, kb, -1), torch.where(kept & (kb >= partial), 0, -1).to(torch.int32)])
+    return per_row[..., :2].permute(2, 0, 1), slots

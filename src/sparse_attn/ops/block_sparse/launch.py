@@ -16,6 +16,7 @@ import torch
 import triton
 
 from ...validation import capturing
+from ..fast_launch import launcher
 from . import kernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -274,7 +275,7 @@ def fwd_configs(block_q: int, block_k: int, d_pad: int, variant: str = "ptr", ei
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """On-device TMA descriptors need sm_90+, 16-byte aligned bases and row strides."""
-    if INTERPRET or not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if INTERPRET or not tensors[0].is_cuda or _sm_major(tensors[0].device) < 9:
         return False
     return all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
                for t in tensors)
@@ -449,7 +450,7 @@ class _Picked:
             key = self._key(args, kw)
             config = self._picks.get(key)
             if config is not None:
-                return self.autotuner.fn[grid](*args, **kw, **config.all_kwargs())
+                return launcher(self.autotuner.fn)[grid](*args, **kw, **config.all_kwargs())
             if key not in self._tuned and capturing(next((a for a in args if isinstance(a, torch.Tensor)), None)):
                 name = getattr(self.autotuner.fn, "__name__", "a kernel")
                 raise RuntimeError(
@@ -474,8 +475,8 @@ class _Fixed:
 
     def __getitem__(self, grid):
         def run(*args, **kw):
-            return self.kernel[grid](*args, **kw, **self.config.kwargs, num_warps=self.config.num_warps,
-                                     num_stages=self.config.num_stages)
+            return launcher(self.kernel)[grid](*args, **kw, **self.config.kwargs, num_warps=self.config.num_warps,
+                                               num_stages=self.config.num_stages)
         return run
 
 
@@ -507,8 +508,19 @@ def _qkv_strides(t: torch.Tensor, varlen: bool) -> tuple:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _cdiv(n: int, d: int) -> int:
+    """``triton.cdiv`` for host code: Triton's is a constexpr function, whose host call costs microseconds a
+    launch (its argument unwrapping), which a decoding step pays in every layer."""
+    return -(-n // d)
+
+
+def _next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (see _cdiv)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def _d_pad(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, _next_pow2(d))
 
 
 MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
@@ -636,7 +648,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         # packed rows merge as one sequence of T rows: the merge is row by row
         merge_b, merge_rows = (1, out.shape[0]) if varlen else (B, Lq)
         block_r = 16 if merge_rows <= 16 else 64
-        kernels.split_merge_kernel[(triton.cdiv(merge_rows, block_r), merge_b * H)](
+        launcher(kernels.split_merge_kernel)[(_cdiv(merge_rows, block_r), merge_b * H)](
             parts.out, parts.lse, out, lse, plan.parts, parts.out.stride(0), *parts.o_strides, parts.lse.stride(0),
             *parts.l_strides[:2], *_qkv_strides(out, varlen), *l_strides, H, merge_rows, HEAD_DIM=D, D_PAD=d_pad,
             BLOCK_R=block_r, num_warps=4)
@@ -647,7 +659,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
                              contiguous) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
     # indexed rows: the grid position's phase or the clock's; contiguous runs: only the clock's
     wave = FWD_WAVE and not varlen and (not contiguous or wave_ns > 0)
-    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
+    grid = lambda meta: (_cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
     run_fwd(kern, grid, out, _qkv_strides(out, varlen), lse, l_strides, wave_ns, wave, 1, (0, 0),
             REVERSE=reverse, KV_SPLIT=False, PACK_GQA=False)
     return out, lse
@@ -699,7 +711,7 @@ def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: i
     pack = PACK_GQA and group > 1 and layout_heads == 1 and lq <= block_q and group * lq <= PACK_GQA_MAX_ROWS
     heads = hkv if pack else H
     config = split_config(block_q, block_k, d_pad, group * lq if pack else lq, variant, packed=pack)
-    tiles = 1 if pack else triton.cdiv(lq, config.kwargs["BLOCK_M"])
+    tiles = 1 if pack else _cdiv(lq, config.kwargs["BLOCK_M"])
     parts = kv_splits(tiles * B * heads, max_k * (block_k // config.kwargs["BLOCK_N"]), device)
     if parts == 1 and lq > SMALL_Q_ROWS:
         return None
@@ -721,7 +733,7 @@ def split_config(block_q: int, block_k: int, d_pad: int, lq: int, variant: str, 
     of two from 16 holding them, whatever block_q. 128-key tiles at 3 stages (64 at 2 for head dim 256,
     as _keep_fwd), 4 warps."""
     if packed:
-        bm = max(16, triton.next_power_of_2(lq))
+        bm = max(16, _next_pow2(lq))
     elif INTERPRET:
         bm = 16 if block_q % 16 == 0 else _divisors(block_q)[-1]
     else:
@@ -788,6 +800,7 @@ def fwd_wave_clock(device: torch.device, d_pad: int, elem_bytes: int, quant: int
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """SMs of a CUDA device (the interpreter, on CPU tensors, stands in 3)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
@@ -820,7 +833,7 @@ def bwd_wave(device: torch.device, d_pad: int, elem_bytes: int, walk_q: int, wal
 
 
 def _round_up(n: int, multiple: int) -> int:
-    return triton.cdiv(n, multiple) * multiple
+    return _cdiv(n, multiple) * multiple
 
 
 def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: int, cu_q=None, seq_step: int = 1,
@@ -857,7 +870,7 @@ def _row_terms(out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, block_q: 
     if B * H and longest:
         block_m = 16 if INTERPRET else 64
         rows, split = grid_rows(B, H)
-        kernels.bwd_delta_kernel[(triton.cdiv(_round_up(longest, block_q), block_m), *rows)](
+        launcher(kernels.bwd_delta_kernel)[(_cdiv(_round_up(longest, block_q), block_m), *rows)](
             out, do, lse, delta, lse2, cu_q, starts, dlse, *_qkv_strides(out, cu_q is not None),
             *_qkv_strides(do, cu_q is not None), *lse_strides, *strides, *g_strides, H, longest, seq_step,
             HEAD_DIM=dv, D_PAD=_d_pad(dv), BLOCK_M=block_m, BLOCK_Q=block_q, IS_VARLEN=cu_q is not None,
@@ -967,7 +980,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     masked_one_stage = BWD_DKDV_MASKED == "one-stage" or (
         BWD_DKDV_MASKED == "auto" and (n_terms > 0 or heads_inside))
     kv_rows, kv_split = grid_rows(B, hkv)
-    grid = lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), *kv_rows)  # noqa: E731
+    grid = lambda meta: (_cdiv(Lk, meta["BLOCK_N"]), *kv_rows)  # noqa: E731
     kern[grid](
         q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
         l_starts,
@@ -986,7 +999,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
             _ensure_allocator()
         kern = _tuned(kernels.bwd_dq_kernel, "dq", block_q, block_k, d_pad,
                       _KEY + ("KV_TMA", "CONTIGUOUS", "WAVE", "IDX_DEEP"), variant=f"kv-{kv_tma}")
-        grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
+        grid = lambda meta: (_cdiv(Lq, meta["BLOCK_M"]), *rows)  # noqa: E731
         dq_contiguous = contiguous and BWD_CONTIGUOUS
         dq_deep = deep and not dq_contiguous
         with _side_stream(fork, q, k, v, do, lse2, delta, dq, counts, n_full, indices, mask_ids, terms, cu_q, cu_k,

@@ -48,7 +48,8 @@ def schedule(layout: BlockLayout, kv_lens=None, *, bound_tail: bool = True) -> S
     return caches[key]
 
 
-def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool = False, kv_lens=None) -> Schedule:
+def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool = False, kv_lens=None,
+                 first: torch.Tensor | None = None) -> Schedule:
     """Cache the forward schedule (for ``kv_lens``, tail bound) of a layout whose rows are already in
     visiting order: in every row the first ``n_full`` listed blocks need no mask and the rest do
     (an element mask or the sequence-end bound). A builder that knows this (``predict.meansim``)
@@ -56,9 +57,13 @@ def seed_ordered(layout: BlockLayout, n_full: torch.Tensor, *, contiguous: bool 
     caller must know to be true (False is always safe: the kernels then load every index).
 
     n_full: int [Bl, Hl, Qb]. The layout's own tensors are the schedule's indices and mask ids.
+    first: int32 [Bl, Hl, Qb], each row's first listed block where the caller has it (else read from the
+    layout: four small device ops, which a decoding step's plan pays every call).
     """
     n_full = n_full.to(torch.int32).contiguous()
-    if layout.max_k:
+    if first is not None:
+        first = first.contiguous()
+    elif layout.max_k:
         first = torch.where(n_full > 0, layout.kv_indices[..., 0], 0).to(torch.int32).contiguous()
     else:
         first = torch.zeros_like(n_full)

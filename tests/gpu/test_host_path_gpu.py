@@ -1,0 +1,111 @@
+"""The trimmed host path on the GPU: launches through ops.fast_launch and the one-sequence default layout
+(api._one_sequence_layout) give the same bits as Triton's own launches and the patterns' layouts, on
+decoding steps with a growing cache, prefill, backward and unaligned inputs; fresh random inputs, the
+outputs checked against the fp64 reference (DESIGN.md rule 3)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn import patterns
+from sparse_attn.ops import fast_launch
+from sparse_attn.testing import assert_close_to_oracle, oracle_attention, reference_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def _qkv(B, hq, hkv, lq, lk, d, dtype=torch.bfloat16, seed=0, grad=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype).requires_grad_(grad)  # noqa: E731
+    return mk(B, hq, lq, d), mk(B, hkv, lk, d), mk(B, hkv, lk, d)
+
+
+def _both_ways(monkeypatch, fn):
+    """``fn()`` with fast launches (twice: the second call takes the kept kernels) and with Triton's."""
+    monkeypatch.setattr(fast_launch, "ENABLED", True)
+    fn()
+    fast = fn()
+    monkeypatch.setattr(fast_launch, "ENABLED", False)
+    slow = fn()
+    monkeypatch.setattr(fast_launch, "ENABLED", True)
+    return fast, slow
+
+
+def _equal(a, b):
+    a, b = (a,) if isinstance(a, torch.Tensor) else a, (b,) if isinstance(b, torch.Tensor) else b
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_installed_triton_allows_fast_launches():
+    assert fast_launch._matches_triton()
+
+
+@pytest.mark.parametrize("lq,lk,hkv,d", [(1, 8192 + 77, 8, 128), (1, 300, 8, 64), (5, 20001, 4, 128),
+                                         (1000, 1000, 8, 128), (200, 3000, 2, 64)])
+def test_fast_launches_give_triton_s_bits(monkeypatch, lq, lk, hkv, d):
+    q, k, v = _qkv(1, 8, hkv, lq, lk, d, seed=lq + lk)
+    fast, slow = _both_ways(monkeypatch, lambda: sparse_attn.attention(q, k, v, causal=True, return_lse=True))
+    assert _equal(fast, slow)
+    kept = [len(launcher.kernels) for launcher in fast_launch._LAUNCHERS.values()]
+    assert sum(kept) > 0, "no kernel was kept: every launch took Triton's path"
+    ref = reference_attention(q, k, v, causal=True)
+    assert_close_to_oracle(fast[0], ref, oracle_attention(q, k, v, causal=True))
+
+
+def test_fast_launches_in_backward_give_triton_s_bits(monkeypatch):
+    q, k, v = _qkv(1, 8, 2, 700, 900, 128, seed=3, grad=True)
+    do = torch.randn_like(q)
+
+    def grads():
+        for t in (q, k, v):
+            t.grad = None
+        sparse_attn.attention(q, k, v, patterns.random(700, kv_len=900, density=0.4, seed=1, device="cuda"),
+                              ).backward(do)
+        return q.grad.clone(), k.grad.clone(), v.grad.clone()
+    fast, slow = _both_ways(monkeypatch, grads)
+    # dK/dV are summed in a fixed order; dQ too under the split backward (the default)
+    assert _equal(fast, slow)
+
+
+def test_an_unaligned_input_after_an_aligned_one_takes_its_own_kernel(monkeypatch):
+    """A view starting 8 bytes into its storage: Triton compiles it apart (and the forward leaves TMA); the
+    fast launcher must not serve it the aligned call's kernel."""
+    q, k, v = _qkv(1, 8, 8, 64, 512, 64, dtype=torch.float16, seed=5)
+    sparse_attn.attention(q, k, v, causal=True)
+    sparse_attn.attention(q, k, v, causal=True)
+    buf = torch.empty(q.numel() + 4, device="cuda", dtype=q.dtype)
+    q_off = buf[4:].view_as(q)
+    q_off.copy_(q)
+    assert q_off.data_ptr() % 16 != 0
+    fast, slow = _both_ways(monkeypatch, lambda: sparse_attn.attention(q_off, k, v, causal=True))
+    assert _equal(fast, slow)
+    assert_close_to_oracle(fast, reference_attention(q, k, v, causal=True), oracle_attention(q, k, v, causal=True))
+
+
+def test_a_growing_cache_runs_the_patterns_blocks():
+    """Decoding steps through attention(causal=True) with the cache one token longer each call (the default
+    layout is api._one_sequence_layout on CUDA): each step's bits equal the same call on
+    patterns.causal's layout, across block edges."""
+    torch.manual_seed(0)
+    cache_k, cache_v = (torch.randn(2, 4, 4200, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for lq in (1, 3):
+        q = torch.randn(2, 16, lq, 128, device="cuda", dtype=torch.bfloat16)
+        for n in range(4090, 4105):
+            k, v = cache_k[:, :, :n], cache_v[:, :, :n]
+            got = sparse_attn.attention(q, k, v, causal=True, return_lse=True)
+            want = sparse_attn.attention(q, k, v, patterns.causal(lq, n, device="cuda"), return_lse=True)
+            assert _equal(got, want), (lq, n)
+    assert_close_to_oracle(got[0], reference_attention(q, k, v, causal=True), oracle_attention(q, k, v, causal=True))
+
+
+def test_repeated_fast_calls_do_not_grow_memory():
+    q, k, v = _qkv(1, 32, 8, 1, 32768, 128, seed=9)
+    for _ in range(3):
+        sparse_attn.attention(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(20):
+        sparse_attn.attention(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
