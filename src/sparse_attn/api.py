@@ -13,8 +13,8 @@ from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
 from .patterns.basic import mark_causal
 from .plan_cache import PlanCache
-from .validation import (check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv, check_qkv,
-                         check_scale)
+from .validation import (capturing, check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv,
+                         check_qkv, check_scale)
 
 DEFAULT_BLOCK = 128
 
@@ -40,6 +40,7 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
 
 _DEFAULT_LAYOUTS: dict = {}  # (causal, lq, lk, device) -> BlockLayout, the last DEFAULT_LAYOUTS_KEPT used
 DEFAULT_LAYOUTS_KEPT = 32
+_CAPTURED_DEFAULTS: dict = {}  # the default layouts CUDA graphs were captured on, kept past their eviction
 
 
 def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
@@ -57,6 +58,13 @@ def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
                                f"torch.compile, or pass layout=sparse_attn.prepare(patterns.{kind}(Lq, Lk, "
                                "device=...))")
         return _DEFAULT_LAYOUTS[key]
+    if capturing(torch.device(device)):
+        if key not in _DEFAULT_LAYOUTS:  # its plan would be copied from host memory the replay cannot trust
+            raise RuntimeError(f"sparse_attn: attention() without a layout builds its plan on first use per shape "
+                               f"(Lq={lq}, Lk={lk}), which cannot run inside CUDA graph capture; call attention once "
+                               "eagerly with these lengths before capturing (PyTorch's recipe warms up on a side "
+                               "stream)")
+        _CAPTURED_DEFAULTS[key] = _DEFAULT_LAYOUTS[key]  # a graph replays on its tensors: never evicted
     layout = _DEFAULT_LAYOUTS.pop(key, None)
     if layout is None and torch.device(device).type == "cuda":
         layout = _one_sequence_layout(causal, lq, lk, device)

@@ -164,3 +164,31 @@ def test_first_call_of_new_sizes_inside_capture_refuses_by_name(monkeypatch):
     out = sparse_attn.attention(q, k, v, causal=True)
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()
+
+
+def test_a_default_layout_first_built_inside_the_capture_refuses_by_name():
+    """attention() without a layout builds its plan per shape on the host and copies it asynchronously; inside
+    a capture the replay would re-read a host buffer long reused, so a first call of new lengths there gets
+    a named error (the autotuner's picks exist: an eager call of the same length class ran), CUDA stays
+    usable, and the same call after an eager one captures and replays bitwise, its layout kept past the
+    default layouts' eviction."""
+    from sparse_attn import api
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, n, 64, device=DEV, dtype=torch.float16) for n in (1, 3001, 3001))
+    sparse_attn.attention(q, k, v, causal=True)
+    k2, v2 = k[:, :, :3000], v[:, :, :3000]
+    with pytest.raises(RuntimeError, match="without a layout builds its plan on first use per shape"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            sparse_attn.attention(q, k2, v2, causal=True)
+    eager = sparse_attn.attention(q, k2, v2, causal=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out = sparse_attn.attention(q, k2, v2, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    for n in range(100, 100 + api.DEFAULT_LAYOUTS_KEPT + 2):  # evict it from the default layouts
+        sparse_attn.attention(q, k[:, :, :n], v[:, :, :n], causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -2,10 +2,10 @@
 
 Every launch through ``kernel[grid](*args, **kw)`` binds the arguments, specializes each one (dtype and
 16-byte alignment of a tensor; of an integer, its width, whether it is 1 and whether 16 divides it),
-builds a cache key from that and looks the compiled kernel up. For the forward's ~90 arguments that
-cost about 45 us of host time on an H200's host, where the launch itself (``CompiledKernel.run``:
-packing and ``cuLaunchKernel``) takes a few; a decoding step, whose kernels run for tens of
-microseconds, waited on it (benchmarks/host_overhead_probe.py, NOTES.md "Host time of a call").
+builds a cache key from that and looks the compiled kernel up, in Python, about 0.4 us an argument on
+the H200's host (an empty kernel of 30 arguments took 22-25 us to launch, one of 1 argument 11-12 us);
+the forward takes ~90. A decoding step, whose kernels run for tens of microseconds, waits on that
+(benchmarks/host_overhead_probe.py, NOTES.md "Host time of a call").
 
 :func:`launcher` wraps a JIT function. The first call with a given key goes through Triton (which
 compiles or finds the kernel and launches it) and keeps the ``CompiledKernel`` it returns; later calls
@@ -77,8 +77,9 @@ def _matches_triton() -> bool:
 
             def spec(x):
                 return native_specialize_impl(BaseBackend, x, False, True, True)
-            ints = [s * (b + d) for b in (0, 16, 1 << 31, 1 << 32, 1 << 62) for d in (-17, -16, -8, -1, 0, 1, 2, 4, 8, 15, 16, 24)
-                    for s in (1, -1)] + [(1 << 63) + d for d in (-16, -1, 0, 1, 16)] + [(1 << 64) - 16, (1 << 64) - 1]
+            steps = (-17, -16, -8, -1, 0, 1, 2, 4, 8, 15, 16, 24)  # every residue class a Triton might key on
+            ints = [s * (b + d) for b in (0, 16, 1 << 31, 1 << 32, 1 << 62) for d in steps for s in (1, -1)]
+            ints += [(1 << 63) + d for d in (-16, -1, 0, 1, 16)] + [(1 << 64) - 16, (1 << 64) - 1]
             ints = [x for x in ints if -(1 << 63) <= x < 1 << 64]
             base = torch.empty(64, dtype=torch.float32)
             tensors = [t[o:] for o in (0, 1, 4) for t in (base, base.half(), base.to(torch.int32))]

@@ -800,7 +800,6 @@ def fwd_wave_clock(device: torch.device, d_pad: int, elem_bytes: int, quant: int
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """SMs of a CUDA device (the interpreter, on CPU tensors, stands in 3)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
