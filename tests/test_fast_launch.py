@@ -70,6 +70,7 @@ def test_a_repeated_call_launches_the_kept_kernel_with_every_argument(fn):
     dict(n=True),                    # a bool, not an int
     dict(a=_t(1)),                   # an unaligned address
     dict(a=_t(dtype=torch.bfloat16)),
+    dict(b=1.0),                     # a float where a tensor was
     dict(BLOCK=32),                  # a constexpr
     dict(flag=True),
 ])
@@ -83,12 +84,15 @@ def test_any_difference_triton_specializes_on_takes_triton_s_path(fn, other):
 
 
 def test_what_triton_does_not_specialize_on_shares_the_kernel(fn):
-    """Other integers of the same class, other tensors of the same dtype and alignment."""
+    """Other integers of the same class, other tensors of the same dtype and alignment, other floats."""
     launch = fast_launch.launcher(fn)
     launch[(1,)](_t(), _t(), 32, BLOCK=16)
     launch[(1,)](_t(8), _t(), 48, BLOCK=16)  # 8 halves: 16 bytes
     launch[(1,)](_t(), _t(), 4096 + 16, BLOCK=16)
-    assert len(fn.slow) == 1 and len(fn.fast) == 2
+    launch[(1,)](_t(), 0.125, 32, BLOCK=16)  # a float argument (a softmax scale): keyed by its type
+    launch[(1,)](_t(), 0.5, 32, BLOCK=16)
+    assert len(fn.slow) == 2 and len(fn.fast) == 3
+    assert fn.fast[-1][1][1] == 0.5  # the call's own value reaches the kernel
 
 
 def test_positional_constexpr_is_keyed_by_value(fn):

@@ -81,8 +81,8 @@ def _one_sequence_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLa
     """The blocks of ``patterns.dense`` / ``patterns.causal`` (lq, lk) with their forward schedule seeded, for
     a CUDA call: varlen's one-shot plan of one sequence (varlen.stack_dense_or_causal), built on the host
     and copied asynchronously. A decoding loop's growing cache makes every call a new shape: through the
-    patterns and the schedule's reordering (~60 small CUDA ops and a sync) each step took about 1 ms of host time
-    (benchmarks/host_overhead_probe.py, ``decode-growing``)."""
+    patterns and the schedule's reordering (~60 small CUDA ops and a sync) each step took 3-4 ms of host time
+    on an H200's host, now 0.5-0.8 ms (benchmarks/host_overhead_probe.py, ``decode-growing``)."""
     from .ops.block_sparse.schedule import schedule_key
     from .varlen import stack_dense_or_causal
     layout = stack_dense_or_causal([lq], [lk], causal, lq, lk, device, DEFAULT_BLOCK)

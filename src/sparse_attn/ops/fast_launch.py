@@ -11,8 +11,10 @@ the forward takes ~90. A decoding step, whose kernels run for tens of microsecon
 compiles or finds the kernel and launches it) and keeps the ``CompiledKernel`` it returns; later calls
 with that key launch the kept kernel directly. The key holds the current device and, per argument:
 for a tensor its dtype and whether its address is 16-byte aligned; for a runtime integer whether it
-is 1, whether 16 divides it and its width (int32, int64, uint64); any other value (constexprs, floats,
-bools, None) itself, with every argument's type. That is what Triton specializes on, or finer, so a
+is 1, whether 16 divides it and its width (int32, int64, uint64); for a runtime float nothing but its
+type; any other value (constexprs, bools, None) itself, with every argument's type. Keys by class, not
+by value, so that a decoding loop (a new cache length each call) or a changing scale reuses the kernel
+and the table stays small. That is what Triton specializes on, or finer, so a
 kept kernel is the one Triton would pick; :func:`_matches_triton` checks this against the installed
 Triton's own specialization at first use, and turns the fast path off if it disagrees. Not seen by
 the key: Triton settings changed at run time (``knobs``' debug and instrumentation modes). With a
@@ -60,7 +62,8 @@ def call_key(args: tuple, kw: dict, constexpr: tuple, device: int):
     if not (_COVERED.issuperset(types) and _BY_VALUE.union((int,)).issuperset(kw_types)):
         return None
     tensor = torch.Tensor
-    parts = tuple([(a.dtype, a.data_ptr() % 16 == 0) if t is tensor else a if c or t is not int
+    parts = tuple([(a.dtype, a.data_ptr() % 16 == 0) if t is tensor else a if c or (t is not int and t is not float)
+                   else None if t is float  # its type (in ``types``) is all Triton keys a float on
                    else a & 15 == 0 if -0x80000000 <= a <= 0x7FFFFFFF and a != 1 else _int_class(a)
                    for a, t, c in zip(args, types, constexpr)])
     return device, parts, types, tuple(kw.items()), kw_types
@@ -85,6 +88,8 @@ def _matches_triton() -> bool:
             tensors = [t[o:] for o in (0, 1, 4) for t in (base, base.half(), base.to(torch.int32))]
             seen: dict = {}
             ok = all(seen.setdefault(_int_class(x), spec(x)) == spec(x) for x in ints)
+            floats = [0.0, 1.0, -1.0, 0.5, 16.0, 1e30, float("inf"), float("nan")]
+            ok = ok and all(spec(x) == spec(floats[0]) for x in floats)  # one key for every float
             ok = ok and all(seen.setdefault((t.dtype, t.data_ptr() % 16 == 0), spec(t)) == spec(t) for t in tensors)
         except Exception:  # another Triton's signature: no fast path
             ok = False
