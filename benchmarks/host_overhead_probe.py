@@ -17,7 +17,8 @@ is synchronized every 50 calls so the launch queue never fills, which would make
 ``wall_us``, CALLS calls back to back synchronized at the end (max of host and GPU time a call);
 ``gpu_us``, the same call graph-captured where it can be (the kernels alone). ``--profile`` writes
 cProfile's top functions (by own time and by cumulative time) over PROFILE_CALLS calls of each of our
-cases. ``decode-no-launch``: ``decode`` with Triton's launches made no-ops (our own Python);
+cases. ``decode-no-launch``: ``decode`` with Triton's launches made no-ops (our own Python; since
+ops.fast_launch keeps no kernel from a no-op launch, there it also pays the launch key every call);
 ``decode-launch.forward``: launch.forward on ``decode``'s prepared arguments (no API, no autograd).
 Also ``launch-empty`` / ``launch-empty-1-arg``: Triton kernels with 30 arguments / 1 and no work,
 Triton's own launch cost.
@@ -133,7 +134,7 @@ def wall_us(fn) -> float:
     return (time.perf_counter() - t0) / CALLS * 1e6
 
 
-def gpu_us(fn) -> float | None:
+def gpu_us(fn) -> float | str:
     try:
         graph, _ = capture_graph(fn)
     except Exception as e:  # varlen plans on the host and refuses capture

@@ -8,7 +8,7 @@ import torch
 from ...layout import BlockLayout
 from ...validation import capturing
 from . import launch
-from .function import forward_op
+from .function import forward_op, needs_grad as _needs_grad
 from .schedule import schedule, schedule_key
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -46,11 +46,6 @@ def _offsets(cu):
     """Sequence offsets as the kernels read them, at unit stride (a strided view, e.g. every other entry
     of a pairs tensor, was read as if packed: other sequences' bounds, writes past the output)."""
     return None if cu is None else cu.contiguous()
-
-
-def _needs_grad(q, k, v) -> bool:
-    """Whether autograd will ask for gradients (then the layout's transpose rides along for backward)."""
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:

@@ -139,6 +139,12 @@ class _EagerForward(torch.autograd.Function):
         return _backward(ctx, do, dlse, _bwd_impl)
 
 
+def needs_grad(q, k, v) -> bool:
+    """Whether autograd will ask for gradients of this call (then the layout's transpose rides along for
+    backward, and the forward goes through :class:`_EagerForward`)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def forward_op(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
                t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
                seq_step=1, cu_dk=None, dk_rows=None, pv_threshold=0.0):
@@ -149,7 +155,7 @@ def forward_op(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguou
             cu_dk, dk_rows, pv_threshold)
     if torch.compiler.is_compiling():
         return block_sparse_fwd(*args)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if not needs_grad(q, k, v):
         # nothing to record (inference, decoding): the Function's apply costs ~25-30 us of host time a
         # call, about what the kernel itself takes on a short decoding step
         return _fwd_impl(*args)
