@@ -122,3 +122,115 @@ def test_plan_tensors_start_on_16_byte_boundaries():
             s = schedule(layout, [lk] if layout.batch == 1 else [lk, lk + 7, 5])
             for t in (s.counts, s.n_full, s.full_start, s.indices, s.mask_ids):
                 assert t.data_ptr() % 16 == 0, (lk, tuple(t.shape))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths_with_one_plan_key_have_one_plan(causal):
+    """api._plan_key is what forward-only calls share default layouts by: any two (lq, lk) with one key get
+    the same plan (blocks, masks, schedule); lengths whose plans differ get different keys. Every lk up to
+    five key blocks, at decoding, short prefill and Lq > Lk lengths."""
+    from sparse_attn import api
+    plans: dict = {}
+    for lq in (1, 2, 5, 127, 128, 129, 300):
+        for lk in range(0, 5 * 128 + 2):
+            key = api._plan_key(causal, lq, lk)
+            rows = _schedule_rows(api._one_sequence_layout(causal, lq, lk, "cpu"))
+            rows = tuple(r if isinstance(r, bool) else str(r.tolist()) for r in rows)
+            if key in plans:
+                assert plans[key][1] == rows, (lq, lk, plans[key][0])
+            plans[key] = ((lq, lk), rows)
+    assert len({p[1] for p in plans.values()}) == len(plans)  # keys no finer than the plans need
+    from sparse_attn.varlen import ARITHMETIC_PLAN_ROWS
+    assert api._plan_key(causal, 128 * ARITHMETIC_PLAN_ROWS, 10) is not None
+    assert api._plan_key(causal, 128 * ARITHMETIC_PLAN_ROWS + 1, 10) is None  # too long to key by a loop each call
+
+
+def _host_plans(monkeypatch):
+    """Default layouts built as on CUDA (one-sequence plans, shared by forward-only calls), run here by the
+    interpreted kernels; empty caches."""
+    from sparse_attn import api
+    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
+    monkeypatch.setattr(api, "_plans_on_host", lambda device: True)
+    monkeypatch.setattr(api, "_DEFAULT_LAYOUTS", {})
+    monkeypatch.setattr(api, "_SHARED_PLANS", api.PlanCache(api.DEFAULT_LAYOUTS_KEPT))
+    return api
+
+
+@interpreted
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_growing_cache_shares_one_plan_and_gives_the_patterns_bits(monkeypatch, causal):
+    """A decoding loop's cache grows a token a call: forward-only calls inside one key block run one shared
+    layout (built for the first length), and every step gives the bits of that step's own patterns layout,
+    across a block edge (256: the last block no longer cut) and with Lq > 1 (the causal edge moves)."""
+    import sparse_attn
+    api = _host_plans(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    k_all, v_all = (torch.randn(1, 2, 300, 32, generator=g).half() for _ in range(2))
+    builder = patterns.causal if causal else patterns.dense
+    for lq, lens in ((1, (250, 251, 255, 256, 257)), (3, (250, 253, 255, 256, 257))):
+        q = torch.randn(1, 4, lq, 32, generator=g).half()
+        by_key: dict = {}
+        for lk in lens:
+            k, v = k_all[:, :, :lk], v_all[:, :, :lk]
+            out, lse = sparse_attn.attention(q, k, v, causal=causal, return_lse=True)
+            want = attention_op(q, k, v, builder(lq, lk), return_lse=True)
+            assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), (lq, lk)
+            by_key.setdefault(api._plan_key(causal, lq, lk), []).append(api._DEFAULT_LAYOUTS[(causal, lq, lk, "cpu")])
+        assert max(map(len, by_key.values())) >= 3  # shared: 250, 251 (253), 255 have one plan
+        assert all(lay is group[0] for group in by_key.values() for lay in group)
+        assert len({id(group[0]) for group in by_key.values()}) == len(by_key) >= 2  # 257 has another
+
+
+@interpreted
+def test_a_call_that_needs_gradients_gets_a_layout_of_its_own_lengths(monkeypatch):
+    """A shared layout carries the lengths it was built for, and the backward's transpose reads them: after
+    a forward-only call at shared lengths, a call that needs gradients at those lengths replaces the entry
+    by one built for them, and its gradients are those of its patterns layout; a later forward-only call
+    keeps that exact one."""
+    import sparse_attn
+    api = _host_plans(monkeypatch)
+    q, k, v = _inputs(grad=False)  # 3 queries, 80 keys
+    with torch.no_grad():
+        sparse_attn.attention(q, k[:, :, :70], v[:, :, :70], causal=True)  # builds the plan for (3, 70)
+        sparse_attn.attention(q, k, v, causal=True)
+    key = (True, 3, 80, "cpu")
+    assert api._DEFAULT_LAYOUTS[key].kv_len == 70  # shared with (3, 70)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = sparse_attn.attention(qg, kg, vg, causal=True)
+    assert api._DEFAULT_LAYOUTS[key].kv_len == 80
+    grads = torch.autograd.grad(out.float().square().sum(), (qg, kg, vg))
+    qw, kw, vw = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    want = attention_op(qw, kw, vw, patterns.causal(3, 80))
+    assert torch.equal(out, want)
+    for got, exp in zip(grads, torch.autograd.grad(want.float().square().sum(), (qw, kw, vw))):
+        assert torch.equal(got, exp)
+    exact = api._DEFAULT_LAYOUTS[key]
+    with torch.no_grad():
+        sparse_attn.attention(q, k, v, causal=True)
+    assert api._DEFAULT_LAYOUTS[key] is exact
+
+
+@interpreted
+def test_compiling_a_training_call_after_forward_only_calls_asks_for_a_grad_warm_up(monkeypatch):
+    """torch.compile reads default layouts and cannot build one: a forward-only eager call lets a forward-only
+    compile run on the shared layout; a compiled call that needs gradients is refused until an eager call
+    with grad has built the layout for its lengths, then compiles."""
+    import sparse_attn
+    _host_plans(monkeypatch)
+    q, k, v = _inputs(grad=False)
+    with torch.no_grad():
+        sparse_attn.attention(q, k[:, :, :70], v[:, :, :70], causal=True)  # the plan (3, 80) shares
+        want = sparse_attn.attention(q, k, v, causal=True)
+
+    def f(q, k, v):
+        return sparse_attn.attention(q, k, v, causal=True)
+
+    with torch.no_grad():
+        assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), want)
+    torch._dynamo.reset()
+    qg = q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="with grad enabled if the compiled code trains"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(qg, k, v)
+    torch._dynamo.reset()
+    f(qg, k, v)
+    assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(qg, k, v), want)

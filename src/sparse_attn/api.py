@@ -24,11 +24,13 @@ def _use_kernels(q: torch.Tensor) -> bool:
     return q.is_cuda
 
 
-def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, device) -> BlockLayout:
-    """The layout the kernels run: dense/causal when none is given; causal folded in by intersection
+def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, device,
+                   exact: bool = True) -> BlockLayout:
+    """The layout the kernels run: dense/causal when none is given (``exact`` False: a forward-only call,
+    which may share a plan built for other lengths, see _default_layout); causal folded in by intersection
     (cached on the layout), so the kernels only ever apply a layout's own element masks."""
     if layout is None:
-        return _default_layout(causal, lq, lk, str(device))
+        return _default_layout(causal, lq, lk, str(device), exact)
     if not causal:
         return layout
     key = ("causal", torch.device(device))
@@ -41,40 +43,82 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
 _DEFAULT_LAYOUTS: dict = {}  # (causal, lq, lk, device) -> BlockLayout, the last DEFAULT_LAYOUTS_KEPT used
 DEFAULT_LAYOUTS_KEPT = 32
 _CAPTURED_DEFAULTS: dict = {}  # the default layouts CUDA graphs were captured on, kept past their eviction
+# (causal, plan rows, device) -> a CUDA default layout that forward-only calls of every shape with
+# that plan share: a decoding loop's cache grows a token a call, and for Lq <= 128 one plan serves a whole
+# key block's worth of lengths (benchmarks/NOTES.md, "Host time of a call")
+_SHARED_PLANS = PlanCache(DEFAULT_LAYOUTS_KEPT)
 
 
-def _default_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
+def _default_layout(causal: bool, lq: int, lk: int, device: str, exact: bool = True) -> BlockLayout:
     """Dense or causal layout with 128x128 blocks, cached per shape (the last 32 used; their schedules are
     cached on them at first use). A plain dict, which Dynamo reads: it ignores a functools.lru_cache and
     traced the builder, whose block counting is data-dependent, so torch.compile(fullgraph=True) of
-    attention() without a layout failed on CUDA even after an eager call. While compiling it is only read."""
+    attention() without a layout failed on CUDA even after an eager call. While compiling it is only read.
+
+    ``exact`` False (a call no gradient will flow through) accepts a CUDA layout built for other lengths
+    with the same plan (_shared_plan): the forward kernels take the lengths from the tensors and read only
+    the plan, while the backward's transpose reads the layout's own q_len / kv_len, so calls that need
+    gradients replace such an entry with one built for their lengths."""
     key = (causal, lq, lk, device)
+    layout = _DEFAULT_LAYOUTS.get(key)
+    usable = layout is not None and (not exact or (layout.q_len, layout.kv_len) == (lq, lk))
     if torch.compiler.is_compiling():
-        if key not in _DEFAULT_LAYOUTS:
+        if not usable:
             kind = "causal" if causal else "dense"
             raise RuntimeError(f"sparse_attn: attention() without a layout runs a default {kind} layout built on "
                                f"first use per shape (Lq={lq}, Lk={lk}), which cannot be traced; call attention once "
                                "eagerly with these lengths (with grad enabled if the compiled code trains) before "
                                f"torch.compile, or pass layout=sparse_attn.prepare(patterns.{kind}(Lq, Lk, "
                                "device=...))")
-        return _DEFAULT_LAYOUTS[key]
+        return layout
     if capturing(torch.device(device)):
-        if key not in _DEFAULT_LAYOUTS:  # its plan would be copied from host memory the replay cannot trust
+        if not usable:  # its plan would be copied from host memory the replay cannot trust
             raise RuntimeError(f"sparse_attn: attention() without a layout builds its plan on first use per shape "
                                f"(Lq={lq}, Lk={lk}), which cannot run inside CUDA graph capture; call attention once "
-                               "eagerly with these lengths before capturing (PyTorch's recipe warms up on a side "
-                               "stream)")
-        _CAPTURED_DEFAULTS[key] = _DEFAULT_LAYOUTS[key]  # a graph replays on its tensors: never evicted
-    layout = _DEFAULT_LAYOUTS.pop(key, None)
-    if layout is None and torch.device(device).type == "cuda":
-        layout = _one_sequence_layout(causal, lq, lk, device)
-    elif layout is None:
+                               "eagerly with these lengths (with grad enabled if the captured code trains) before "
+                               "capturing (PyTorch's recipe warms up on a side stream)")
+        _CAPTURED_DEFAULTS[key] = layout  # a graph replays on its tensors: never evicted
+    _DEFAULT_LAYOUTS.pop(key, None)
+    if not usable and _plans_on_host(device):
+        layout = None if exact else _shared_plan(causal, lq, lk, device)
+        if layout is None:
+            layout = _one_sequence_layout(causal, lq, lk, device)
+    elif not usable:
         builder = patterns.causal if causal else patterns.dense  # entries built directly, no per-block counting
         layout = builder(lq, lk, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, device=device)
     _DEFAULT_LAYOUTS[key] = layout  # (re)inserted last: the first key is the least recently used
     if len(_DEFAULT_LAYOUTS) > DEFAULT_LAYOUTS_KEPT:
         del _DEFAULT_LAYOUTS[next(iter(_DEFAULT_LAYOUTS))]
     return layout
+
+
+def _plans_on_host(device: str) -> bool:
+    """Whether default layouts are built as one-sequence plans (on CUDA; the CPU runs the reference, which
+    takes the patterns' layouts; tests of the plans' sharing patch this)."""
+    return torch.device(device).type == "cuda"
+
+
+def _shared_plan(causal: bool, lq: int, lk: int, device: str) -> BlockLayout | None:
+    """A forward-only call's CUDA default layout, shared with every (lq, lk) of the same plan (built for the
+    first of them), or None when the plan is too long to key cheaply (_plan_key)."""
+    key = _plan_key(causal, lq, lk)
+    if key is None:
+        return None
+    return _SHARED_PLANS.get(key + (device,), lambda: _one_sequence_layout(causal, lq, lk, device))
+
+
+def _plan_key(causal: bool, lq: int, lk: int) -> tuple | None:
+    """What the forward kernels read of a default layout: per 128-row query block, the kept key blocks,
+    the unmasked ones and the first partial slot (varlen._row_by_arithmetic; the last row keeps every key
+    block, so their number is in it too). Besides that they read only the blocks' sizes and the mask
+    term: the causal term is aligned in the kernel from the tensors' lengths, and keys past Lk are cut by
+    the masked phase's bound, so a plan built for other lengths gives the same bits. None past
+    varlen.ARITHMETIC_PLAN_ROWS rows (the key would cost a Python loop of that length every call)."""
+    from .varlen import ARITHMETIC_PLAN_ROWS, _row_by_arithmetic
+    n_q = -(-lq // DEFAULT_BLOCK)
+    if n_q > ARITHMETIC_PLAN_ROWS:
+        return None
+    return causal, tuple(_row_by_arithmetic(lq, lk, qb, causal, DEFAULT_BLOCK) for qb in range(n_q))
 
 
 def _one_sequence_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
@@ -158,7 +202,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             return reference_op.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
     from .ops.block_sparse import attention_op
-    kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)
+    from .ops.block_sparse.function import needs_grad
+    kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device, exact=needs_grad(q, k, v))
     return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse, pv_threshold=pv_threshold or 0.0)
 
 

@@ -28,7 +28,8 @@ def attention(q, k, v, layout: BlockLayout | None, *, causal: bool, scale, retur
     with torch.no_grad():
         if q.is_cuda:
             from .ops.sage import sage_attention_op
-            kernel_layout = api._kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device)
+            # exact=False: the 8-bit kernels are forward-only (gradients go through api.attention below)
+            kernel_layout = api._kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device, exact=False)
             out, lse = sage_attention_op(q, k, v, kernel_layout, quant=quant, granularity=granularity,
                                          smooth_k=smooth_k, scale=scale, unsmoothed_lse=return_lse)
         elif layout is not None and torch.compiler.is_compiling():  # the twin's key walk is data-dependent

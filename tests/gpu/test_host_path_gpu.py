@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sparse_attn
-from sparse_attn import patterns
+from sparse_attn import api, patterns
 from sparse_attn.ops import fast_launch
 from sparse_attn.testing import assert_close_to_oracle, oracle_attention, reference_attention
 
@@ -96,7 +96,37 @@ def test_a_growing_cache_runs_the_patterns_blocks():
             got = sparse_attn.attention(q, k, v, causal=True, return_lse=True)
             want = sparse_attn.attention(q, k, v, patterns.causal(lq, n, device="cuda"), return_lse=True)
             assert _equal(got, want), (lq, n)
+        # forward-only steps share one layout per plan (api._plan_key): 4090..4095 have one, cut at 4096
+        shared = [api._DEFAULT_LAYOUTS[(True, lq, n, str(q.device))] for n in range(4090, 4096)]
+        assert all(lay is shared[0] for lay in shared) and shared[0].kv_len == 4090
     assert_close_to_oracle(got[0], reference_attention(q, k, v, causal=True), oracle_attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int8-fp8"])
+def test_a_layout_shared_by_forward_only_steps_gives_each_step_s_bits(quant):
+    """Forward-only calls at lengths of one plan run the layout built for the first of them (fp16/bf16 and
+    8-bit); each gives the bits of its own patterns layout, and a call needing gradients at such lengths
+    gets a layout of its own lengths and the patterns layout's gradients."""
+    q, k, v = _qkv(1, 32, 8, 5, 3000, 128, seed=4)
+    with torch.no_grad():
+        for n in (2950, 2977, 2999):
+            got = sparse_attn.attention(q, k[:, :, :n], v[:, :, :n], causal=True, return_lse=True, quant=quant)
+            want = sparse_attn.attention(q, k[:, :, :n], v[:, :, :n], patterns.causal(5, n, device="cuda"),
+                                         return_lse=True, quant=quant)
+            assert _equal(got, want), n
+    key = (True, 5, 2999, str(q.device))
+    assert api._DEFAULT_LAYOUTS[key].kv_len == 2950
+    if quant is not None:
+        return
+    x = [t.clone().requires_grad_() for t in (q, k[:, :, :2999], v[:, :, :2999])]
+    y = [t.detach().clone().requires_grad_() for t in x]
+    out = sparse_attn.attention(*x, causal=True)
+    assert api._DEFAULT_LAYOUTS[key].kv_len == 2999
+    want = sparse_attn.attention(*y, patterns.causal(5, 2999, device="cuda"))
+    assert torch.equal(out, want)
+    for a, b in zip(torch.autograd.grad(out.float().square().sum(), x),
+                    torch.autograd.grad(want.float().square().sum(), y)):
+        assert torch.equal(a, b)
 
 
 def test_repeated_fast_calls_do_not_grow_memory():
