@@ -103,10 +103,12 @@ def test_a_growing_cache_runs_the_patterns_blocks():
 
 
 @pytest.mark.parametrize("quant", [None, "int8", "int8-fp8"])
-def test_a_layout_shared_by_forward_only_steps_gives_each_step_s_bits(quant):
+def test_a_layout_shared_by_forward_only_steps_gives_each_step_s_bits(monkeypatch, quant):
     """Forward-only calls at lengths of one plan run the layout built for the first of them (fp16/bf16 and
     8-bit); each gives the bits of its own patterns layout, and a call needing gradients at such lengths
     gets a layout of its own lengths and the patterns layout's gradients."""
+    monkeypatch.setattr(api, "_DEFAULT_LAYOUTS", {})  # (an earlier case's grad call left an exact layout)
+    monkeypatch.setattr(api, "_SHARED_PLANS", api.PlanCache(api.DEFAULT_LAYOUTS_KEPT))
     q, k, v = _qkv(1, 32, 8, 5, 3000, 128, seed=4)
     with torch.no_grad():
         for n in (2950, 2977, 2999):
