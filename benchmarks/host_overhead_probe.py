@@ -10,7 +10,8 @@ Cases (32 query heads, head dim 128, bf16, no grad):
 - ``decode-local``: the same with a prepared local-4096 layout;
 - ``prefill-1k``: attention(q, k, v [1, 32, 1024, D], causal=True) (``-grad``: inputs require grad);
 - ``varlen-decode``: varlen_attention of 8 sequences x 1 query row, caches 1K-32K, causal (the same
-  lengths every call, so the plan is cached: the call's own cost);
+  lengths every call, so the plan is cached: the call's own cost); ``varlen-decode-growing``: the same
+  with every cache one token longer each call (continuous batching);
 - ``sdpa-decode`` / ``sdpa-prefill-1k``: torch's scaled_dot_product_attention on the same inputs.
 Per case: ``host_us``, the host clock around each call (median of CALLS, after WARMUP calls; the stream
 is synchronized every 50 calls so the launch queue never fills, which would make the host wait);
@@ -83,6 +84,19 @@ def _cases():
         step[0] = step[0] % GROW_STEPS + 1
         n = 32768 + step[0]
         return sparse_attn.attention(qd, cache_k[:, :, :n], cache_v[:, :, :n], causal=True)
+    # continuous batching: the 8 caches of varlen-decode, each a token longer every call (cu_seqlens made
+    # in advance: a server builds them every step too, but that copy is not ours)
+    kv_grow, vv_grow = (torch.randn(sum(k_lens) + 8 * GROW_STEPS, HKV, D, device=dev, dtype=dt) for _ in range(2))
+    cu_grow = [torch.tensor([0] + torch.tensor([n + s for n in k_lens]).cumsum(0).tolist(), dtype=torch.int32,
+                            device=dev) for s in range(GROW_STEPS + 1)]
+
+    vstep = [0]
+
+    def varlen_growing():
+        vstep[0] = s = vstep[0] % GROW_STEPS + 1
+        t = sum(k_lens) + 8 * s
+        return sparse_attn.varlen_attention(qv, kv_grow[:t], vv_grow[:t], cu_q, cu_grow[s], 1, max(k_lens) + s,
+                                            causal=True)
     layout = api._kernel_layout(None, True, 1, 32768, qd.device)
     rows = layout_inputs(layout, False)
     fwd_args = (qd, kd, vd, *rows[:6], *rows[-2:], None, None, 128, 128, D ** -0.5, 1, 32768)
@@ -96,6 +110,7 @@ def _cases():
         "prefill-1k": lambda: sparse_attn.attention(qp, kp, vp, causal=True),
         "prefill-1k-grad": lambda: sparse_attn.attention(qg, kg, vg, causal=True),
         "varlen-decode": lambda: sparse_attn.varlen_attention(qv, kv_, vv, cu_q, cu_k, 1, max(k_lens), causal=True),
+        "varlen-decode-growing": varlen_growing,
         "sdpa-decode": lambda: sdpa(qd, kd, vd, enable_gqa=True),
         "sdpa-prefill-1k": lambda: sdpa(qp, kp, vp, is_causal=True),
         "launch-empty": lambda: _empty_kernel[(1,)](*ptrs, *range(14), C0=1, C1=2),

@@ -126,23 +126,44 @@ def test_plan_tensors_start_on_16_byte_boundaries():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_lengths_with_one_plan_key_have_one_plan(causal):
-    """api._plan_key is what forward-only calls share default layouts by: any two (lq, lk) with one key get
+    """varlen.plan_key is what forward-only calls share default layouts by: any two (lq, lk) with one key get
     the same plan (blocks, masks, schedule); lengths whose plans differ get different keys. Every lk up to
     five key blocks, at decoding, short prefill and Lq > Lk lengths."""
     from sparse_attn import api
+    from sparse_attn.varlen import ARITHMETIC_PLAN_ROWS, plan_key
     plans: dict = {}
     for lq in (1, 2, 5, 127, 128, 129, 300):
         for lk in range(0, 5 * 128 + 2):
-            key = api._plan_key(causal, lq, lk)
+            key = plan_key([lq], [lk], causal, lq)
             rows = _schedule_rows(api._one_sequence_layout(causal, lq, lk, "cpu"))
             rows = tuple(r if isinstance(r, bool) else str(r.tolist()) for r in rows)
             if key in plans:
                 assert plans[key][1] == rows, (lq, lk, plans[key][0])
             plans[key] = ((lq, lk), rows)
     assert len({p[1] for p in plans.values()}) == len(plans)  # keys no finer than the plans need
-    from sparse_attn.varlen import ARITHMETIC_PLAN_ROWS
-    assert api._plan_key(causal, 128 * ARITHMETIC_PLAN_ROWS, 10) is not None
-    assert api._plan_key(causal, 128 * ARITHMETIC_PLAN_ROWS + 1, 10) is None  # too long to key by a loop each call
+    assert plan_key([1] * ARITHMETIC_PLAN_ROWS, [10] * ARITHMETIC_PLAN_ROWS, causal, 1) is not None
+    assert plan_key([1], [10], causal, 128 * ARITHMETIC_PLAN_ROWS + 1) is None  # too long to key by a loop each call
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_batches_with_one_plan_key_have_one_plan(causal):
+    """The same for packed batches (varlen.stack_dense_or_causal, 16-token blocks): random batches of 1-3
+    sequences, empty ones and Lq > Lk included, against the plan of every earlier batch with their key."""
+    from sparse_attn.ops.block_sparse.schedule import schedule
+    from sparse_attn.varlen import plan_key, stack_dense_or_causal
+    g = torch.Generator().manual_seed(11)
+    plans: dict = {}
+    for _ in range(1500):
+        n = int(torch.randint(1, 4, (1,), generator=g))
+        q_lens = torch.randint(0, 20, (n,), generator=g).tolist()
+        k_lens = torch.randint(0, 50, (n,), generator=g).tolist()
+        max_q = max(q_lens) + int(torch.randint(0, 2, (1,), generator=g)) * 16
+        layout = stack_dense_or_causal(q_lens, k_lens, causal, max_q, max(k_lens), "cpu", 16)
+        s = schedule(layout, k_lens)
+        rows = str([t.tolist() for t in (s.counts, s.n_full, s.full_start, s.indices, s.mask_ids)] + [s.contiguous])
+        key = plan_key(q_lens, k_lens, causal, max_q, 16)
+        assert plans.setdefault(key, rows) == rows, (q_lens, k_lens, max_q)
+    assert len(plans) < 1500  # batches did share keys
 
 
 def _host_plans(monkeypatch):
@@ -153,6 +174,8 @@ def _host_plans(monkeypatch):
     monkeypatch.setattr(api, "_plans_on_host", lambda device: True)
     monkeypatch.setattr(api, "_DEFAULT_LAYOUTS", {})
     monkeypatch.setattr(api, "_SHARED_PLANS", api.PlanCache(api.DEFAULT_LAYOUTS_KEPT))
+    monkeypatch.setattr(api, "_VARLEN_PLANS", api.PlanCache(16))
+    monkeypatch.setattr(api, "_SHARED_VARLEN_PLANS", api.PlanCache(16))
     return api
 
 
@@ -163,6 +186,7 @@ def test_a_growing_cache_shares_one_plan_and_gives_the_patterns_bits(monkeypatch
     layout (built for the first length), and every step gives the bits of that step's own patterns layout,
     across a block edge (256: the last block no longer cut) and with Lq > 1 (the causal edge moves)."""
     import sparse_attn
+    from sparse_attn.varlen import plan_key
     api = _host_plans(monkeypatch)
     g = torch.Generator().manual_seed(5)
     k_all, v_all = (torch.randn(1, 2, 300, 32, generator=g).half() for _ in range(2))
@@ -175,7 +199,8 @@ def test_a_growing_cache_shares_one_plan_and_gives_the_patterns_bits(monkeypatch
             out, lse = sparse_attn.attention(q, k, v, causal=causal, return_lse=True)
             want = attention_op(q, k, v, builder(lq, lk), return_lse=True)
             assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), (lq, lk)
-            by_key.setdefault(api._plan_key(causal, lq, lk), []).append(api._DEFAULT_LAYOUTS[(causal, lq, lk, "cpu")])
+            ran = api._DEFAULT_LAYOUTS[(causal, lq, lk, "cpu")]
+            by_key.setdefault(plan_key([lq], [lk], causal, lq), []).append(ran)
         assert max(map(len, by_key.values())) >= 3  # shared: 250, 251 (253), 255 have one plan
         assert all(lay is group[0] for group in by_key.values() for lay in group)
         assert len({id(group[0]) for group in by_key.values()}) == len(by_key) >= 2  # 257 has another
@@ -234,3 +259,62 @@ def test_compiling_a_training_call_after_forward_only_calls_asks_for_a_grad_warm
     torch._dynamo.reset()
     f(qg, k, v)
     assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(qg, k, v), want)
+
+
+def _packed_step(g_seed: int, q_lens, k_lens, grad: bool = False):
+    """Packed q / k / v of one continuous-batching step (each sequence's cache its own random prefix, so a
+    longer step extends it) with cu_seqlens."""
+    g = torch.Generator().manual_seed(g_seed)
+    caches = [torch.randn(2, 300, 2, 32, generator=g).half() for _ in k_lens]  # per sequence: (k, v) x 300 keys
+    q = torch.randn(sum(q_lens), 4, 32, generator=g).half()
+    k = torch.cat([c[0, :n] for c, n in zip(caches, k_lens)])
+    v = torch.cat([c[1, :n] for c, n in zip(caches, k_lens)])
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    return [t.requires_grad_(grad) for t in (q, k, v)], cu(q_lens), cu(k_lens)
+
+
+@interpreted
+def test_continuous_batching_steps_share_plans_and_give_each_step_s_bits(monkeypatch):
+    """varlen_attention without layouts, every cache a token longer each step: forward-only steps with one
+    varlen.plan_key run one plan (built for the first), and each step gives the bits of its own
+    per-sequence patterns.causal layouts; at 128 keys the first sequence's last block is no longer cut,
+    a new plan."""
+    import sparse_attn
+    from sparse_attn.varlen import plan_key
+    api = _host_plans(monkeypatch)
+    q_lens, plans = [1, 2, 1], {}
+    for step in range(5):
+        k_lens = [124 + step, 200 + step, 131 + step]
+        (q, k, v), cu_q, cu_k = _packed_step(step, q_lens, k_lens)
+        args = (q, k, v, cu_q, cu_k, 2, max(k_lens))
+        out, lse = sparse_attn.varlen_attention(*args, causal=True, return_lse=True)
+        want = sparse_attn.varlen_attention(*args, pattern=patterns.causal, return_lse=True)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), k_lens
+        plan = api._VARLEN_PLANS.find((tuple(q_lens), tuple(k_lens), 2, max(k_lens), True, 4, "cpu", id(None), None))
+        plans.setdefault(plan_key(q_lens, k_lens, True, 2), []).append(plan)
+    assert sorted(map(len, plans.values())) == [1, 4]  # 124..127 share one plan; 128 has its own
+    assert all(p is group[0] for group in plans.values() for p in group)
+
+
+@interpreted
+def test_a_varlen_call_that_needs_gradients_gets_a_plan_of_its_own_lengths(monkeypatch):
+    """After a forward-only step whose plan another step's lengths built, a call needing gradients at those
+    lengths gets a plan built for them, and the gradients of its per-sequence patterns layouts."""
+    import sparse_attn
+    api = _host_plans(monkeypatch)
+    q_lens = [1, 2, 1]
+    for k_lens in ([124, 200, 131], [125, 201, 132]):
+        (q, k, v), cu_q, cu_k = _packed_step(0, q_lens, k_lens)
+        with torch.no_grad():
+            sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 2, max(k_lens), causal=True)
+    key = (tuple(q_lens), tuple(k_lens), 2, max(k_lens), True, 4, "cpu", id(None), None)
+    assert api._VARLEN_PLANS.find(key).lengths[1] == (124, 200, 131)  # shared
+    (q, k, v), cu_q, cu_k = _packed_step(0, q_lens, k_lens, grad=True)
+    out = sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 2, max(k_lens), causal=True)
+    assert api._VARLEN_PLANS.find(key).lengths[1] == tuple(k_lens)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    (qw, kw, vw), _, _ = _packed_step(0, q_lens, k_lens, grad=True)
+    want = sparse_attn.varlen_attention(qw, kw, vw, cu_q, cu_k, 2, max(k_lens), pattern=patterns.causal)
+    assert torch.equal(out, want)
+    for got, exp in zip(grads, torch.autograd.grad(want.float().square().sum(), (qw, kw, vw))):
+        assert torch.equal(got, exp)

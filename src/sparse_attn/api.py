@@ -14,7 +14,7 @@ from .patterns import causal_cut
 from .patterns.basic import mark_causal
 from .plan_cache import PlanCache
 from .validation import (capturing, check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv,
-                         check_qkv, check_scale)
+                         check_qkv, check_scale, needs_grad)
 
 DEFAULT_BLOCK = 128
 
@@ -43,7 +43,7 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
 _DEFAULT_LAYOUTS: dict = {}  # (causal, lq, lk, device) -> BlockLayout, the last DEFAULT_LAYOUTS_KEPT used
 DEFAULT_LAYOUTS_KEPT = 32
 _CAPTURED_DEFAULTS: dict = {}  # the default layouts CUDA graphs were captured on, kept past their eviction
-# (causal, plan rows, device) -> a CUDA default layout that forward-only calls of every shape with
+# (varlen.plan_key, device) -> a CUDA default layout that forward-only calls of every shape with
 # that plan share: a decoding loop's cache grows a token a call, and for Lq <= 128 one plan serves a whole
 # key block's worth of lengths (benchmarks/NOTES.md, "Host time of a call")
 _SHARED_PLANS = PlanCache(DEFAULT_LAYOUTS_KEPT)
@@ -100,25 +100,13 @@ def _plans_on_host(device: str) -> bool:
 
 def _shared_plan(causal: bool, lq: int, lk: int, device: str) -> BlockLayout | None:
     """A forward-only call's CUDA default layout, shared with every (lq, lk) of the same plan (built for the
-    first of them), or None when the plan is too long to key cheaply (_plan_key)."""
-    key = _plan_key(causal, lq, lk)
+    first of them; varlen.plan_key says why that gives the same bits), or None when the plan is too long
+    to key cheaply."""
+    from .varlen import plan_key
+    key = plan_key([lq], [lk], causal, lq, DEFAULT_BLOCK)
     if key is None:
         return None
     return _SHARED_PLANS.get(key + (device,), lambda: _one_sequence_layout(causal, lq, lk, device))
-
-
-def _plan_key(causal: bool, lq: int, lk: int) -> tuple | None:
-    """What the forward kernels read of a default layout: per 128-row query block, the kept key blocks,
-    the unmasked ones and the first partial slot (varlen._row_by_arithmetic; the last row keeps every key
-    block, so their number is in it too). Besides that they read only the blocks' sizes and the mask
-    term: the causal term is aligned in the kernel from the tensors' lengths, and keys past Lk are cut by
-    the masked phase's bound, so a plan built for other lengths gives the same bits. None past
-    varlen.ARITHMETIC_PLAN_ROWS rows (the key would cost a Python loop of that length every call)."""
-    from .varlen import ARITHMETIC_PLAN_ROWS, _row_by_arithmetic
-    n_q = -(-lq // DEFAULT_BLOCK)
-    if n_q > ARITHMETIC_PLAN_ROWS:
-        return None
-    return causal, tuple(_row_by_arithmetic(lq, lk, qb, causal, DEFAULT_BLOCK) for qb in range(n_q))
 
 
 def _one_sequence_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLayout:
@@ -202,7 +190,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             return reference_op.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
     from .ops.block_sparse import attention_op
-    from .ops.block_sparse.function import needs_grad
     kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device, exact=needs_grad(q, k, v))
     return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse, pv_threshold=pv_threshold or 0.0)
 
@@ -289,7 +276,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"cu_seqlens_q has {len(q_lens)} sequences, cu_seqlens_k has {len(k_lens)}")
     max_seqlen_q, max_seqlen_k = operator.index(max_seqlen_q), operator.index(max_seqlen_k)  # numpy ints too
     varlen.check_layout_args(layouts, pattern, len(q_lens))  # before the plan cache hashes them
-    plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device)
+    plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device,
+                        exact=needs_grad(q, k, v))
     if quant is not None:
         from . import quantized
         hp_call = functools.partial(varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -306,30 +294,46 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 _VARLEN_PLANS = PlanCache(16)
+# (varlen.plan_key, device) -> a CUDA dense / causal plan that forward-only calls of every batch shape with
+# that key share: continuous batching makes every cache one token longer each step (as _SHARED_PLANS)
+_SHARED_VARLEN_PLANS = PlanCache(16)
 
 
-def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, device):
+def _varlen_plan(q_lens, k_lens, layouts, pattern, causal, heads, max_q, max_k, device, exact: bool = True):
     """Per-sequence layouts (and, on CUDA, their stacked form) for one batch shape, cached so a
     training loop does not rebuild them every step. The key holds the pattern / layout objects by
-    identity, and the entry keeps them alive so an id cannot be reused while it is cached."""
+    identity, and the entry keeps them alive so an id cannot be reused while it is cached. ``exact``
+    False (forward-only): a dense / causal plan may have been built for other lengths with the same
+    varlen.plan_key; a call that needs gradients replaces such an entry (the backward's transpose reads
+    the plan's own lengths)."""
     from . import varlen
-    key = (tuple(q_lens), tuple(k_lens), causal, heads, max_q, max_k, str(device), id(pattern),
-           None if layouts is None else tuple(layout_key(lay) for lay in layouts))
+    lengths = (tuple(q_lens), tuple(k_lens), max_q, max_k)
+    key = lengths + (causal, heads, str(device), id(pattern),
+                     None if layouts is None else tuple(layout_key(lay) for lay in layouts))
+    plan = _VARLEN_PLANS.find(key)
+    if plan is not None and (not exact or plan.lengths == lengths):
+        return plan
+    on_host = _plans_on_host(device)
 
     def build():
-        cuda = torch.device(device).type == "cuda"
-        if cuda and layouts is None and pattern is None:  # dense / causal: no per-sequence layouts to build
+        if on_host and layouts is None and pattern is None:  # dense / causal: no per-sequence layouts to build
             stacked = varlen.stack_dense_or_causal(q_lens, k_lens, causal, max_q, max_k, device)
-            return _VarlenPlan((None, None), None, stacked, tuple(k_lens))
+            return _VarlenPlan((None, None), None, stacked, tuple(k_lens), lengths)
         per_seq = varlen.build_layouts(q_lens, k_lens, layouts, pattern, causal, heads=heads)
         stacked = kv_lens = None
-        if cuda:
+        if on_host:
             stacked = varlen.stack([lay.to(device) for lay in per_seq], max_q, max_k, heads)
             kv_lens = tuple(k_lens)
         # a tuple: pinning the caller's list would let it replace an entry, freeing the layout whose id
         # is in the key for a new object to take
-        return _VarlenPlan((pattern, None if layouts is None else tuple(layouts)), per_seq, stacked, kv_lens)
-    return _VARLEN_PLANS.get(key, build)
+        return _VarlenPlan((pattern, None if layouts is None else tuple(layouts)), per_seq, stacked, kv_lens,
+                           lengths)
+    shared = None
+    if not exact and on_host and layouts is None and pattern is None:
+        shared = varlen.plan_key(q_lens, k_lens, causal, max_q)
+    plan = build() if shared is None else _SHARED_VARLEN_PLANS.get(shared + (str(device),), build)
+    _VARLEN_PLANS.put(key, plan)
+    return plan
 
 
 @dataclasses.dataclass
@@ -337,7 +341,8 @@ class _VarlenPlan:
     pinned: tuple  # the pattern / layouts whose ids are in the key
     per_seq: list | None  # one layout per sequence (None: dense / causal on CUDA, stacked at once)
     stacked: BlockLayout | None
-    kv_lens: tuple | None  # per-sequence key lengths (Python ints: schedule lookups never sync)
+    kv_lens: tuple | None  # per-sequence key lengths its schedule was made for (Python ints: lookups never sync)
+    lengths: tuple  # (q_lens, k_lens, max_q, max_k) it was built for (a shared plan serves others, forward only)
 
     @property
     def block_k(self) -> int:

@@ -24,6 +24,20 @@ class PlanCache:
             self._plans.move_to_end(key)
         return plan
 
+    def find(self, key: Hashable):
+        """The plan for ``key`` (now the most recently used), or None."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key: Hashable, plan) -> None:
+        """Keep ``plan`` for ``key`` as the most recently used (the oldest entry is dropped past max_size)."""
+        self._plans[key] = plan
+        self._plans.move_to_end(key)
+        if len(self._plans) > self.max_size:
+            self._plans.popitem(last=False)
+
     def __len__(self) -> int:
         return len(self._plans)
 

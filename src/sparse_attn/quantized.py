@@ -13,10 +13,7 @@ import torch
 
 from .layout import BlockLayout
 from .ops.sage.granularity import check_quant, check_quant_shapes
-
-
-def _needs_grad(*ts: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+from .validation import needs_grad
 
 
 def attention(q, k, v, layout: BlockLayout | None, *, causal: bool, scale, return_lse: bool, quant: str,
@@ -40,7 +37,7 @@ def attention(q, k, v, layout: BlockLayout | None, *, causal: bool, scale, retur
             from .ops.sage import reference as sage_ref
             out, lse = sage_ref.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=True, quant=quant,
                                           granularity=granularity, smooth_k=smooth_k)
-    if _needs_grad(q, k, v):
+    if needs_grad(q, k, v):
         out_hp = api.attention(q, k, v, layout, causal=causal, scale=scale)
         out = out_hp + (out - out_hp).detach()
     return (out, lse) if return_lse else out
@@ -61,7 +58,7 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, plan, *, scale
         else:
             out, lse = _varlen_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), plan.per_seq, scale, quant,
                                          granularity, smooth_k)
-    if _needs_grad(q, k, v):
+    if needs_grad(q, k, v):
         out_hp = hp_call()
         out = out_hp + (out - out_hp).detach()
     return (out, lse) if return_lse else out

@@ -124,6 +124,12 @@ def check_scale(scale) -> float | None:
     return float(scale)
 
 
+def needs_grad(q, k, v) -> bool:
+    """Whether autograd will ask for gradients of this call: then the kernels' forward records a graph and
+    takes the layout's transpose along, and a default layout must be built for the call's own lengths."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def capturing(t) -> bool:
     """Whether ``t`` (a tensor or a device) is on CUDA and the current stream is capturing a CUDA graph."""
     on_cuda = t.type == "cuda" if isinstance(t, torch.device) else bool(getattr(t, "is_cuda", False))

@@ -187,6 +187,23 @@ def stack_dense_or_causal(q_lens: Sequence[int], k_lens: Sequence[int], causal: 
     return layout
 
 
+def plan_key(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, max_q: int, block: int = 128
+             ) -> tuple | None:
+    """What the forward kernels read of stack_dense_or_causal's plan: the query blocks a sequence has room
+    for (of max_q rows) and, per sequence and query block, the kept key blocks, the unmasked ones and the
+    first partial slot (_row_by_arithmetic; the longest row's count is the plan's width). They take the
+    lengths themselves from the call (cu_seqlens or the tensors' shapes): the causal term is aligned in
+    the kernel and keys past a sequence's end are cut by the masked phase's bound. So a plan built for
+    other lengths with this key gives the same bits, forward; the backward's transposed layout reads the
+    plan's own lengths. None past ARITHMETIC_PLAN_ROWS rows: the key would cost a Python loop of that
+    length every call."""
+    n_q = -(-max_q // block)
+    if len(q_lens) * n_q > ARITHMETIC_PLAN_ROWS:
+        return None
+    return causal, n_q, tuple(_row_by_arithmetic(lq, lk, qb, causal, block)
+                              for lq, lk in zip(q_lens, k_lens) for qb in range(n_q))
+
+
 def _to_device_aligned(tensors, device) -> list[torch.Tensor]:
     """Host int32 tensors on ``device`` by one copy, each starting on a 16-byte boundary: Triton compiles a
     kernel apart for every pattern of aligned pointers, and packed back to back the tensors' offsets

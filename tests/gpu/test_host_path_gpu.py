@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sparse_attn
-from sparse_attn import api, patterns
+from sparse_attn import api, patterns, varlen
 from sparse_attn.ops import fast_launch
 from sparse_attn.testing import assert_close_to_oracle, oracle_attention, reference_attention
 
@@ -96,7 +96,7 @@ def test_a_growing_cache_runs_the_patterns_blocks():
             got = sparse_attn.attention(q, k, v, causal=True, return_lse=True)
             want = sparse_attn.attention(q, k, v, patterns.causal(lq, n, device="cuda"), return_lse=True)
             assert _equal(got, want), (lq, n)
-        # forward-only steps share one layout per plan (api._plan_key): 4090..4095 have one, cut at 4096
+        # forward-only steps share one layout per plan (varlen.plan_key): 4090..4095 have one, cut at 4096
         shared = [api._DEFAULT_LAYOUTS[(True, lq, n, str(q.device))] for n in range(4090, 4096)]
         assert all(lay is shared[0] for lay in shared) and shared[0].kv_len == 4090
     assert_close_to_oracle(got[0], reference_attention(q, k, v, causal=True), oracle_attention(q, k, v, causal=True))
@@ -141,3 +141,38 @@ def test_repeated_fast_calls_do_not_grow_memory():
         sparse_attn.attention(q, k, v, causal=True)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+def test_continuous_batching_steps_share_plans_and_give_each_step_s_bits(monkeypatch):
+    """varlen_attention without layouts, 8 sequences (1-3 query rows) whose caches grow a token a step:
+    forward-only steps with one varlen.plan_key run one plan, and each step gives the bits of its own
+    per-sequence patterns.causal layouts; the last step's output against the fp64 reference per sequence."""
+    monkeypatch.setattr(api, "_VARLEN_PLANS", api.PlanCache(16))
+    monkeypatch.setattr(api, "_SHARED_VARLEN_PLANS", api.PlanCache(16))
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q_lens = [1, 3, 1, 2, 1, 1, 1, 3]
+    base = [1000, 4090, 130, 2500, 3000, 700, 1900, 260]
+    caches = [torch.randn(2, 2, n + 8, 128, device="cuda", generator=g).bfloat16() for n in base]  # k, v [Hkv, n, D]
+    q = torch.randn(sum(q_lens), 16, 128, device="cuda", generator=g).bfloat16()
+
+    def cu(lens):
+        return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    by_key: dict = {}
+    for step in range(8):  # 4090 + 7 keys: the second sequence's 33rd block
+        k_lens = [n + step for n in base]
+        k, v = (torch.cat([c[i, :, :n].transpose(0, 1) for c, n in zip(caches, k_lens)]) for i in (0, 1))
+        args = (q, k, v, cu(q_lens), cu(k_lens), 3, max(k_lens))
+        got = sparse_attn.varlen_attention(*args, causal=True, return_lse=True)
+        want = sparse_attn.varlen_attention(*args, pattern=patterns.causal, return_lse=True)
+        assert _equal(got, want), step
+        plan = api._VARLEN_PLANS.find((tuple(q_lens), tuple(k_lens), 3, max(k_lens), True, 16, str(q.device),
+                                       id(None), None))
+        by_key.setdefault(varlen.plan_key(q_lens, k_lens, True, 3), []).append(plan)
+    assert sorted(map(len, by_key.values())) == [1, 7]  # (at 4096 keys its causal edge still masks the last block)
+    assert all(p is group[0] for group in by_key.values() for p in group)
+    starts = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    for i, (lq, lk) in enumerate(zip(q_lens, k_lens)):
+        qs = q[starts[i]:starts[i + 1]].transpose(0, 1)[None]
+        ks, vs = (caches[i][j, :, :lk][None] for j in (0, 1))
+        assert_close_to_oracle(got[0][starts[i]:starts[i + 1]].transpose(0, 1)[None],
+                               reference_attention(qs, ks, vs, causal=True), oracle_attention(qs, ks, vs, causal=True))

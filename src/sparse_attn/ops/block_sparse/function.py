@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ...validation import needs_grad
 from . import launch
 
 
@@ -137,12 +138,6 @@ class _EagerForward(torch.autograd.Function):
         # the Triton backward records no graph: without this a create_graph=True gradient came back
         # detached and a gradient penalty was silently dropped; double backward is the reference's
         return _backward(ctx, do, dlse, _bwd_impl)
-
-
-def needs_grad(q, k, v) -> bool:
-    """Whether autograd will ask for gradients of this call (then the layout's transpose rides along for
-    backward, and the forward goes through :class:`_EagerForward`)."""
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def forward_op(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
