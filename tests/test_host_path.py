@@ -318,3 +318,26 @@ def test_a_varlen_call_that_needs_gradients_gets_a_plan_of_its_own_lengths(monke
     assert torch.equal(out, want)
     for got, exp in zip(grads, torch.autograd.grad(want.float().square().sum(), (qw, kw, vw))):
         assert torch.equal(got, exp)
+
+
+def test_every_default_layout_a_graph_was_captured_on_is_kept(monkeypatch):
+    """A graph replays on the tensors of the layout it was captured with. One shape's entry can change (a
+    shared layout, then one built for a call that needs gradients); both captured layouts stay alive."""
+    api = _host_plans(monkeypatch)
+    monkeypatch.setattr(api, "_CAPTURED_DEFAULTS", {})
+    capturing = [False]
+    monkeypatch.setattr(api, "capturing", lambda device: capturing[0])
+    api._default_layout(True, 1, 290, "cpu", exact=False)
+    shared = api._default_layout(True, 1, 300, "cpu", exact=False)
+    assert shared.kv_len == 290
+    capturing[0] = True
+    assert api._default_layout(True, 1, 300, "cpu", exact=False) is shared
+    with pytest.raises(RuntimeError, match="with grad enabled if the captured code trains"):
+        api._default_layout(True, 1, 300, "cpu", exact=True)
+    capturing[0] = False
+    exact = api._default_layout(True, 1, 300, "cpu", exact=True)
+    assert exact.kv_len == 300
+    capturing[0] = True
+    assert api._default_layout(True, 1, 300, "cpu", exact=True) is exact
+    kept = list(api._CAPTURED_DEFAULTS.values())
+    assert len(kept) == 2 and any(k is shared for k in kept) and any(k is exact for k in kept)

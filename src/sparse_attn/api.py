@@ -42,7 +42,9 @@ def _kernel_layout(layout: BlockLayout | None, causal: bool, lq: int, lk: int, d
 
 _DEFAULT_LAYOUTS: dict = {}  # (causal, lq, lk, device) -> BlockLayout, the last DEFAULT_LAYOUTS_KEPT used
 DEFAULT_LAYOUTS_KEPT = 32
-_CAPTURED_DEFAULTS: dict = {}  # the default layouts CUDA graphs were captured on, kept past their eviction
+# id -> a default layout a CUDA graph was captured on, kept past its eviction (by id, not shape: one shape's
+# entry may be replaced, a shared layout by one built for a call that needs gradients, and each graph keeps its own)
+_CAPTURED_DEFAULTS: dict = {}
 # (varlen.plan_key, device) -> a CUDA default layout that forward-only calls of every shape with
 # that plan share: a decoding loop's cache grows a token a call, and for Lq <= 128 one plan serves a whole
 # key block's worth of lengths (benchmarks/NOTES.md, "Host time of a call")
@@ -77,7 +79,7 @@ def _default_layout(causal: bool, lq: int, lk: int, device: str, exact: bool = T
                                f"(Lq={lq}, Lk={lk}), which cannot run inside CUDA graph capture; call attention once "
                                "eagerly with these lengths (with grad enabled if the captured code trains) before "
                                "capturing (PyTorch's recipe warms up on a side stream)")
-        _CAPTURED_DEFAULTS[key] = layout  # a graph replays on its tensors: never evicted
+        _CAPTURED_DEFAULTS[id(layout)] = layout  # a graph replays on its tensors: never freed
     _DEFAULT_LAYOUTS.pop(key, None)
     if not usable and _plans_on_host(device):
         layout = None if exact else _shared_plan(causal, lq, lk, device)
