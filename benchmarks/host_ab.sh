@@ -5,7 +5,7 @@ set -u
 OUT=${OUT:-out}/host-ab
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
-CASES="decode decode-growing decode-local prefill-1k prefill-1k-grad varlen-decode varlen-decode-growing decode-no-launch"
+CASES="decode decode-growing decode-local prefill-1k prefill-1k-grad varlen-decode varlen-decode-growing varlen-decode-host-offsets varlen-decode-growing-host-offsets decode-no-launch"
 for r in $(seq 1 "${1:-2}"); do
   PYTHONPATH=$OLD python benchmarks/host_overhead_probe.py --out "$OUT/old$r.json" --cases $CASES 2>&1 \
     | grep case | sed 's/^/old /'

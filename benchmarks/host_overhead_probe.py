@@ -11,7 +11,8 @@ Cases (32 query heads, head dim 128, bf16, no grad):
 - ``prefill-1k``: attention(q, k, v [1, 32, 1024, D], causal=True) (``-grad``: inputs require grad);
 - ``varlen-decode``: varlen_attention of 8 sequences x 1 query row, caches 1K-32K, causal (the same
   lengths every call, so the plan is cached: the call's own cost); ``varlen-decode-growing``: the same
-  with every cache one token longer each call (continuous batching);
+  with every cache one token longer each call (continuous batching); ``-host-offsets``: both with
+  ``cu_seqlens`` given on the CPU (no sync to read them);
 - ``sdpa-decode`` / ``sdpa-prefill-1k``: torch's scaled_dot_product_attention on the same inputs.
 Per case: ``host_us``, the host clock around each call (median of CALLS, after WARMUP calls; the stream
 is synchronized every 50 calls so the launch queue never fills, which would make the host wait);
@@ -89,14 +90,15 @@ def _cases():
     kv_grow, vv_grow = (torch.randn(sum(k_lens) + 8 * GROW_STEPS, HKV, D, device=dev, dtype=dt) for _ in range(2))
     cu_grow = [torch.tensor([0] + torch.tensor([n + s for n in k_lens]).cumsum(0).tolist(), dtype=torch.int32,
                             device=dev) for s in range(GROW_STEPS + 1)]
-
+    cu_grow_host = [cu.cpu() for cu in cu_grow]  # the -host-offsets cases: cu_seqlens given on the CPU
+    cu_q_host, cu_k_host = cu_q.cpu(), cu_k.cpu()
     vstep = [0]
 
-    def varlen_growing():
+    def varlen_growing(host: bool = False):
         vstep[0] = s = vstep[0] % GROW_STEPS + 1
         t = sum(k_lens) + 8 * s
-        return sparse_attn.varlen_attention(qv, kv_grow[:t], vv_grow[:t], cu_q, cu_grow[s], 1, max(k_lens) + s,
-                                            causal=True)
+        cus = (cu_q_host, cu_grow_host[s]) if host else (cu_q, cu_grow[s])
+        return sparse_attn.varlen_attention(qv, kv_grow[:t], vv_grow[:t], *cus, 1, max(k_lens) + s, causal=True)
     layout = api._kernel_layout(None, True, 1, 32768, qd.device)
     rows = layout_inputs(layout, False)
     fwd_args = (qd, kd, vd, *rows[:6], *rows[-2:], None, None, 128, 128, D ** -0.5, 1, 32768)
@@ -111,6 +113,9 @@ def _cases():
         "prefill-1k-grad": lambda: sparse_attn.attention(qg, kg, vg, causal=True),
         "varlen-decode": lambda: sparse_attn.varlen_attention(qv, kv_, vv, cu_q, cu_k, 1, max(k_lens), causal=True),
         "varlen-decode-growing": varlen_growing,
+        "varlen-decode-host-offsets": lambda: sparse_attn.varlen_attention(qv, kv_, vv, cu_q_host, cu_k_host, 1,
+                                                                           max(k_lens), causal=True),
+        "varlen-decode-growing-host-offsets": lambda: varlen_growing(host=True),
         "sdpa-decode": lambda: sdpa(qd, kd, vd, enable_gqa=True),
         "sdpa-prefill-1k": lambda: sdpa(qp, kp, vp, is_causal=True),
         "launch-empty": lambda: _empty_kernel[(1,)](*ptrs, *range(14), C0=1, C1=2),
@@ -190,9 +195,9 @@ def main():
     rows, texts = [], []
     for name in a.cases or list(cases):
         fn = cases[name]
-        # decode-growing warms up over all its lengths: each class of key length (16 divides it or not)
+        # the growing cases warm up over all their lengths: each class of key length (16 divides it or not)
         # and of block count compiles its own kernel variant once, which a timed call must not include
-        for _ in range(GROW_STEPS if name == "decode-growing" else WARMUP):
+        for _ in range(GROW_STEPS if "growing" in name else WARMUP):
             fn()
         torch.cuda.synchronize()
         row = {"case": name, "host_us": host_us(fn), "wall_us": wall_us(fn),

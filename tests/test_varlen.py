@@ -456,7 +456,7 @@ def test_varlen_and_groups_from_offsets_refuse_cuda_graph_capture_by_name(monkey
     would keep the plan it made. The capture state is faked here (no GPU): the error must name the call,
     the tensor and what to do instead, before any host read."""
     import sparse_attn.validation as validation
-    monkeypatch.setattr(validation, "capturing", lambda t: isinstance(t, torch.Tensor))
+    monkeypatch.setattr(validation, "capturing", lambda t: isinstance(t, (torch.Tensor, torch.device)))
     q, k, v = _packed([5, 7], [5, 7])
     cu = _cu([5, 7])
     with pytest.raises(RuntimeError, match=r"varlen_attention cannot run inside CUDA graph capture: it reads "
@@ -467,3 +467,14 @@ def test_varlen_and_groups_from_offsets_refuse_cuda_graph_capture_by_name(monkey
         groups_from_cu_seqlens(cu, cu)
     monkeypatch.setattr(validation, "capturing", lambda t: False)
     assert sparse_attn.varlen_attention(q, k, v, cu, cu, 7, 7).shape == q.shape
+
+
+def test_offsets_given_on_the_cpu_are_copied_for_the_kernels_and_others_pass_through():
+    """varlen.offsets_on: offsets on the CPU (read by the plan without a sync) reach q's device by one copy,
+    in order and shape; offsets already there are passed as they are. (A 'meta' device stands in for CUDA.)"""
+    from sparse_attn.varlen import offsets_on
+    host, there = _cu([5, 7, 2]), torch.tensor([0, 3, 9], dtype=torch.int32, device="meta")
+    a, b = offsets_on("meta", host, there)
+    assert a.device.type == "meta" and a.shape == host.shape and a.dtype == torch.int32 and b is there
+    same = offsets_on("cpu", host)
+    assert same[0] is host

@@ -243,7 +243,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Args:
         q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (packed); ``Hq % Hkv == 0``.
-        cu_seqlens_q / cu_seqlens_k: int32 ``[num_seqs + 1]`` token offsets (start 0, end at T).
+        cu_seqlens_q / cu_seqlens_k: int32 ``[num_seqs + 1]`` token offsets (start 0, end at T), on q's
+            device or on the CPU. The call reads them on the host to plan its blocks: offsets on the GPU
+            cost a sync (the host waits for the kernels queued before), offsets on the CPU (which a server
+            building them from Python lists has anyway) none; the kernels then get one asynchronous copy.
         max_seqlen_q / max_seqlen_k: upper bounds on the per-sequence lengths.
         layouts: one :class:`BlockLayout` per sequence, each built for that sequence's
             ``(q_len, kv_len)``; or
@@ -280,10 +283,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     varlen.check_layout_args(layouts, pattern, len(q_lens))  # before the plan cache hashes them
     plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device,
                         exact=needs_grad(q, k, v))
+    hp_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # as given: hp_call re-validates
+    cu_seqlens_q, cu_seqlens_k = varlen.offsets_on(q.device, cu_seqlens_q, cu_seqlens_k)  # offsets given on the CPU
     if quant is not None:
         from . import quantized
-        hp_call = functools.partial(varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    layouts=layouts, pattern=pattern, causal=causal, scale=scale)
+        hp_call = functools.partial(varlen_attention, *hp_args, layouts=layouts, pattern=pattern, causal=causal,
+                                    scale=scale)
         return quantized.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, plan,
                                           scale=scale, return_lse=return_lse, quant=quant,
                                           granularity=quant_granularity, smooth_k=smooth_k, hp_call=hp_call)

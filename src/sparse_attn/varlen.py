@@ -22,10 +22,11 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
         got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
         raise ValueError(f"{name} must be a 1-D int32 tensor [num_seqs + 1], got {got}")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    check_not_capturing("varlen_attention", cu, f"it reads {name} on the host to plan each sequence's layout, "
-                        "and a replay would keep that plan whatever lengths the tensor then holds",
+    if cu.device != device and cu.device.type != "cpu":
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}: pass it on {device} or on the CPU")
+    # q's device, not cu's: offsets on the CPU are read without a sync, but a replay would keep the plan too
+    check_not_capturing("varlen_attention", torch.device(device), f"it reads {name} on the host to plan each "
+                        "sequence's layout, and a replay would keep that plan whatever lengths the tensor then holds",
                         "Call it eagerly, or capture attention() on a padded [B, H, L, D] batch.")
     vals = cu.tolist()
     if len(vals) < 2:
@@ -202,6 +203,14 @@ def plan_key(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, max_q: 
         return None
     return causal, n_q, tuple(_row_by_arithmetic(lq, lk, qb, causal, block)
                               for lq, lk in zip(q_lens, k_lens) for qb in range(n_q))
+
+
+def offsets_on(device, *cus: torch.Tensor) -> list[torch.Tensor]:
+    """``cu_seqlens`` tensors on ``device`` for the kernels: those given on the CPU (which the plan read
+    without a sync) arrive by one asynchronous copy, the rest as they are."""
+    host = [cu for cu in cus if cu.device != torch.device(device)]
+    copies = iter(_to_device_aligned(host, device) if host else ())
+    return [next(copies) if cu.device != torch.device(device) else cu for cu in cus]
 
 
 def _to_device_aligned(tensors, device) -> list[torch.Tensor]:

@@ -176,3 +176,45 @@ def test_continuous_batching_steps_share_plans_and_give_each_step_s_bits(monkeyp
         ks, vs = (caches[i][j, :, :lk][None] for j in (0, 1))
         assert_close_to_oracle(got[0][starts[i]:starts[i + 1]].transpose(0, 1)[None],
                                reference_attention(qs, ks, vs, causal=True), oracle_attention(qs, ks, vs, causal=True))
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_varlen_offsets_on_the_cpu_give_the_same_bits_without_a_sync(quant):
+    """cu_seqlens given on the CPU: the plan reads them without a sync (checked with CUDA's sync debug mode
+    set to error, at lengths already planned and at new ones), the kernels get a copy, and outputs, LSE and
+    gradients equal those of offsets on the GPU bit for bit; inside a graph capture the call refuses by name."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q_lens, k_lens = [1, 2, 1, 3], [3000, 517, 4097, 1200]
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(sum(k_lens) + 8, 8, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+
+    def offsets(lens, device):
+        return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+    def call(q, k, v, lens, device, **kw):
+        t = sum(lens)
+        return sparse_attn.varlen_attention(q, k[:t], v[:t], offsets(q_lens, device), offsets(lens, device), 3,
+                                            max(lens), causal=True, quant=quant, **kw)
+
+    want = call(q, k, v, k_lens, "cuda", return_lse=True)
+    assert _equal(call(q, k, v, k_lens, "cpu", return_lse=True), want)
+    grown = [n + 2 for n in k_lens]
+    want_grown = call(q, k, v, grown, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = call(q, k, v, k_lens, "cpu", return_lse=True)
+        got_grown = call(q, k, v, grown, "cpu")  # a step at new lengths: planned here, from the host values
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert _equal(got, want) and torch.equal(got_grown, want_grown)
+    if quant is None:
+        x, y = ([t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2))
+        a, b = call(*x, k_lens, "cpu"), call(*y, k_lens, "cuda")
+        assert torch.equal(a, b)
+        grads = (torch.autograd.grad(out.float().square().sum(), inputs) for out, inputs in ((a, x), (b, y)))
+        assert all(torch.equal(ga, gb) for ga, gb in zip(*grads))
+    with pytest.raises(RuntimeError, match="cannot run inside CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            call(q, k, v, k_lens, "cpu")
+    assert torch.equal(call(q, k, v, k_lens, "cpu"), want[0])  # CUDA still usable
