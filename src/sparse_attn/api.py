@@ -47,7 +47,7 @@ DEFAULT_LAYOUTS_KEPT = 32
 _CAPTURED_DEFAULTS: dict = {}
 # (varlen.plan_key, device) -> a CUDA default layout that forward-only calls of every shape with
 # that plan share: a decoding loop's cache grows a token a call, and for Lq <= 128 one plan serves a whole
-# key block's worth of lengths (benchmarks/NOTES.md, "Host time of a call")
+# key block's worth of lengths (benchmarks/NOTES.md, "Shared plans for growing caches")
 _SHARED_PLANS = PlanCache(DEFAULT_LAYOUTS_KEPT)
 
 
@@ -116,7 +116,8 @@ def _one_sequence_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLa
     a CUDA call: varlen's one-shot plan of one sequence (varlen.stack_dense_or_causal), built on the host
     and copied asynchronously. A decoding loop's growing cache makes every call a new shape: through the
     patterns and the schedule's reordering (~60 small CUDA ops and a sync) each step took 3-4 ms of host time
-    on an H200's host, now 0.5-0.8 ms (benchmarks/host_overhead_probe.py, ``decode-growing``)."""
+    on an H200's host, this way 0.5-0.8 ms, and with forward-only steps sharing it (_shared_plan) what a call
+    on a fixed cache takes (benchmarks/host_overhead_probe.py, ``decode-growing``)."""
     from .ops.block_sparse.schedule import schedule_key
     from .varlen import stack_dense_or_causal
     layout = stack_dense_or_causal([lq], [lk], causal, lq, lk, device, DEFAULT_BLOCK)
