@@ -15,13 +15,10 @@ class PlanCache:
 
     def get(self, key: Hashable, build: Callable[[], object]):
         """The plan for ``key``, built with ``build()`` on a miss (the oldest entry is then dropped)."""
-        plan = self._plans.get(key)
+        plan = self.find(key)
         if plan is None:
-            plan = self._plans[key] = build()
-            if len(self._plans) > self.max_size:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
+            plan = build()
+            self.put(key, plan)
         return plan
 
     def find(self, key: Hashable):
