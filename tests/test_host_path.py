@@ -274,39 +274,35 @@ def _packed_step(g_seed: int, q_lens, k_lens, grad: bool = False):
 
 
 @interpreted
-def test_continuous_batching_steps_share_plans_and_give_each_step_s_bits(monkeypatch):
-    """varlen_attention without layouts, every cache a token longer each step: forward-only steps with one
-    varlen.plan_key run one plan (built for the first), and each step gives the bits of its own
-    per-sequence patterns.causal layouts; at 128 keys the first sequence's last block is no longer cut,
-    a new plan."""
+def test_continuous_batching_steps_plan_on_the_device_and_give_each_step_s_bits(monkeypatch):
+    """varlen_attention without layouts, every cache a token longer each step, forward only: the kernels plan
+    each row from the offsets (the device plan), so no plan is built or cached on the host, and each step
+    gives the bits of its own per-sequence patterns.causal layouts (across 128 keys, where the first
+    sequence's last block stops being cut)."""
     import sparse_attn
-    from sparse_attn.varlen import plan_key
     api = _host_plans(monkeypatch)
-    q_lens, plans = [1, 2, 1], {}
+    q_lens = [1, 2, 1]
     for step in range(5):
         k_lens = [124 + step, 200 + step, 131 + step]
         (q, k, v), cu_q, cu_k = _packed_step(step, q_lens, k_lens)
         args = (q, k, v, cu_q, cu_k, 2, max(k_lens))
+        planned = len(api._VARLEN_PLANS)  # the pattern calls' plans (want, below)
         out, lse = sparse_attn.varlen_attention(*args, causal=True, return_lse=True)
+        assert len(api._VARLEN_PLANS) == planned and len(api._SHARED_VARLEN_PLANS) == 0, step
         want = sparse_attn.varlen_attention(*args, pattern=patterns.causal, return_lse=True)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), k_lens
-        plan = api._VARLEN_PLANS.find((tuple(q_lens), tuple(k_lens), 2, max(k_lens), True, 4, "cpu", id(None), None))
-        plans.setdefault(plan_key(q_lens, k_lens, True, 2), []).append(plan)
-    assert sorted(map(len, plans.values())) == [1, 4]  # 124..127 share one plan; 128 has its own
-    assert all(p is group[0] for group in plans.values() for p in group)
 
 
 @interpreted
 def test_a_varlen_call_that_needs_gradients_gets_a_plan_of_its_own_lengths(monkeypatch):
-    """After a forward-only step whose plan another step's lengths built, a call needing gradients at those
-    lengths gets a plan built for them, and the gradients of its per-sequence patterns layouts."""
+    """Forward-only plans of the host (the 8-bit path's) are shared across lengths with one varlen.plan_key;
+    a call needing gradients at lengths whose entry another step's lengths built gets a plan built for
+    them, and the gradients of its per-sequence patterns layouts."""
     import sparse_attn
     api = _host_plans(monkeypatch)
     q_lens = [1, 2, 1]
     for k_lens in ([124, 200, 131], [125, 201, 132]):
-        (q, k, v), cu_q, cu_k = _packed_step(0, q_lens, k_lens)
-        with torch.no_grad():
-            sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 2, max(k_lens), causal=True)
+        api._varlen_plan(q_lens, k_lens, None, None, True, 4, 2, max(k_lens), "cpu", exact=False)
     key = (tuple(q_lens), tuple(k_lens), 2, max(k_lens), True, 4, "cpu", id(None), None)
     assert api._VARLEN_PLANS.find(key).lengths[1] == (124, 200, 131)  # shared
     (q, k, v), cu_q, cu_k = _packed_step(0, q_lens, k_lens, grad=True)

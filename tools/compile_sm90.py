@@ -35,7 +35,7 @@ def signature(fn, consts):
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
         elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM", "WAVE_NS",
-                                                        "N_SPLIT"):
+                                                        "N_SPLIT", "T_Q", "T_K"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
@@ -103,7 +103,8 @@ def _usual_grid_variants():
 
 def _variants_as_written():
     base = dict(HEAD_DIM=128, D_PAD=128, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=3)
-    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, REVERSE=False, KV_SPLIT=False, PACK_GQA=False)  # ROW_ORDER's default
+    fwd = dict(base, K_SCALE_SPAN=0, WAVE=False, REVERSE=False, KV_SPLIT=False, PACK_GQA=False,  # ROW_ORDER's default
+               DEVICE_PLAN=0)
     bwd = dict(base, WAVE=False, IDX_DEEP=False)
     dkdv = dict(bwd, DELTA_ACC=False)
     dq = dict(bwd, REVERSE=True)
@@ -133,6 +134,13 @@ def _variants_as_written():
                                                                           (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, CONTIGUOUS=contiguous,
                                  USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=split, PACK_GQA=pack)
+    # the device plan (dense 1, causal 2; launch.forward device_plan): packed decoding tiles, split or not,
+    # GQA's rows packed or not, and the autotuned 128-row tile of longer packed queries
+    for plan, bm, split, pack in itertools.product((1, 2), (16, 128), (False, True), (False, True)):
+        if bm == 16 or not (split or pack):
+            yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128 if bm == 16 else 64, N_TERMS=plan - 1, IS_VARLEN=True,
+                                     CONTIGUOUS=True, USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=split,
+                                     PACK_GQA=pack, DEVICE_PLAN=plan)
     yield K.fwd_kernel, dict(fwd, HEAD_DIM=256, D_PAD=256, NUM_STAGES=2, BLOCK_M=16, BLOCK_N=64, N_TERMS=2,
                              IS_VARLEN=False, CONTIGUOUS=True, USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=True)
     yield K.split_merge_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_R=16)
@@ -277,7 +285,8 @@ def report_residency(target) -> None:
         seen.add((d, m, n, s, w, quant))
         consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=128, BLOCK_K=128, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                       IS_VARLEN=False, CONTIGUOUS=False, USE_TMA=True, QUANT=quant, PV_SKIP=False,
-                      K_SCALE_SPAN=128 if quant else 0, WAVE=True, REVERSE=False, KV_SPLIT=False, PACK_GQA=False)
+                      K_SCALE_SPAN=128 if quant else 0, WAVE=True, REVERSE=False, KV_SPLIT=False, PACK_GQA=False,
+                      DEVICE_PLAN=0)
         assumed = K._resident_per_sm.fn(_Elem(bits), _Elem(8 if quant == 2 else 16), m, n, d, s)
         line(f"d{d} {m}x{n} {s} stages {w} warps quant {quant}", *_residency(target, K.fwd_kernel, consts, w, s),
              assumed)
@@ -311,7 +320,8 @@ def main(filters: list[str]):
         flags = {k: v for k, v in consts.items() if k in ("HEAD_DIM", "N_TERMS", "IS_VARLEN", "USE_TMA", "CONTIGUOUS", "QUANT", "BLOCK_N", "NUM_STAGES",
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
                                                                  "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC", "IDX_DEEP",
-                                                                 "SPLIT_GRID", "KV_SPLIT", "PACK_GQA", "BLOCK_M", "BLOCK_R")}
+                                                                 "SPLIT_GRID", "KV_SPLIT", "PACK_GQA", "BLOCK_M", "BLOCK_R",
+                                                                 "DEVICE_PLAN")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

@@ -276,11 +276,18 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     check_flags(return_lse=return_lse, smooth_k=smooth_k)
     _check_unused_granularity(quant, quant_granularity)
     check_packed_qkv(q, k, v, "varlen_attention")
-    q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
-    k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
-    if len(q_lens) != len(k_lens):
-        raise ValueError(f"cu_seqlens_q has {len(q_lens)} sequences, cu_seqlens_k has {len(k_lens)}")
+    device_plan = _varlen_device_plan(q, k, v, layouts, pattern, quant)
+    q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device, device_plan)
+    k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device, device_plan)
+    n_q, n_k = (cu.numel() - 1 for cu in (cu_seqlens_q, cu_seqlens_k))
+    if n_q != n_k:
+        raise ValueError(f"cu_seqlens_q has {n_q} sequences, cu_seqlens_k has {n_k}")
     max_seqlen_q, max_seqlen_k = operator.index(max_seqlen_q), operator.index(max_seqlen_k)  # numpy ints too
+    if device_plan:
+        from .ops.block_sparse import varlen_device_plan_op
+        cu_seqlens_q, cu_seqlens_k = varlen.offsets_on(q.device, cu_seqlens_q, cu_seqlens_k)  # given on the CPU
+        return varlen_device_plan_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                     scale=scale, return_lse=return_lse)
     varlen.check_layout_args(layouts, pattern, len(q_lens))  # before the plan cache hashes them
     plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device,
                         exact=needs_grad(q, k, v))
@@ -299,6 +306,16 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     from .ops.block_sparse import varlen_attention_op
     return varlen_attention_op(q, k, v, plan.stacked, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                plan.kv_lens, scale=scale, return_lse=return_lse)
+
+
+def _varlen_device_plan(q, k, v, layouts, pattern, quant) -> bool:
+    """Whether a varlen call runs the kernels' device plan (launch.forward ``device_plan``): dense or causal
+    (no layouts, pattern or quant) on the kernels, forward-only, eager or inside a CUDA graph capture (not
+    while torch.compile traces: the custom op takes a schedule). The kernels then plan every row from the
+    offsets on the GPU: no plan is built, cached or copied, and the call captures (README, "CUDA graphs").
+    Calls that need gradients keep the host's exact plan, whose transpose the backward reads."""
+    return (layouts is None and pattern is None and quant is None and _use_kernels(q) and not needs_grad(q, k, v)
+            and not torch.compiler.is_compiling())
 
 
 _VARLEN_PLANS = PlanCache(16)

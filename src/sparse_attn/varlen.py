@@ -12,22 +12,30 @@ import torch
 
 from . import patterns
 from .layout import BlockLayout, LayoutError, _Coo, as_int
-from .validation import check_not_capturing
+from .validation import capturing, check_not_capturing
 
 PatternFn = Callable[[int, int], BlockLayout]
 
 
-def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device) -> list[int]:
-    """Return the per-sequence lengths after checking ``cu`` (int32 [B + 1], 0 .. total, non-decreasing)."""
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device,
+                     plan_on_device: bool = False) -> list[int] | None:
+    """Return the per-sequence lengths after checking ``cu`` (int32 [B + 1], 0 .. total, non-decreasing).
+    Inside a CUDA graph capture the values cannot be read: a call whose kernels plan on the device
+    (``plan_on_device``, api.varlen_attention) gets None after the checks that need no values; any other
+    call is refused."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
         got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
         raise ValueError(f"{name} must be a 1-D int32 tensor [num_seqs + 1], got {got}")
     if cu.device != device and cu.device.type != "cpu":
         raise ValueError(f"{name} is on {cu.device} but q is on {device}: pass it on {device} or on the CPU")
+    if plan_on_device and capturing(torch.device(device)):
+        return _check_unread(name, cu, max_seqlen, device)
     # q's device, not cu's: offsets on the CPU are read without a sync, but a replay would keep the plan too
     check_not_capturing("varlen_attention", torch.device(device), f"it reads {name} on the host to plan each "
                         "sequence's layout, and a replay would keep that plan whatever lengths the tensor then holds",
-                        "Call it eagerly, or capture attention() on a padded [B, H, L, D] batch.")
+                        "Capture only forward-only calls without layouts, pattern or quant (dense or causal: their "
+                        "kernels plan from the offsets on the GPU), call it eagerly, or capture attention() on a "
+                        "padded [B, H, L, D] batch.")
     vals = cu.tolist()
     if len(vals) < 2:
         raise ValueError(f"{name} must hold num_seqs + 1 >= 2 offsets (start 0, end {total}), got {vals}")
@@ -44,6 +52,22 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
     if max(lens) > max_seqlen:
         raise ValueError(f"max_seqlen for {name} is {max_seqlen} but a sequence has {max(lens)} tokens")
     return lens
+
+
+def _check_unread(name: str, cu: torch.Tensor, max_seqlen: int, device) -> None:
+    """check_cu_seqlens inside a CUDA graph capture, for kernels that plan on the device: what needs no
+    value. The values are the caller's promise there (a replay reads whatever the tensor then holds): the
+    kernels keep every access inside the packed tensors, but a sequence longer than ``max_seqlen`` would
+    leave its rows past that unwritten."""
+    if cu.device != torch.device(device):
+        raise ValueError(f"{name} is on {cu.device}: inside CUDA graph capture pass it on {device} (a replay "
+                         "reads the offsets the tensor then holds; a copy from host memory would be frozen)")
+    if cu.numel() < 2:
+        raise ValueError(f"{name} must hold num_seqs + 1 >= 2 offsets, got {cu.numel()}")
+    if as_int(max_seqlen) is None or max_seqlen < 0:
+        raise TypeError(f"max_seqlen for {name} must be an int >= the longest sequence, got "
+                        f"{type(max_seqlen).__name__} {max_seqlen!r}")
+    return None
 
 
 def check_layout_args(layouts, pattern, n: int, unit: str = "sequence") -> None:

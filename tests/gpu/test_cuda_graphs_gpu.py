@@ -135,9 +135,11 @@ def test_reduce_overhead_compile_uses_cuda_graphs_and_matches_eager():
 
 
 def test_varlen_refuses_capture_by_name_and_leaves_cuda_usable():
+    """A varlen call whose plan the host builds (here: one that needs gradients; also layouts, pattern,
+    quant) cannot be captured; forward-only dense / causal calls can (tests/gpu/test_device_plan_gpu.py)."""
     lens = [300, 1000, 724]
     cu = torch.tensor([0, 300, 1300, 2024], device=DEV, dtype=torch.int32)
-    q, k, v = _randn(2024, H, D), _randn(2024, HKV, D), _randn(2024, HKV, D)
+    q, k, v = _randn(2024, H, D, grad=True), _randn(2024, HKV, D), _randn(2024, HKV, D)
     sparse_attn.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), causal=True)  # eager: fine
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="varlen_attention cannot run inside CUDA graph capture"):

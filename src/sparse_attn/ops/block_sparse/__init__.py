@@ -145,6 +145,18 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
     return (out, lse) if return_lse else out
 
 
+def varlen_device_plan_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, *,
+                          scale: float | None = None, return_lse: bool = False):
+    """Dense or causal attention on validated packed ``[T, H, D]`` inputs, forward only, its rows planned by
+    the kernels from ``cu_q`` / ``cu_k`` on q's device (launch.forward ``device_plan``; 128 x 128 blocks, as
+    varlen.stack_dense_or_causal's host plan, whose bits it gives): nothing reads the offsets on the host,
+    so the call can be captured in a CUDA graph and replayed on other lengths up to ``max_q`` / ``max_k``."""
+    q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
+    out, lse = launch.forward(q, k, v, None, None, None, None, None, True, None, 0, _offsets(cu_q), _offsets(cu_k),
+                              128, 128, scale, max_q, max_k, device_plan=2 if causal else 1)
+    return (out, lse) if return_lse else out
+
+
 def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,
                          cu_dk=None, dk_rows=None, free_rows=None, scale: float | None = None,
                          return_lse: bool = False):

@@ -96,6 +96,40 @@ def _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _clamped_bounds(q0, q_len, k0, k_len, T_Q, T_K):
+    """A sequence's bounds cut to the packed tensors (T_Q query, T_K key tokens): offsets the host never
+    read (a device plan inside CUDA graph capture) can then make a sequence shorter or empty, but never
+    send a load or store outside q, k, v, out or lse."""
+    q_end = tl.minimum(tl.maximum(q0 + q_len, 0), T_Q)
+    q0 = tl.minimum(tl.maximum(q0, 0), q_end)
+    k_end = tl.minimum(tl.maximum(k0 + k_len, 0), T_K)
+    k0 = tl.minimum(tl.maximum(k0, 0), k_end)
+    return q0, q_end - q0, k0, k_end - k0
+
+
+@triton.jit
+def _device_row(q_len, k_len, qb, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr):
+    """A dense (or bottom-right causal) row's plan from the sequence's lengths, as varlen._row_by_arithmetic
+    builds it on the host: (kept blocks, unmasked blocks). The kept blocks are key blocks 0 .. count - 1
+    in slot order, the causal edge's partial blocks a suffix of them, and a cut last block (k_len not a
+    multiple of BLOCK_K) is walked with the masked ones. Query block qb holds a row (qb * BLOCK_Q < q_len:
+    the caller returned otherwise)."""
+    nk = (k_len + BLOCK_K - 1) // BLOCK_K
+    count = nk
+    partial = nk
+    if CAUSAL:
+        offset = k_len - q_len
+        p_first = qb * BLOCK_Q + offset
+        p_last = tl.minimum((qb + 1) * BLOCK_Q, q_len) - 1 + offset
+        count = tl.where(p_last >= 0, tl.minimum(nk, tl.maximum(p_last, 0) // BLOCK_K + 1), 0)
+        first = tl.maximum(tl.maximum(p_first + 1, 0) // BLOCK_K, 0)  # the first block whose last key is past p_first
+        first_partial = (first < count) & (tl.minimum((first + 1) * BLOCK_K, k_len) - 1 > p_first)
+        partial = tl.where(first_partial, first, count)
+    cut = ((k_len % BLOCK_K) != 0) & (count == nk) & (nk - 1 < partial)  # the cut last block, kept, not partial
+    return count, partial - cut.to(tl.int32)
+
+
+@triton.jit
 def _batch_head(H, SPLIT_GRID: tl.constexpr):
     """(batch or sequence, head) of a program of a (tiles, B * H) grid, or with SPLIT_GRID of a
     (tiles, H, B) grid (see the legend)."""
@@ -292,7 +326,7 @@ def _resident_per_sm(Q, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: 
     return BY_REGS if BY_REGS < BY_SMEM else BY_SMEM
 
 
-@triton.jit(do_not_specialize=["TUNE_CLASS", "WAVE_NS", "N_SPLIT"])
+@triton.jit(do_not_specialize=["TUNE_CLASS", "WAVE_NS", "N_SPLIT", "T_Q", "T_K"])
 def fwd_kernel(
     Q, K, V, O, LSE,
     COUNTS, N_FULL, FULL_START, INDICES, MASK_IDS, TERMS, CU_Q, CU_K, Q_SCALE, K_SCALE, V_SCALE,
@@ -305,13 +339,13 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS, N_SPLIT, stride_os, stride_ls,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS, N_SPLIT, stride_os, stride_ls, T_Q, T_K,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_TMA: tl.constexpr, QUANT: tl.constexpr, PV_SKIP: tl.constexpr, K_SCALE_SPAN: tl.constexpr,
     WAVE: tl.constexpr, SPLIT_GRID: tl.constexpr, REVERSE: tl.constexpr, KV_SPLIT: tl.constexpr,
-    PACK_GQA: tl.constexpr,
+    PACK_GQA: tl.constexpr, DEVICE_PLAN: tl.constexpr,
 ):
     """Grid (query tiles, B * H; SPLIT_GRID: H, B; REVERSE: _query_tile). Phase 1 visits the row's
     unmasked blocks, phase 2 the masked ones. Q_SCALE [.., Lq] / K_SCALE [.., Lk] (token stride 1) and
@@ -338,16 +372,31 @@ def fwd_kernel(
     the parts. A part with no tiles writes zeros and LSE -inf, which the merge weighs 0.
     PACK_GQA (decoding with GQA on a layout shared by all heads; launch.short_query_plan): the grid's heads
     (H) are kv heads and one tile holds the q_len rows of each of the G query heads that share one,
-    so the K/V tiles are read once for the G heads (one layout row: every query in the first block)."""
+    so the K/V tiles are read once for the G heads (one layout row: every query in the first block).
+    DEVICE_PLAN (launch.forward's ``device_plan``: 1 dense, 2 bottom-right causal, 128 x 128 blocks): no
+    schedule or term table is read; each row's plan comes from its sequence's lengths (_device_row) and
+    the causal edge is the compare key <= position, which is what the causal term of the host's plan
+    (varlen.stack_dense_or_causal) allows: the same blocks in the same order and the same masks, so the
+    same bits. N_TERMS is the host plan's (1 causal, 0 dense) only so that both share an autotune key,
+    and so a config. Packed offsets are cut to T_Q / T_K tokens (_clamped_bounds): the host may not
+    have read them."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE, N_SPLIT, KV_SPLIT)
+    if DEVICE_PLAN and IS_VARLEN:
+        q0, q_len, k0, k_len = _clamped_bounds(q0, q_len, k0, k_len, T_Q, T_K)
     if i_m * BLOCK_M >= q_len:
         return
     offset = k_len - q_len
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
-    count = tl.load(COUNTS + p_cnt)
-    n_full = tl.load(N_FULL + p_cnt)
+    if DEVICE_PLAN:
+        tl.static_assert(CONTIGUOUS, "a device plan's rows are runs from key block 0")
+        tl.static_assert(N_TERMS == DEVICE_PLAN - 1, "N_TERMS: the host plan's (1 causal, 0 dense)")
+        count, n_full = _device_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, BLOCK_Q, BLOCK_K,
+                                             DEVICE_PLAN == 2)
+    else:
+        count = tl.load(COUNTS + p_cnt)
+        n_full = tl.load(N_FULL + p_cnt)
     # each phase's tile range, [lo1, hi1) unmasked and [lo2, hi2) masked: the whole row, or a part's share
     lo1 = 0
     hi1 = n_full * SUB
@@ -431,7 +480,10 @@ def fwd_kernel(
     # contiguous rows (H100: random layouts +10-21%, benchmarks/NOTES.md v4).
     n_it = hi1 - lo1
     if CONTIGUOUS:
-        run0 = tl.load(FULL_START + p_cnt) * BLOCK_K + lo1 * BLOCK_N
+        if DEVICE_PLAN:
+            run0 = lo1 * BLOCK_N
+        else:
+            run0 = tl.load(FULL_START + p_cnt) * BLOCK_K + lo1 * BLOCK_N
     rot = 0
     if WAVE:  # contiguous runs take only the clock's phase (the launcher sets WAVE_NS > 0 there)
         if WAVE_NS > 0:
@@ -455,14 +507,19 @@ def fwd_kernel(
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(lo2, hi2, num_stages=NUM_STAGES):
         slot = it // SUB
-        start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
+        if DEVICE_PLAN:  # slot s holds key block s
+            start_n = it * BLOCK_N
+        else:
+            start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
         o_n = start_n + tl.arange(0, BLOCK_N)
         b_k, b_v = _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn,
                                  stride_vd, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA, True, V_TRANS)
         b_s, b_rs_t = _scores(b_q, b_k, b_rs, K_SCALE, desc_ks, ks_base, ks_row, k0, start_n, k_len, BLOCK_N, QUANT,
                               KS_TMA, KS_PER_TILE)
         b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
-        if N_TERMS > 0:
+        if DEVICE_PLAN == 2:  # the causal edge; on a cut last block before it the compare holds everywhere
+            b_s = tl.where(pos_q >= o_n[None, :], b_s, float("-inf"))
+        elif N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:
                 b_s = tl.where(_allowed(pos_q, o_n[None, :], TERMS, mid, N_TERMS, False), b_s, float("-inf"))

@@ -578,7 +578,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
             scales: tuple | None = None, quant: int = 0, out_dtype: torch.dtype | None = None,
             pv_threshold: float = 0.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            k_scale_span: int = 0):
+            k_scale_span: int = 0, device_plan: int = 0):
     """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen). The layout arrives as its
     schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked.
     ``out`` / ``lse``: write there instead (views of any strides, shaped as the results; callers
@@ -589,8 +589,22 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     in out_dtype (quant 1) or FP8 transposed (quant 2); ``out_dtype`` is the output's dtype.
     ``pv_threshold`` in (0, 1): skip K/V tiles whose probabilities are all below it (0: off).
     ``k_scale_span``: the 8-bit K scales are constant over aligned runs of this many keys (0: per key);
-    where a kernel tile fits in one run, its scale joins the per-row factor (kernels._scores)."""
+    where a kernel tile fits in one run, its scale joins the per-row factor (kernels._scores).
+    ``device_plan`` 1 (dense) or 2 (bottom-right causal), 16-bit inputs on 128 x 128 blocks: the kernel plans
+    each row from its sequence's lengths (kernels.fwd_kernel DEVICE_PLAN), so nothing here depends on the
+    lengths' values: ``counts`` .. ``mask_ids`` and ``terms`` are None, ``contiguous`` and ``n_terms`` are
+    ignored."""
     varlen = cu_q is not None
+    if device_plan:
+        if device_plan not in (1, 2) or quant or (block_q, block_k) != (128, 128):
+            raise ValueError(f"a device plan is dense (1) or causal (2) on 16-bit inputs and 128 x 128 blocks, got "
+                             f"device_plan={device_plan}, quant={quant}, blocks {block_q} x {block_k}")
+        # never read (DEVICE_PLAN): int32 tensors stand in for the schedule and the term table, and n_terms is
+        # the host plan's, so that the autotune key (which holds N_TERMS and the tensors' dtypes) is the host
+        # plan's: one pick, so the same config and bits for calls with gradients (host plan) and without
+        stand_in = cu_q if varlen else torch.empty(1, dtype=torch.int32, device=q.device)
+        counts = n_full = full_start = indices = mask_ids = terms = stand_in
+        contiguous, n_terms = True, device_plan - 1
     v_trans = quant == 2
     if varlen:
         T, H, D = q.shape
@@ -613,8 +627,13 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     variant = FWD_VARIANT if _tma_ok(q, k, v) else "ptr"
     if variant != "ptr":
         _ensure_allocator()
-    contiguous = contiguous and not FORCE_INDEXED
+    contiguous = bool(device_plan) or (contiguous and not FORCE_INDEXED)  # a bool: the constexpr's variants
     rows, split = grid_rows(B, H)
+    if device_plan:  # one row set for every sequence and head, at most the longest sequence's key blocks
+        layout_heads, max_count, layout_strides = 1, _cdiv(Lk, block_k), (0, 0, 0, 0, 0)
+    else:
+        layout_heads, max_count, layout_strides = counts.shape[1], indices.shape[-1], _layout_strides(counts, indices)
+    t_q, t_k = (q.shape[0], k.shape[0]) if varlen else (Lq, Lk)
 
     def run_fwd(kern, grid, o, o_strides, l, l_strides_, wave_ns, wave, n_parts, part_strides, heads=H,
                 split_grid=split, **meta):
@@ -622,16 +641,16 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             q, k, v, o, l, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k, q_scale, k_scale,
             v_scale, sm_scale, math.log2(pv_threshold) if pv_threshold > 0 else 0.0,
             *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_v_strides(v, varlen, v_trans), *o_strides,
-            *l_strides_, *_layout_strides(counts, indices),
+            *l_strides_, *layout_strides,
             *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
             heads, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns, n_parts,
-            *part_strides, HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
+            *part_strides, t_q, t_k, HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
             CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
-            K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split_grid, **meta)
+            K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split_grid, DEVICE_PLAN=device_plan, **meta)
 
     reverse = _reverse_rows("fwd")  # checks ROW_ORDER on every call, whichever kernel runs
     plan = None if quant else short_query_plan(
-        B, H, hkv, Lq, block_q, block_k, d_pad, counts.shape[1], indices.shape[-1], variant, q.device)
+        B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads, max_count, variant, q.device)
     if plan is not None:  # few query rows (decoding) or a grid too small for the GPU
         kern = _Fixed(kernels.fwd_kernel, plan.config)
         plan_rows, plan_split = grid_rows(B, plan.heads)  # a split grid: decoding thousands of sequences
@@ -655,7 +674,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         return out, lse
     kern = _tuned(kernels.fwd_kernel, "fwd", block_q, block_k, d_pad, _KEY + ("CONTIGUOUS", "QUANT", "PV_SKIP", "WAVE"),
                   variant, eight_bit=quant != 0)
-    wave_ns = fwd_wave_clock(q.device, d_pad, k.element_size(), quant, block_q, block_k, Lk, indices.shape[-1],
+    wave_ns = fwd_wave_clock(q.device, d_pad, k.element_size(), quant, block_q, block_k, Lk, max_count,
                              contiguous) if FWD_WAVE and not varlen and q.device.type == "cuda" else 0
     # indexed rows: the grid position's phase or the clock's; contiguous runs: only the clock's
     wave = FWD_WAVE and not varlen and (not contiguous or wave_ns > 0)

@@ -1,0 +1,163 @@
+"""The kernels' device plan on the GPU (launch.forward ``device_plan``): forward-only dense / causal varlen
+calls planned from the offsets in the kernel. Bit for bit the host plan's results (what calls that need
+gradients run), checked against the fp64 oracle, and what makes a continuous-batching step capturable in a
+CUDA graph whose replays follow new lengths. Fresh random inputs; outputs poisoned before replays."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn import api
+from sparse_attn.ops.block_sparse import varlen_attention_op, varlen_device_plan_op
+from sparse_attn.testing import assert_close_to_oracle, capture_graph, oracle_attention, reference_attention
+from sparse_attn.varlen import stack_dense_or_causal
+
+pytestmark = pytest.mark.gpu
+
+
+def _cu(lens, device="cuda") -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+
+
+def _packed(q_lens, k_lens, hq, hkv, d, dtype, seed, spare: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda n, h: torch.randn(n, h, d, device="cuda", generator=g).to(dtype)  # noqa: E731
+    return mk(sum(q_lens), hq), mk(sum(k_lens) + spare, hkv), mk(sum(k_lens) + spare, hkv)
+
+
+def _per_sequence_oracle(out, q, k, v, q_lens, k_lens, causal):
+    """Each sequence's rows of ``out`` against the same-dtype reference and the fp64 oracle (rule 3)."""
+    cq, ck = _cu(q_lens, "cpu").tolist(), _cu(k_lens, "cpu").tolist()
+    for b in range(len(q_lens)):
+        if q_lens[b] == 0 or k_lens[b] == 0:
+            continue
+        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
+        ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1)[None] for t in (k, v))
+        got = out[cq[b]:cq[b + 1]].transpose(0, 1)[None]
+        assert_close_to_oracle(got, reference_attention(qs, ks, vs, causal=causal),
+                               oracle_attention(qs, ks, vs, causal=causal))
+
+
+CASES = [  # (q_lens, k_lens, hq, hkv, d): decoding, GQA packed rows, chunked prefill, odd and empty sequences
+    ([1] * 8, [1000, 4096, 130, 2500, 3000, 700, 1900, 260], 32, 8, 128),
+    ([1, 3, 1, 2], [20001, 517, 4097, 0], 16, 16, 128),
+    ([700, 129, 1, 0], [700, 3000, 5000, 64], 8, 2, 64),
+    ([1000, 300], [1000, 2500], 8, 8, 256),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_device_plan_gives_the_host_plan_s_bits(dtype, causal, case):
+    q_lens, k_lens, hq, hkv, d = CASES[case]
+    q, k, v = _packed(q_lens, k_lens, hq, hkv, d, dtype, seed=case)
+    max_q, max_k = max(q_lens), max(k_lens) + 5
+    got = varlen_device_plan_op(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, causal, return_lse=True)
+    layout = stack_dense_or_causal(q_lens, k_lens, causal, max_q, max_k, q.device)
+    want = varlen_attention_op(q, k, v, layout, _cu(q_lens), _cu(k_lens), max_q, max_k, tuple(k_lens),
+                               return_lse=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _per_sequence_oracle(got[0], q, k, v, q_lens, k_lens, causal)
+
+
+def test_varlen_attention_runs_the_device_plan_without_grad_and_the_host_plan_with_it(monkeypatch):
+    monkeypatch.setattr(api, "_VARLEN_PLANS", api.PlanCache(16))
+    q_lens, k_lens = [3, 1, 2], [900, 4100, 33]
+    q, k, v = _packed(q_lens, k_lens, 16, 4, 128, torch.bfloat16, seed=5)
+    args = (q, k, v, _cu(q_lens), _cu(k_lens), 3, 4100)
+    out = sparse_attn.varlen_attention(*args, causal=True)
+    assert len(api._VARLEN_PLANS) == 0
+    qg = q.clone().requires_grad_()
+    out_g = sparse_attn.varlen_attention(qg, *args[1:], causal=True)
+    assert len(api._VARLEN_PLANS) == 1 and torch.equal(out, out_g)
+
+
+def _capture(warm_up, captured):
+    """PyTorch's recipe with the warm-up apart: eager calls (whose offsets must end at the tensors' length)
+    on a side stream, then ``captured()`` (the whole buffers: a replay's offsets may end anywhere in them)
+    recorded into a graph. Returns (graph, what ``captured()`` returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            warm_up()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = captured()
+    return graph, outs
+
+
+def test_a_captured_decoding_step_follows_new_lengths_on_replay():
+    """Capture one varlen decoding step (8 sequences, GQA, causal, max_seqlen_k fixed) on buffers with room
+    for every cache, then replay it with the caches grown a token, then shrunk, regrown and emptied at
+    random (the offsets rewritten in place, q refilled): each replay equals an eager call on the step's
+    tensors bit for bit (the same kernels and split), the outputs are poisoned before every replay, and
+    the last one is checked against the fp64 oracle."""
+    n_seqs, cap, hq, hkv, d = 8, 4200, 32, 8, 128
+    rnd = random.Random(1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(n_seqs, hq, d, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(n_seqs * cap, hkv, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    cu_q = _cu([1] * n_seqs)
+    lens = [rnd.randint(1, cap - 1) for _ in range(n_seqs)]  # room for the first step's token
+    cu_k = _cu(lens)
+
+    def call(kk, vv, offsets):
+        return sparse_attn.varlen_attention(q, kk, vv, cu_q, offsets, 1, cap, causal=True, return_lse=True)
+
+    t = sum(lens)
+    graph, (out, lse) = _capture(lambda: call(k[:t], v[:t], cu_k), lambda: call(k, v, cu_k))
+    for trial in range(5):
+        lens = [n + 1 for n in lens] if trial == 0 else [rnd.randint(0 if trial == 4 else 1, cap)
+                                                         for _ in range(n_seqs)]
+        cu_k.copy_(_cu(lens))
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        t = sum(lens)
+        want = call(k[:t], v[:t], _cu(lens))
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), trial
+    _per_sequence_oracle(out, q, k, v, [1] * n_seqs, lens, True)
+
+
+def test_a_captured_prefill_chunk_follows_new_lengths_on_replay():
+    """Longer query rows take the autotuned kernel (warmed up by capture_graph's eager calls): a captured
+    chunked-prefill step (4 sequences, up to 700 new rows on up to 6000 keys) replayed on new lengths of
+    the same totals equals eager calls bit for bit."""
+    q_lens, k_lens = [700, 100, 1, 223], [3000, 6000, 1, 999]
+    q, k, v = _packed(q_lens, k_lens, 8, 8, 128, torch.bfloat16, seed=3)
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+
+    def step():
+        return sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 700, 6000, causal=True)
+
+    graph, out = capture_graph(step)
+    # the same totals (eager validation wants offsets ending at the tensors' lengths), within max_seqlen
+    for q_new, k_new in (([100, 700, 222, 2], [6000, 1000, 999, 2001]), ([700, 324, 0, 0], [6000, 4000, 0, 0])):
+        cu_q.copy_(_cu(q_new))
+        cu_k.copy_(_cu(k_new))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = sparse_attn.varlen_attention(q, k, v, _cu(q_new), _cu(k_new), 700, 6000, causal=True)
+        assert torch.equal(out, want), (q_new, k_new)
+
+
+def test_eager_device_plan_calls_do_not_grow_memory():
+    q_lens, k_lens = [1] * 8, [3000 + 37 * i for i in range(8)]
+    q, k, v = _packed(q_lens, k_lens, 32, 8, 128, torch.bfloat16, seed=4)
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    for _ in range(3):
+        sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 1, 3300, causal=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(20):
+        sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 1, 3300, causal=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
