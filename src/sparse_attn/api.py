@@ -266,10 +266,16 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Returns: out ``[Tq, Hq, Dv]`` (and lse fp32 ``[Hq, Tq]``).
 
+    Forward-only calls without layouts, pattern or quant (dense or causal, nothing requiring grad) on CUDA
+    plan each row in the kernel from the offsets (the device plan): no plan is built on the host, and the
+    call can be captured in a CUDA graph whose replays follow whatever lengths ``cu_seqlens`` then hold.
+    Capture it on the whole K/V buffers with the offsets on q's device, after eager warm-up calls; inside
+    the capture the offsets are not checked (a replay reads them on the GPU): the kernels keep every access
+    inside the packed tensors, but the lengths must stay within ``max_seqlen_q`` / ``max_seqlen_k`` (rows of
+    a longer sequence past them are not written). Other calls read the offsets on the host and refuse capture.
+
     Under ``torch.compile`` the call is a graph break (``fullgraph=False``): ``cu_seqlens`` are read
     on the host to build the per-sequence layouts. :func:`attention` compiles with ``fullgraph=True``.
-    For the same reason the call refuses to run inside a CUDA graph capture (a replay would keep the
-    plan made for the captured lengths); :func:`attention` on a padded batch captures.
     """
     from . import varlen
     scale, causal = check_scale(scale), check_causal(causal)

@@ -29,7 +29,8 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
     if cu.device != device and cu.device.type != "cpu":
         raise ValueError(f"{name} is on {cu.device} but q is on {device}: pass it on {device} or on the CPU")
     if plan_on_device and capturing(torch.device(device)):
-        return _check_unread(name, cu, max_seqlen, device)
+        _check_unread(name, cu, max_seqlen, device)
+        return None
     # q's device, not cu's: offsets on the CPU are read without a sync, but a replay would keep the plan too
     check_not_capturing("varlen_attention", torch.device(device), f"it reads {name} on the host to plan each "
                         "sequence's layout, and a replay would keep that plan whatever lengths the tensor then holds",
@@ -67,7 +68,6 @@ def _check_unread(name: str, cu: torch.Tensor, max_seqlen: int, device) -> None:
     if as_int(max_seqlen) is None or max_seqlen < 0:
         raise TypeError(f"max_seqlen for {name} must be an int >= the longest sequence, got "
                         f"{type(max_seqlen).__name__} {max_seqlen!r}")
-    return None
 
 
 def check_layout_args(layouts, pattern, n: int, unit: str = "sequence") -> None:

@@ -392,8 +392,7 @@ def fwd_kernel(
     if DEVICE_PLAN:
         tl.static_assert(CONTIGUOUS, "a device plan's rows are runs from key block 0")
         tl.static_assert(N_TERMS == DEVICE_PLAN - 1, "N_TERMS: the host plan's (1 causal, 0 dense)")
-        count, n_full = _device_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, BLOCK_Q, BLOCK_K,
-                                             DEVICE_PLAN == 2)
+        count, n_full = _device_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, BLOCK_Q, BLOCK_K, DEVICE_PLAN == 2)
     else:
         count = tl.load(COUNTS + p_cnt)
         n_full = tl.load(N_FULL + p_cnt)
