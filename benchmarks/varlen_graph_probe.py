@@ -13,19 +13,22 @@ The graph is captured on the whole K/V buffers (a replay's offsets may end befor
 capture the values are not checked), after eager warm-up calls on the first step's.
 Each case runs WARM steps first, then CALLS steps back to back: the host loop's time a step, the wall time
 to the end of the last kernel, and the GPU span between events around the loop. Run under an older tree
-(PYTHONPATH) the graph cases record the refusal instead.
+(PYTHONPATH) the graph cases record why they did not run instead.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-import sparse_attn
-from sparse_attn.bench.results import make_header
+sys.path.insert(0, str(Path(__file__).parent))
+import sparse_attn  # noqa: E402
+from sparse_attn.bench.results import make_header  # noqa: E402
+from sparse_attn.testing import capture_graph  # noqa: E402
+from varlen_offsets_probe import _time  # noqa: E402
 
 H, HKV, D, GROW, WARM, CALLS, ROUNDS = 32, 8, 128, 1024, 64, 500, 2
 
@@ -53,17 +56,12 @@ def _cases(n_seqs: int) -> dict:
     cases = {"eager, offsets on the GPU": lambda s: eager(s, "gpu"),
              "eager, offsets on the CPU": lambda s: eager(s, "cpu")}
     static_cu = cu_k[0].clone()
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # eager warm-up: offsets that end at the tensors' length
-            for _ in range(3):
-                eager(0, "gpu")
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            sparse_attn.varlen_attention(q, k, v, cu_q, static_cu, 1, max_k, causal=True)
-    except RuntimeError as e:  # an older tree: varlen calls refuse capture
+    try:  # the eager warm-up on offsets that end at the tensors' length
+        graph, _ = capture_graph(lambda: sparse_attn.varlen_attention(q, k, v, cu_q, static_cu, 1, max_k, causal=True),
+                                 warm_up=lambda: eager(0, "gpu"))
+    except TypeError as e:  # an older tree's capture_graph, without warm_up= (its varlen calls refused capture)
+        return cases, f"not run: this tree's testing.capture_graph has no warm_up= ({str(e)[:80]})"
+    except RuntimeError as e:  # a call that refuses capture
         return cases, f"{type(e).__name__}: {str(e)[:160]}"
 
     def replay(s: int, copy: bool = True):
@@ -74,23 +72,6 @@ def _cases(n_seqs: int) -> dict:
     cases["graph replay"] = replay
     cases["graph replay, no copy"] = lambda s: replay(s, copy=False)
     return cases, None
-
-
-def _time(fn) -> dict:
-    for s in range(1, WARM + 1):
-        fn(s)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    e0.record()
-    for s in range(1, CALLS + 1):
-        fn(s)
-    e1.record()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return {"host_loop_us": 1e6 * (t1 - t0) / CALLS, "wall_us": 1e6 * (t2 - t0) / CALLS,
-            "gpu_span_us": 1e3 * e0.elapsed_time(e1) / CALLS}
 
 
 def main():
@@ -106,7 +87,7 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
         for r in range(1, ROUNDS + 1):
             for name, fn in cases.items():
-                row = {"seqs": n_seqs, "round": r, "case": name, **_time(fn)}
+                row = {"seqs": n_seqs, "round": r, "case": name, **_time(fn, WARM, CALLS)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     Path(a.out).write_text(json.dumps({"header": make_header("cuda", "varlen-graph"), "rows": rows}, indent=1))

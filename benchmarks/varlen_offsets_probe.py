@@ -55,21 +55,23 @@ def _cases():
     }
 
 
-def _time(fn) -> dict:
-    for s in range(1, GROW + 1):
+def _time(fn, warm: int = GROW, calls: int = CALLS) -> dict:
+    """``fn(s)`` for steps 1 .. warm (not timed), then steps 1 .. calls back to back: the host loop's time a
+    step, the wall time to the end of the last kernel and the GPU span between events around the loop (us)."""
+    for s in range(1, warm + 1):
         fn(s)
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     e0.record()
-    for s in range(1, CALLS + 1):
+    for s in range(1, calls + 1):
         fn(s)
     e1.record()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    return {"host_loop_us": 1e6 * (t1 - t0) / CALLS, "wall_us": 1e6 * (t2 - t0) / CALLS,
-            "gpu_span_us": 1e3 * e0.elapsed_time(e1) / CALLS}
+    return {"host_loop_us": 1e6 * (t1 - t0) / calls, "wall_us": 1e6 * (t2 - t0) / calls,
+            "gpu_span_us": 1e3 * e0.elapsed_time(e1) / calls}
 
 
 def main():

@@ -376,15 +376,18 @@ def check_zero_length_case(case: str, device, dtype) -> None:
         assert torch.equal(t.grad, torch.zeros_like(t)), (case, name)
 
 
-def capture_graph(fn, warmup: int = 3):
+def capture_graph(fn, warmup: int = 3, warm_up=None):
     """PyTorch's capture recipe: ``warmup`` eager calls of ``fn`` on a side stream (kernel compiles,
     autotuning, layout caches), then one call captured into a ``torch.cuda.CUDAGraph``. Returns
-    ``(graph, what the captured call returned)``; ``graph.replay()`` refills those outputs."""
+    ``(graph, what the captured call returned)``; ``graph.replay()`` refills those outputs.
+    ``warm_up``: call that instead for the eager calls, where the eager form must differ from the
+    captured one (a varlen step captured on whole K/V buffers, whose eager calls want offsets that end at
+    the tensors' length)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
-            fn()
+            (warm_up or fn)()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

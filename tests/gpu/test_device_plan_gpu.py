@@ -77,22 +77,6 @@ def test_varlen_attention_runs_the_device_plan_without_grad_and_the_host_plan_wi
     assert len(api._VARLEN_PLANS) == 1 and torch.equal(out, out_g)
 
 
-def _capture(warm_up, captured):
-    """PyTorch's recipe with the warm-up apart: eager calls (whose offsets must end at the tensors' length)
-    on a side stream, then ``captured()`` (the whole buffers: a replay's offsets may end anywhere in them)
-    recorded into a graph. Returns (graph, what ``captured()`` returned)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            warm_up()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = captured()
-    return graph, outs
-
-
 def test_a_captured_decoding_step_follows_new_lengths_on_replay():
     """Capture one varlen decoding step (8 sequences, GQA, causal, max_seqlen_k fixed) on buffers with room
     for every cache, then replay it with the caches grown a token, then shrunk, regrown and emptied at
@@ -112,7 +96,8 @@ def test_a_captured_decoding_step_follows_new_lengths_on_replay():
         return sparse_attn.varlen_attention(q, kk, vv, cu_q, offsets, 1, cap, causal=True, return_lse=True)
 
     t = sum(lens)
-    graph, (out, lse) = _capture(lambda: call(k[:t], v[:t], cu_k), lambda: call(k, v, cu_k))
+    # eager warm-up calls want offsets that end at the tensors' length; the capture takes the whole buffers
+    graph, (out, lse) = capture_graph(lambda: call(k, v, cu_k), warm_up=lambda: call(k[:t], v[:t], cu_k))
     for trial in range(5):
         lens = [n + 1 for n in lens] if trial == 0 else [rnd.randint(0 if trial == 4 else 1, cap)
                                                          for _ in range(n_seqs)]
