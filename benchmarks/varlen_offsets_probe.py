@@ -10,7 +10,9 @@ each call. Each case runs once over all its GROW lengths (plans, kernel variants
 to back: the host loop's time a call, the wall time to the end of the last kernel, and the GPU span
 between events recorded before the first and after the last call. ``+ sync``: a
 torch.cuda.synchronize() before every call (what offsets on the GPU cost, made explicit);
-``shared plans 4096``: the shared-plan cache large enough to hold every plan of the cycle.
+``shared plans 4096``: the shared-plan cache large enough to hold every plan of the cycle. Since the device
+plan (forty-sixth session; benchmarks/varlen_graph_probe.py) these forward-only calls build no plan, so the
+shared-plans cases time the same calls as the others.
 """
 from __future__ import annotations
 
