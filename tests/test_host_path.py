@@ -181,43 +181,60 @@ def _host_plans(monkeypatch):
 
 @interpreted
 @pytest.mark.parametrize("causal", [False, True])
-def test_a_growing_cache_shares_one_plan_and_gives_the_patterns_bits(monkeypatch, causal):
-    """A decoding loop's cache grows a token a call: forward-only calls inside one key block run one shared
-    layout (built for the first length), and every step gives the bits of that step's own patterns layout,
-    across a block edge (256: the last block no longer cut) and with Lq > 1 (the causal edge moves)."""
+def test_a_growing_cache_plans_on_the_device_and_gives_the_patterns_bits(monkeypatch, causal):
+    """A decoding loop's cache grows a token a call: forward-only calls without a layout run the kernels'
+    device plan (no default layout is built or cached), and every step gives the bits of that step's own
+    patterns layout, across a block edge (256: the last block no longer cut) and with Lq > 1 (the causal
+    edge moves)."""
     import sparse_attn
-    from sparse_attn.varlen import plan_key
     api = _host_plans(monkeypatch)
     g = torch.Generator().manual_seed(5)
     k_all, v_all = (torch.randn(1, 2, 300, 32, generator=g).half() for _ in range(2))
     builder = patterns.causal if causal else patterns.dense
     for lq, lens in ((1, (250, 251, 255, 256, 257)), (3, (250, 253, 255, 256, 257))):
         q = torch.randn(1, 4, lq, 32, generator=g).half()
-        by_key: dict = {}
         for lk in lens:
             k, v = k_all[:, :, :lk], v_all[:, :, :lk]
             out, lse = sparse_attn.attention(q, k, v, causal=causal, return_lse=True)
+            assert api._DEFAULT_LAYOUTS == {} and len(api._SHARED_PLANS) == 0, (lq, lk)
             want = attention_op(q, k, v, builder(lq, lk), return_lse=True)
             assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), (lq, lk)
-            ran = api._DEFAULT_LAYOUTS[(causal, lq, lk, "cpu")]
-            by_key.setdefault(plan_key([lq], [lk], causal, lq), []).append(ran)
-        assert max(map(len, by_key.values())) >= 3  # shared: 250, 251 (253), 255 have one plan
-        assert all(lay is group[0] for group in by_key.values() for lay in group)
-        assert len({id(group[0]) for group in by_key.values()}) == len(by_key) >= 2  # 257 has another
+
+
+@interpreted
+def test_a_default_layout_shared_across_lengths_gives_each_length_s_bits(monkeypatch):
+    """Forward-only default layouts of the host (the 8-bit path's, _default_layout(exact=False)) are shared
+    across lengths with one varlen.plan_key: built for the first length, run for the others, each giving the
+    bits of its own patterns layout; 257 keys have another plan."""
+    from sparse_attn.varlen import plan_key
+    api = _host_plans(monkeypatch)
+    g = torch.Generator().manual_seed(6)
+    k_all, v_all = (torch.randn(1, 2, 300, 32, generator=g).half() for _ in range(2))
+    q = torch.randn(1, 4, 3, 32, generator=g).half()
+    by_key: dict = {}
+    for lk in (250, 253, 255, 257):
+        lay = api._default_layout(True, 3, lk, "cpu", exact=False)
+        by_key.setdefault(plan_key([3], [lk], True, 3), []).append(lay)
+        k, v = k_all[:, :, :lk], v_all[:, :, :lk]
+        got = attention_op(q, k, v, lay, return_lse=True)
+        want = attention_op(q, k, v, patterns.causal(3, lk), return_lse=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), lk
+    assert sorted(map(len, by_key.values())) == [1, 3]
+    assert all(lay is group[0] and group[0].kv_len == 250 for group in by_key.values() if len(group) == 3
+               for lay in group)
 
 
 @interpreted
 def test_a_call_that_needs_gradients_gets_a_layout_of_its_own_lengths(monkeypatch):
     """A shared layout carries the lengths it was built for, and the backward's transpose reads them: after
-    a forward-only call at shared lengths, a call that needs gradients at those lengths replaces the entry
-    by one built for them, and its gradients are those of its patterns layout; a later forward-only call
-    keeps that exact one."""
+    forward-only (8-bit path) layouts at shared lengths, a call that needs gradients at those lengths
+    replaces the entry by one built for them, and its gradients are those of its patterns layout; a later
+    forward-only lookup keeps that exact one."""
     import sparse_attn
     api = _host_plans(monkeypatch)
     q, k, v = _inputs(grad=False)  # 3 queries, 80 keys
-    with torch.no_grad():
-        sparse_attn.attention(q, k[:, :, :70], v[:, :, :70], causal=True)  # builds the plan for (3, 70)
-        sparse_attn.attention(q, k, v, causal=True)
+    api._default_layout(True, 3, 70, "cpu", exact=False)  # builds the plan for (3, 70)
+    api._default_layout(True, 3, 80, "cpu", exact=False)
     key = (True, 3, 80, "cpu")
     assert api._DEFAULT_LAYOUTS[key].kv_len == 70  # shared with (3, 70)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -230,16 +247,15 @@ def test_a_call_that_needs_gradients_gets_a_layout_of_its_own_lengths(monkeypatc
     for got, exp in zip(grads, torch.autograd.grad(want.float().square().sum(), (qw, kw, vw))):
         assert torch.equal(got, exp)
     exact = api._DEFAULT_LAYOUTS[key]
-    with torch.no_grad():
-        sparse_attn.attention(q, k, v, causal=True)
-    assert api._DEFAULT_LAYOUTS[key] is exact
+    assert api._default_layout(True, 3, 80, "cpu", exact=False) is exact
 
 
 @interpreted
 def test_compiling_a_training_call_after_forward_only_calls_asks_for_a_grad_warm_up(monkeypatch):
-    """torch.compile reads default layouts and cannot build one: a forward-only eager call lets a forward-only
-    compile run on the shared layout; a compiled call that needs gradients is refused until an eager call
-    with grad has built the layout for its lengths, then compiles."""
+    """torch.compile reads default layouts and cannot build one. A forward-only call needs none (the kernels'
+    device plan, eager and compiled alike, so no warm-up); a compiled call that needs gradients is refused,
+    forward-only eager calls notwithstanding, until an eager call with grad has built the layout for its
+    lengths, then compiles."""
     import sparse_attn
     _host_plans(monkeypatch)
     q, k, v = _inputs(grad=False)

@@ -464,7 +464,8 @@ def test_compiled_attention_without_a_layout_on_the_kernel_path(monkeypatch):
     """attention(q, k, v) with no layout runs a default dense / causal layout cached per shape. The cache was a
     functools.lru_cache, which Dynamo ignores: it traced the builder, and torch.compile(fullgraph=True) failed on a
     data-dependent guard (on the H100 too), even after an eager call had built the layout. Compiled now equals
-    eager, forward and backward; a shape that never ran eagerly is an error that says what to do."""
+    eager, forward and backward; a training call at a shape that never ran eagerly is an error that says what to
+    do, while a forward-only one compiles without it (the kernel plans its rows: the device plan)."""
     monkeypatch.setattr(sparse_attn.api, "_use_kernels", lambda q: True)  # the kernels' path, interpreted
     monkeypatch.setattr(sparse_attn.api, "_DEFAULT_LAYOUTS", {})  # no shape built by an earlier test
     for causal in (False, True):
@@ -479,6 +480,12 @@ def test_compiled_attention_without_a_layout_on_the_kernel_path(monkeypatch):
         assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
         for got, want in zip(torch.autograd.grad(c_out.square().sum() + c_lse.sum(), (q, k, v)), grads):
             assert torch.equal(got, want)
+    # a shape that never ran eagerly: forward-only, the kernel plans its rows (no layout: nothing to build);
+    # with grad, the layout the backward needs is built on first use, so the compile asks for an eager call
     q, k, v = _qkv(1, 1, 1, 24, 24, 16, torch.float32, False)
+    f = lambda q, k, v: sparse_attn.attention(q, k, v)  # noqa: E731
+    assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), f(q, k, v))
+    assert not sparse_attn.api._DEFAULT_LAYOUTS.get((False, 24, 24, "cpu"))
+    torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="once eagerly"):  # Dynamo's error holds the message
-        torch.compile(lambda q, k, v: sparse_attn.attention(q, k, v), backend="aot_eager", fullgraph=True)(q, k, v)
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q.clone().requires_grad_(), k, v)

@@ -134,13 +134,14 @@ def _variants_as_written():
                                                                           (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, CONTIGUOUS=contiguous,
                                  USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=split, PACK_GQA=pack)
-    # the device plan (dense 1, causal 2; launch.forward device_plan): packed decoding tiles, split or not,
-    # GQA's rows packed or not, and the autotuned 128-row tile of longer packed queries
-    for plan, bm, split, pack in itertools.product((1, 2), (16, 128), (False, True), (False, True)):
+    # the device plan (dense 1, causal 2; launch.forward device_plan): decoding tiles, split or not, GQA's rows
+    # packed or not, and the autotuned 128-row tile of longer queries; packed (varlen) and padded (attention())
+    for plan, bm, split, pack, varlen in itertools.product((1, 2), (16, 128), (False, True), (False, True),
+                                                           (True, False)):
         if bm == 16 or not (split or pack):
-            yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128 if bm == 16 else 64, N_TERMS=plan - 1, IS_VARLEN=True,
-                                     CONTIGUOUS=True, USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=split,
-                                     PACK_GQA=pack, DEVICE_PLAN=plan)
+            yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=plan - 1,
+                                     IS_VARLEN=varlen, CONTIGUOUS=True, USE_TMA=True, QUANT=0, PV_SKIP=False,
+                                     KV_SPLIT=split, PACK_GQA=pack, DEVICE_PLAN=plan)
     yield K.fwd_kernel, dict(fwd, HEAD_DIM=256, D_PAD=256, NUM_STAGES=2, BLOCK_M=16, BLOCK_N=64, N_TERMS=2,
                              IS_VARLEN=False, CONTIGUOUS=True, USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=True)
     yield K.split_merge_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_R=16)

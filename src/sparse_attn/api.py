@@ -45,9 +45,10 @@ DEFAULT_LAYOUTS_KEPT = 32
 # id -> a default layout a CUDA graph was captured on, kept past its eviction (by id, not shape: one shape's
 # entry may be replaced, a shared layout by one built for a call that needs gradients, and each graph keeps its own)
 _CAPTURED_DEFAULTS: dict = {}
-# (varlen.plan_key, device) -> a CUDA default layout that forward-only calls of every shape with
+# (varlen.plan_key, device) -> a CUDA default layout that 8-bit calls (forward-only) of every shape with
 # that plan share: a decoding loop's cache grows a token a call, and for Lq <= 128 one plan serves a whole
-# key block's worth of lengths (benchmarks/NOTES.md, "Shared plans for growing caches")
+# key block's worth of lengths (benchmarks/NOTES.md, "Shared plans for growing caches"). 16-bit calls that
+# need no gradient plan in the kernel instead (ops.block_sparse.device_plan_attention_op)
 _SHARED_PLANS = PlanCache(DEFAULT_LAYOUTS_KEPT)
 
 
@@ -57,9 +58,10 @@ def _default_layout(causal: bool, lq: int, lk: int, device: str, exact: bool = T
     traced the builder, whose block counting is data-dependent, so torch.compile(fullgraph=True) of
     attention() without a layout failed on CUDA even after an eager call. While compiling it is only read.
 
-    ``exact`` False (a call no gradient will flow through) accepts a CUDA layout built for other lengths
-    with the same plan (_shared_plan): the forward kernels take the lengths from the tensors and read only
-    the plan, while the backward's transpose reads the layout's own q_len / kv_len, so calls that need
+    ``exact`` False (a call no gradient will flow through: the 8-bit path; 16-bit calls without gradients
+    take the kernels' device plan and no layout) accepts a CUDA layout built for other lengths with the
+    same plan (_shared_plan): the forward kernels take the lengths from the tensors and read only the
+    plan, while the backward's transpose reads the layout's own q_len / kv_len, so calls that need
     gradients replace such an entry with one built for their lengths."""
     key = (causal, lq, lk, device)
     layout = _DEFAULT_LAYOUTS.get(key)
@@ -192,8 +194,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             from . import reference_op
             return reference_op.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
-    from .ops.block_sparse import attention_op
-    kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device, exact=needs_grad(q, k, v))
+    from .ops.block_sparse import attention_op, device_plan_attention_op
+    grad = needs_grad(q, k, v)
+    if layout is None and not grad:  # the kernel plans the default layout's rows itself
+        return device_plan_attention_op(q, k, v, causal, scale=scale, return_lse=return_lse,
+                                        pv_threshold=pv_threshold or 0.0)
+    kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device, exact=grad)
     return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse, pv_threshold=pv_threshold or 0.0)
 
 

@@ -169,14 +169,15 @@ def test_first_call_of_new_sizes_inside_capture_refuses_by_name(monkeypatch):
 
 
 def test_a_default_layout_first_built_inside_the_capture_refuses_by_name():
-    """attention() without a layout builds its plan per shape on the host and copies it asynchronously; inside
-    a capture the replay would re-read a host buffer long reused, so a first call of new lengths there gets
-    a named error (the autotuner's picks exist: an eager call of the same length class ran), CUDA stays
-    usable, and the same call after an eager one captures and replays bitwise, its layout kept past the
-    default layouts' eviction."""
+    """attention() without a layout, for a call that needs gradients, builds its plan per shape on the host and
+    copies it asynchronously; inside a capture the replay would re-read a host buffer long reused, so a first
+    call of new lengths there gets a named error (the autotuner's picks exist: an eager call of the same
+    length class ran), CUDA stays usable, and the same call after an eager one captures and replays bitwise,
+    its layout kept past the default layouts' eviction. (Forward-only calls build no layout: the next test.)"""
     from sparse_attn import api
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, H, n, 64, device=DEV, dtype=torch.float16) for n in (1, 3001, 3001))
+    q.requires_grad_()
     sparse_attn.attention(q, k, v, causal=True)
     k2, v2 = k[:, :, :3000], v[:, :, :3000]
     with pytest.raises(RuntimeError, match="without a layout builds its plan on first use per shape"):
@@ -194,3 +195,27 @@ def test_a_default_layout_first_built_inside_the_capture_refuses_by_name():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_a_forward_only_call_of_new_lengths_captures_without_a_plan():
+    """Forward-only, attention() without a layout builds no plan (the kernels' device plan): a decoding call of
+    lengths never run eagerly (its short-query kernel has one config: no autotuning; an eager call at other
+    lengths compiled it) captures, and replays bitwise what the eager call gives, on fresh inputs too."""
+    from sparse_attn import api
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, H, n, 64, device=DEV, dtype=torch.float16) for n in (1, 2777, 2777))
+    sparse_attn.attention(q, k[:, :, :2000], v[:, :, :2000], causal=True)
+    assert not any(key[1:3] == (1, 2777) for key in api._DEFAULT_LAYOUTS)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out = sparse_attn.attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, sparse_attn.attention(q, k, v, causal=True))

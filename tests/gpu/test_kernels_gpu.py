@@ -431,7 +431,8 @@ def test_compiled_attention_over_bshd_inputs():
 def test_compiled_attention_without_a_layout_after_one_eager_call():
     """attention() without a layout builds its default dense / causal layout on first use per shape; once an
     eager call has built it, a fullgraph compile reads it (an lru_cache made Dynamo trace the builder and
-    fail on its data-dependent block counting). A shape never run eagerly is refused with what to do."""
+    fail on its data-dependent block counting). A training call at a shape never run eagerly is refused with
+    what to do; a forward-only one needs no layout (the kernels' device plan) and compiles as it is."""
     from sparse_attn import api
     api._DEFAULT_LAYOUTS.clear()
     q, k, v = (_rand((1, 4, 333, 64), torch.bfloat16).requires_grad_() for _ in range(3))
@@ -447,8 +448,11 @@ def test_compiled_attention_without_a_layout_after_one_eager_call():
     for g, w in zip(torch.autograd.grad(got.float().square().sum(), (q, k, v)), grads):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
     other = [_rand((1, 4, 200, 64), torch.bfloat16) for _ in range(3)]
+    plain = lambda q, k, v: sparse_attn.attention(q, k, v)  # noqa: E731
+    torch.testing.assert_close(torch.compile(plain, fullgraph=True)(*other), plain(*other), atol=0, rtol=0)
+    other[0].requires_grad_()
     with pytest.raises(RuntimeError, match="once eagerly"):  # Dynamo's error holds the message
-        torch.compile(lambda q, k, v: sparse_attn.attention(q, k, v), fullgraph=True)(*other)
+        torch.compile(plain, fullgraph=True)(*other)
 
 
 def test_compiled_8_bit_attention_over_bshd_inputs():

@@ -159,13 +159,14 @@ VARLEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("host_plan", [True, False], ids=["host-plan", "device-plan"])
+@pytest.mark.parametrize("host_plan", [True, False], ids=["plan-built-on-cpu", "plan-built-by-cuda-ops"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"S{len(c[0])}-h{c[2]}/{c[3]}-D{c[4]}-causal{c[5]}")
 def test_varlen_decoding_matches_per_sequence_references(monkeypatch, case, dtype, host_plan):
     """varlen_attention without layouts= or pattern= builds its plan at once (varlen.stack_dense_or_causal,
-    on the host and copied, or with the device's ops: HOST_PLAN_ENTRIES) and runs the short-query forward:
-    outputs and LSE as each sequence's reference (DESIGN.md rule 3)."""
+    on the host and copied, or with the device's ops: HOST_PLAN_ENTRIES) for calls that need gradients, and
+    the short-query forward runs it: outputs and LSE as each sequence's reference (DESIGN.md rule 3); a
+    forward-only call (the kernels' device plan, no host plan) gives the same bits."""
     q_lens, k_lens, hq, hkv, d, causal = case
     from sparse_attn import api, varlen
     monkeypatch.setattr(varlen, "HOST_PLAN_ENTRIES", 1 << 30 if host_plan else 0)
@@ -180,9 +181,13 @@ def test_varlen_decoding_matches_per_sequence_references(monkeypatch, case, dtyp
                                    plan.stacked.max_k, "tma", q.device) is not None
     poison = torch.full((8, *q.shape), float("nan"), device="cuda", dtype=q.dtype)
     del poison
-    out, lse = sparse_attn.varlen_attention(q, k, v, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), causal=causal,
-                                            return_lse=True)
+    from sparse_attn.ops.block_sparse import varlen_attention_op
+    out, lse = varlen_attention_op(q, k, v, plan.stacked, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens),
+                                   plan.kv_lens, return_lse=True)
     _check_against_references(out, lse, *_packed_reference(q, k, v, q_lens, k_lens, causal), "varlen short-query")
+    got = sparse_attn.varlen_attention(q, k, v, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), causal=causal,
+                                       return_lse=True)
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
 
 
 def test_decoding_thousands_of_sequences_on_a_split_grid():

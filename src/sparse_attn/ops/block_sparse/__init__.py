@@ -109,6 +109,22 @@ def attention_op(q, k, v, layout: BlockLayout, *, scale: float | None = None, re
     return (out, lse) if return_lse else out
 
 
+def device_plan_attention_op(q, k, v, causal: bool, *, scale: float | None = None, return_lse: bool = False,
+                             pv_threshold: float = 0.0):
+    """Dense or bottom-right causal attention on validated ``[B, H, L, D]`` inputs, forward only (nothing
+    requires grad), its rows planned by the kernel from Lq / Lk (launch.forward ``device_plan``; 128 x 128
+    blocks, the bits of the default layout's host plan): no layout is built or looked up, so the call
+    needs no eager warm-up before torch.compile or CUDA graph capture, and a growing cache costs what a
+    fixed one does. Through the custom op while torch.compile traces, with an int32 stand-in for the
+    schedule it does not read."""
+    q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
+    stand_in = torch.empty(1, dtype=torch.int32, device=q.device)
+    schedule = (stand_in,) * 5 + (True, None, None, None, None, False, stand_in, 1 if causal else 0)
+    out, lse = forward_op(q, k, v, *schedule, None, None, 128, 128, scale, q.shape[2], k.shape[2],
+                          pv_threshold=float(pv_threshold), device_plan=2 if causal else 1)
+    return (out, lse) if return_lse else out
+
+
 def forward_into(q, k, v, layout: BlockLayout, out: torch.Tensor, lse: torch.Tensor, *, scale: float | None = None,
                  cu_q=None, cu_k=None, max_q: int | None = None, max_k: int | None = None, kv_lens=None,
                  seq_step: int = 1) -> None:
