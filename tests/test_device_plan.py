@@ -138,3 +138,26 @@ def test_a_captured_call_refuses_offsets_it_would_have_to_copy(monkeypatch):
     assert varlen.check_cu_seqlens("cu_seqlens_q", _cu([1, 2]), 3, 2, torch.device("cpu"), plan_on_device=True) is None
     with pytest.raises(TypeError, match="max_seqlen for cu_seqlens_q must be an int"):
         varlen.check_cu_seqlens("cu_seqlens_q", _cu([1, 2]), 3, 2.0, torch.device("cpu"), plan_on_device=True)
+
+
+def test_attention_without_a_layout_plans_on_the_device_with_the_patterns_bits(monkeypatch):
+    """attention() without a layout, nothing requiring grad: the kernels' device plan on padded inputs (the
+    lengths are the tensors'), for several query blocks, Lq above and below Lk (bottom-right causal rows with
+    no key), cut last blocks and GQA; the bits of the same call on the patterns' layout, no default layout
+    built. With grad the call builds and runs the host's layout."""
+    api = _kernels_on_cpu(monkeypatch, capture=False)
+    monkeypatch.setattr(api, "_DEFAULT_LAYOUTS", {})
+    from sparse_attn.ops.block_sparse import attention_op
+    g = torch.Generator().manual_seed(9)
+    for lq, lk in ((130, 257), (257, 130), (200, 200), (1, 1), (3, 129)):
+        q = torch.randn(2, 4, lq, 32, generator=g).half()
+        k, v = (torch.randn(2, 2, lk, 32, generator=g).half() for _ in range(2))
+        for causal in (False, True):
+            got = sparse_attn.attention(q, k, v, causal=causal, return_lse=True)
+            assert api._DEFAULT_LAYOUTS == {}, (lq, lk, causal)
+            builder = patterns.causal if causal else patterns.dense
+            want = attention_op(q, k, v, builder(lq, lk), return_lse=True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lq, lk, causal)
+    qg = q.clone().requires_grad_()
+    assert torch.equal(sparse_attn.attention(qg, k, v, causal=True), want[0])
+    assert (True, lq, lk, "cpu") in api._DEFAULT_LAYOUTS
