@@ -89,7 +89,7 @@ def test_launch_refuses_a_device_plan_it_cannot_run():
     for kwargs, blocks in (({"device_plan": 3}, (128, 128)), ({"device_plan": 1}, (64, 128)),
                            ({"device_plan": 2, "quant": 1}, (128, 128))):
         with pytest.raises(ValueError, match="a device plan is dense"):
-            launch.forward(q, k, v, None, None, None, None, None, True, None, 0, cu_q, cu_k, *blocks, 0.1, 2, 9,
+            launch.forward(q, k, v, cu_q, None, None, None, None, True, None, 0, cu_q, cu_k, *blocks, 0.1, 2, 9,
                            **kwargs)
 
 

@@ -206,12 +206,7 @@ def test_a_forward_only_call_of_new_lengths_captures_without_a_plan():
     q, k, v = (torch.randn(1, H, n, 64, device=DEV, dtype=torch.float16) for n in (1, 2777, 2777))
     sparse_attn.attention(q, k[:, :, :2000], v[:, :, :2000], causal=True)
     assert not any(key[1:3] == (1, 2777) for key in api._DEFAULT_LAYOUTS)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        out = sparse_attn.attention(q, k, v, causal=True)
-    torch.cuda.current_stream().wait_stream(side)
+    graph, out = capture_graph(lambda: sparse_attn.attention(q, k, v, causal=True), warmup=0)
     for _ in range(2):
         for t in (q, k, v):
             t.copy_(torch.randn_like(t))

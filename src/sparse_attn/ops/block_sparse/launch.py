@@ -592,8 +592,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     where a kernel tile fits in one run, its scale joins the per-row factor (kernels._scores).
     ``device_plan`` 1 (dense) or 2 (bottom-right causal), 16-bit inputs on 128 x 128 blocks: the kernel plans
     each row from its sequence's lengths (kernels.fwd_kernel DEVICE_PLAN), so nothing here depends on the
-    lengths' values: ``counts`` .. ``mask_ids`` and ``terms`` are None or int32 stand-ins (``counts`` is
-    passed for all), ``contiguous`` and ``n_terms`` are ignored."""
+    lengths' values: ``counts`` is an int32 stand-in for the schedule and the term table (never read), the
+    other schedule tensors and ``terms`` are ignored, as are ``contiguous`` and ``n_terms``."""
     varlen = cu_q is not None
     if device_plan:
         if device_plan not in (1, 2) or quant or (block_q, block_k) != (128, 128):
@@ -602,10 +602,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
         # never read (DEVICE_PLAN): int32 tensors stand in for the schedule and the term table, and n_terms is
         # the host plan's, so that the autotune key (which holds N_TERMS and the tensors' dtypes) is the host
         # plan's: one pick, so the same config and bits for calls with gradients (host plan) and without
-        stand_in = next((t for t in (counts, cu_q) if t is not None), None)  # the caller's, or the offsets
-        if stand_in is None:
-            stand_in = torch.empty(1, dtype=torch.int32, device=q.device)
-        counts = n_full = full_start = indices = mask_ids = terms = stand_in
+        n_full = full_start = indices = mask_ids = terms = counts
         contiguous, n_terms = True, device_plan - 1
     v_trans = quant == 2
     if varlen:
