@@ -3,6 +3,7 @@ signature (``build_pattern("local|random", 8192, window=512, density=0.1)``). Us
 gallery and the transformers integration."""
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -22,7 +23,8 @@ def build_pattern(expr: str, seq_len: int, **options):
     if "" in tokens[::2]:  # "local|", "|local", "local||random"
         raise ValueError(f"pattern expression {expr!r} has an empty name: builder names joined by | or &, "
                          "e.g. 'local|random'")
-    unknown = sorted(k for k, v in options.items() if v is not None and k not in option_names())
+    known = _option_set()
+    unknown = sorted(k for k, v in options.items() if v is not None and k not in known)
     if unknown:  # a typo would otherwise fall back to a default silently
         raise ValueError(f"unknown pattern option(s) {unknown}; the builders take {', '.join(option_names())}")
     layout = _build_one(tokens[0], seq_len, options)
@@ -43,7 +45,7 @@ def _build_one(name: str, seq_len: int, options: dict):
     fn = _builder(name)
     if fn is None:
         raise ValueError(f"unknown pattern {name!r}; choose from {', '.join(pattern_names())}")
-    params = inspect.signature(fn).parameters
+    params = builder_parameters(fn)
     kw = {k: v for k, v in options.items() if v is not None and k in params}
     for pname, p in params.items():
         if pname == "seq_len" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -68,7 +70,7 @@ def unused_options(exprs, options: dict) -> list[str]:
             fn = _builder(name)
             if fn is None:
                 return []  # build_pattern's "unknown pattern" error says more
-            taken |= set(inspect.signature(fn).parameters)
+            taken |= set(builder_parameters(fn))
     return sorted(k for k, v in options.items() if v is not None and k not in taken)
 
 
@@ -76,23 +78,41 @@ NOT_BUILDERS = {"causal_cut", "causal_block_count", "to_flex", "from_block_index
                 "from_flex", "topk"}
 
 
-def option_names() -> list[str]:
-    """Every option some builder of :func:`pattern_names` accepts."""
+@functools.cache
+def builder_parameters(fn) -> dict:
+    """``inspect.signature(fn).parameters``, read once per builder: a decoding step builds a layout per
+    sequence, and build_pattern's option check read every builder's signature for each option of each
+    build (~70 signature reads a layout: 0.42 s of 1.78 s in a profiled 16-step batched decode)."""
+    return dict(inspect.signature(fn).parameters)
+
+
+@functools.cache
+def _option_set() -> frozenset:
     from .. import patterns
     names = set()
     for name in pattern_names():
-        names |= set(inspect.signature(getattr(patterns, name)).parameters)
-    return sorted(names - {"seq_len"})
+        names |= set(builder_parameters(getattr(patterns, name)))
+    return frozenset(names - {"seq_len"})
+
+
+def option_names() -> list[str]:
+    """Every option some builder of :func:`pattern_names` accepts."""
+    return sorted(_option_set())
 
 
 def pattern_names() -> list[str]:
     """Builders in :mod:`sparse_attn.patterns` that take ``seq_len`` (the CLI's PATTERN choices)."""
+    return list(_pattern_names())
+
+
+@functools.cache
+def _pattern_names() -> tuple[str, ...]:
     from .. import patterns
     names = []
     for name in getattr(patterns, "__all__", dir(patterns)):
         fn = getattr(patterns, name, None)
         if name.startswith("_") or name in NOT_BUILDERS or not inspect.isfunction(fn):
             continue
-        if "seq_len" in inspect.signature(fn).parameters:
+        if "seq_len" in builder_parameters(fn):
             names.append(name)
-    return names
+    return tuple(names)
