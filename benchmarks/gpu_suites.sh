@@ -27,10 +27,11 @@ case "${1:-a}" in
        tests/test_predict_pack.py
      # the transformers tests whole, against the machine's transformers (5.17 there, CI's newest here: the
      # two differed on T5's configs and static caches, which only these CPU tests saw; 75 s)
-     suites a-transformers tests/test_transformers_integration.py tests/test_eval_model.py ;;
+     suites a-transformers tests/test_transformers_integration.py tests/test_transformers_padding.py \
+       tests/test_eval_model.py ;;
   b) suites b tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_grouped_gpu.py \
        tests/gpu/test_cuda_graphs_gpu.py \
-       tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py ;;
+       tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py tests/gpu/test_transformers_padding_gpu.py ;;
   fuzz)
     start=${2:?a first seed, e.g. 58000}
     for i in 0 1 2 3 4 5; do

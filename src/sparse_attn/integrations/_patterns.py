@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..layout import BlockLayout
+from ..patterns.expr import builder_parameters
 
 ADAPTIVE = "adaptive"
 # options the integration fills in itself; a user never passes them in pattern_kwargs
@@ -175,7 +176,7 @@ class PatternSpec:
             # causal=True, so an encoder's "local" attended no key after the query (a window wider than
             # the sequence differed from dense attention)
             opts["causal"] = causal
-            already_causal = causal and len(names) == 1 and "causal" in inspect.signature(_builder(names[0])).parameters
+            already_causal = causal and len(names) == 1 and "causal" in builder_parameters(_builder(names[0]))
         layout = build_pattern(self.pattern, q_len, kv_len=kv_len, device=device, **opts)
         return layout if already_causal else _causal_cut(layout, causal)
 

@@ -18,9 +18,15 @@ Each attention call gets ``query [B, Hq, Lq, D]``, ``key/value [B, Hkv, Lk, D]``
 intersected with causal (bottom-right aligned: query ``i`` sits at key position ``i + Lk - Lq``,
 which is how a KV-cached decoding step lines up). Returns ``([B, Lq, Hq, D], None)``.
 
-Masks: a plain causal (or bidirectional) mask is never materialised; a padded batch, a static cache
-whose key buffer runs past the last query, or any other custom mask raises ``NotImplementedError``
-rather than being silently ignored. Sliding-window layers (``sliding_window=`` from the model) are
+Masks: a plain causal (or bidirectional) mask is never materialised. Padded batches (the model's
+``[B, Lk]`` attention_mask, left or right padding: ``generate()`` on prompts of several lengths, padded
+training batches) and packed ones (several sequences in a row: ``position_ids`` restarting at 0, or
+FlashAttention's ``cu_seq_lens_q`` / ``cu_seq_lens_k``) run as one :func:`sparse_attn.varlen_attention`
+call over the real sequences, each as if it were called alone (its pattern, window and causal alignment
+counted from its own first token; zeros at padded queries). The packed mask is read off the mask function
+and checked a chunk at a time, never materialised. A row with padding between real tokens, a static cache
+whose key buffer runs past the last query, or any other custom mask raises ``NotImplementedError`` rather
+than being silently ignored. Sliding-window layers (``sliding_window=`` from the model) are
 honoured by intersecting with :func:`sparse_attn.patterns.local`: causal ones attend the last
 ``sliding_window`` keys (self included), bidirectional ones (encoders such as ModernBERT) the keys less
 than ``sliding_window`` away on either side, FlashAttention's reading of that argument. Once a causal
@@ -43,6 +49,7 @@ from typing import Any
 import torch
 
 from .. import api as _api
+from . import _unpad
 from ._patterns import LayoutCache, PatternSpec, adaptive_layout, causal_blocks
 
 NAME = "sparse_attn"
@@ -50,17 +57,13 @@ _ATTR = "_sparse_attn_config"        # set on each attention module by enable()
 _PREVIOUS = "_sparse_attn_previous"  # the model's implementation before enable()
 _NAME_ATTR = "_sparse_attn_name"     # each attention module's name in the model, set by enable()
 
-PADDED_MESSAGE = ("sparse_attn: padded batches are not supported yet (the attention_mask masks some tokens); "
-                  "run unpadded sequences (batch size 1, or equal lengths with an all-ones mask), or use "
-                  "attn_implementation='sdpa' for padded batches")
-
-# a materialised mask that is not the band sparse_attn applies itself. It was refused with the padded-batch
-# message, whose advice (run unpadded sequences) is what a packed or chunked-attention batch of one does
-CUSTOM_MASK_MESSAGE = ("sparse_attn: got a padded or custom mask: the attention mask is neither the plain causal / "
-                       "bidirectional one nor a sliding window. Padding, packed sequences (position_ids restarting "
-                       "at 0), chunked attention (Llama 4) and other custom mask functions make such masks, and "
-                       "sparse_attn runs none of them yet: run one unpacked sequence per row without padding, or use "
-                       "attn_implementation='sdpa'")
+# a materialised mask that is not one sparse_attn applies itself (causal / bidirectional, the layer's sliding
+# window, left / right padding, sequences packed in a row)
+CUSTOM_MASK_MESSAGE = ("sparse_attn: got a padded or custom mask: a materialised attention mask that is neither the "
+                       "plain causal / bidirectional one nor a sliding window. sparse_attn runs padding given as the "
+                       "model's [B, Lk] attention_mask (left or right) and sequences packed in a row (position_ids "
+                       "restarting at 0, or cu_seq_lens_q / cu_seq_lens_k), but not 4-D masks with padding written in, "
+                       "chunked attention (Llama 4) or other custom mask functions: use attn_implementation='sdpa'")
 
 
 @dataclass
@@ -193,13 +196,18 @@ class SparseAttnConfig:
         """(layout, LayerStats) for one call; built once per (pattern, Lq, Lk, device, window, causal)
         and cached (adaptive: predicted from q/k on every call)."""
         spec = self.spec_for(layer_idx)
-        lq, lk = q.shape[2], k.shape[2]
         if spec.is_adaptive:
             layout = adaptive_layout(spec, q, k, causal, scale)
             return self._with_stats(spec, _window_cut(layout, sliding_window, causal), causal, sliding_window)
-        key = (spec.key(), lq, lk, str(q.device), sliding_window, causal)
+        return self.layout_for_lengths(layer_idx, q.shape[2], k.shape[2], q.device, sliding_window, causal)
+
+    def layout_for_lengths(self, layer_idx: int | None, lq: int, lk: int, device, sliding_window: int | None = None,
+                           causal: bool = True):
+        """:meth:`layout_for` of a fixed (not adaptive) pattern, from the call's lengths."""
+        spec = self.spec_for(layer_idx)
+        key = (spec.key(), lq, lk, str(device), sliding_window, causal)
         return self._cache.get(key, lambda: self._with_stats(
-            spec, _window_cut(spec.layout(lq, lk, q.device, causal), sliding_window, causal), causal, sliding_window))
+            spec, _window_cut(spec.layout(lq, lk, device, causal), sliding_window, causal), causal, sliding_window))
 
     @staticmethod
     def _with_stats(spec: PatternSpec, layout, causal: bool, sliding_window: int | None = None):
@@ -208,17 +216,24 @@ class SparseAttnConfig:
         out -0.333 "sparse"); a sliding-window layer's is its window (against causal-dense, pattern
         ``dense`` on a Mistral-style layer read 67% "sparse": blocks the dense window skips too)."""
         visited = layout.num_blocks
-        if sliding_window:
-            baseline = _window_blocks(layout.q_len, layout.kv_len, int(sliding_window), layout.block_q,
-                                      layout.block_k, causal) * layout.batch * layout.heads
-            vs_baseline = 1.0 - visited / baseline if baseline else 0.0
-        elif causal:
-            baseline = causal_blocks(layout)
+        if sliding_window or causal:
+            baseline = SparseAttnConfig.baseline_blocks(layout, causal, sliding_window)
             vs_baseline = 1.0 - visited / baseline if baseline else 0.0
         else:
             vs_baseline = float(layout.sparsity)
         stats = LayerStats(spec.describe(), layout.q_len, layout.kv_len, float(layout.sparsity), vs_baseline, visited)
         return layout, stats
+
+    @staticmethod
+    def baseline_blocks(layout, causal: bool, sliding_window: int | None = None) -> int:
+        """Blocks of ``layout``'s grid that the dense attention it replaces visits (its (batch, head) row sets
+        summed): the model's window, else causal-dense, else every block."""
+        if sliding_window:
+            return _window_blocks(layout.q_len, layout.kv_len, int(sliding_window), layout.block_q,
+                                  layout.block_k, causal) * layout.batch * layout.heads
+        if causal:
+            return causal_blocks(layout)
+        return layout._grid_blocks()
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -314,8 +329,6 @@ UNSUPPORTED_KWARGS = {
     "s_aux": "learned attention sinks",
     "sinks": "learned attention sinks",
     "position_bias": "an additive relative-position bias (T5 family)",
-    "cu_seq_lens_q": "packed sequences",
-    "cu_seq_lens_k": "packed sequences",
     "indices": "unpadded token indices",
     "block_indices": "a model-side block selection",
 }
@@ -351,11 +364,117 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
             f"only keys {offset}..{offset + lk - 1} (the first {offset} were dropped), so it would attend to other "
             "keys than a forward over the whole sequence; run 'local' or 'dense' on sliding-window layers "
             "(per_layer=...), or decode without a cache (use_cache=False)")
-    layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling, causal)
-    out = _api.attention(query, key, value, layout, causal=causal, scale=scaling)
+    packing = _packing_for(attention_mask, query, key, kwargs)
+    if packing is not None:
+        out, stats = _packed_forward(cfg, layer_idx, query, key, value, packing, causal, window, scaling)
+    else:
+        layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling, causal)
+        out = _api.attention(query, key, value, layout, causal=causal, scale=scaling).transpose(1, 2).contiguous()
     cfg.stats[layer_idx] = stats
     cfg.module_stats[getattr(module, _NAME_ATTR, type(module).__name__)] = stats
-    return out.transpose(1, 2).contiguous(), None
+    return out, None
+
+
+SMALL_GRID = 4096  # query x key blocks (of 128 tokens) up to which a sequence's layout is built on the CPU
+
+
+def _build_device(q_len: int, kv_len: int, device):
+    """Where to build one sequence's layout: on the CPU when its block grid is small (a decoding step's rows:
+    each is a new length every step, and a layout's hundred small tensor ops, a few of them reading back,
+    cost a few ms on a GPU against ~1 ms here), else on ``device``. varlen_attention moves them."""
+    blocks = ((q_len + 127) // 128) * ((kv_len + 127) // 128)
+    return torch.device("cpu") if blocks <= SMALL_GRID else device
+
+
+def _dense_stats(spec: PatternSpec, packing: _unpad.Packing, run_causal: bool, causal: bool) -> LayerStats:
+    """LayerStats of a dense / causal call over ``packing``'s sequences, counted without building layouts."""
+    from .. import patterns
+    bq, bk = spec.options.get("block_q", 128), spec.options.get("block_k", 128)
+    visited = grid = baseline = 0
+    for nq, nk in zip(packing.q_lens, packing.k_lens):
+        every = ((nq + bq - 1) // bq) * ((nk + bk - 1) // bk)
+        mine = patterns.causal_block_count(nq, nk, block_q=bq, block_k=bk) if run_causal else every
+        visited, grid = visited + mine, grid + every
+        baseline += mine if causal else every
+    return LayerStats(spec.describe(), packing.q_len, packing.kv_len, 1.0 - visited / grid if grid else 0.0,
+                      1.0 - visited / baseline if baseline else 0.0, visited)
+
+
+_MASK_PACKINGS = _unpad.LastOne()     # the last mask's sequences (every layer of a forward gets the same mask)
+_OFFSET_PACKINGS = _unpad.LastOne()   # the last cu_seq_lens_q's
+
+
+def _packing_for(mask, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> _unpad.Packing | None:
+    """The real sequences of a padded batch (a ``[B, Lk]`` padding mask), a packed one (a packed-batch
+    marker, or FlashAttention's ``cu_seq_lens_q`` / ``cu_seq_lens_k``), else None (plain rows)."""
+    lq, lk = query.shape[2], key.shape[2]
+    packing = None
+    if isinstance(mask, torch.Tensor):
+        packing = _MASK_PACKINGS.get(mask, (lq, lk), lambda: _mask_packing(mask, lq, lk))
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return packing
+    if cu_q is None or cu_k is None:
+        raise ValueError("sparse_attn: got only one of cu_seq_lens_q / cu_seq_lens_k; packed sequences need both")
+    if query.shape[0] != 1:
+        raise ValueError(f"sparse_attn: cu_seq_lens_q / cu_seq_lens_k name sequences packed in one row, but the batch "
+                         f"has {query.shape[0]} rows")
+    given = _OFFSET_PACKINGS.get(cu_q, (id(cu_k), lq, lk), lambda: _unpad.from_offsets(cu_q, cu_k, lq, lk))
+    if packing is not None and (packing.q_rows is not None or (packing.q_lens, packing.k_lens) !=
+                                (given.q_lens, given.k_lens)):
+        raise ValueError(f"sparse_attn: cu_seq_lens_q / cu_seq_lens_k name sequences of {list(given.q_lens)} query "
+                         f"tokens, but the attention mask (padding / position_ids) gives {list(packing.q_lens)}")
+    return given
+
+
+def _mask_packing(mask: torch.Tensor, lq: int, lk: int) -> _unpad.Packing | None:
+    for ref, bounds in _PACKED:
+        if ref() is mask:
+            return _unpad.from_segments(bounds, lq)
+    if mask.dim() == 2:  # a padding mask: ours (the mask interface's) or one a model passes as it is
+        if mask.shape[1] != lk:
+            raise NotImplementedError(f"sparse_attn: got a [B, Lk] padding mask of shape {tuple(mask.shape)} for "
+                                      f"kv_len={lk}")
+        return _unpad.from_padding(mask, lq)
+    return None
+
+
+def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing: _unpad.Packing, causal: bool,
+                    window, scaling):
+    """One varlen_attention call over the batch's real sequences (``packing``), each with the layer's
+    pattern and window built for its own lengths; ``[B, Lq, Hq, Dv]`` with zeros at padded queries, and
+    the call's LayerStats summed over the sequences."""
+    spec = cfg.spec_for(layer_idx)
+    batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
+    if not packing.q_lens:  # every row is padding
+        out = query.new_zeros(batch, lq, query.shape[1], value.shape[-1])
+        return out, LayerStats(spec.describe(), lq, lk, 1.0, 1.0, 0)
+    q, k, v = packing.pack(query, False), packing.pack(key, True), packing.pack(value, True)
+    if spec.is_dense and _reach(window, lq, lk, causal) is None:
+        # dense / causal: varlen plans it itself (on CUDA without gradients, in the kernel), so no layout is
+        # built: a decoding step's sequences have new lengths every step
+        run_causal = causal or spec.pattern.strip() == "causal"  # "causal" is causal on a bidirectional module too
+        out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
+                                    causal=run_causal, scale=scaling)
+        return packing.unpack(out), _dense_stats(spec, packing, run_causal, causal)
+    cq, ck = packing.cu_q.tolist(), packing.cu_k.tolist()  # CPU tensors: no sync
+    per_seq = []
+    for i, (nq, nk) in enumerate(zip(packing.q_lens, packing.k_lens)):
+        if spec.is_adaptive:  # predicted from the sequence's own q / k, [1, H, n, D]
+            qs, ks = q[cq[i]:cq[i + 1]].transpose(0, 1)[None], k[ck[i]:ck[i + 1]].transpose(0, 1)[None]
+            per_seq.append(cfg.layout_for(layer_idx, qs, ks, window, scaling, causal))
+        else:
+            per_seq.append(cfg.layout_for_lengths(layer_idx, nq, nk, _build_device(nq, nk, query.device), window,
+                                                  causal))
+    # the layouts are already cut to causal (layout_for): varlen's own cut would build each one again
+    out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
+                                layouts=[lay for lay, _ in per_seq], causal=False, scale=scaling)
+    visited = sum(st.blocks for _, st in per_seq)
+    grid = sum(lay._grid_blocks() for lay, _ in per_seq)
+    baseline = sum(cfg.baseline_blocks(lay, causal, window) for lay, _ in per_seq)
+    stats = LayerStats(spec.describe(), lq, lk, 1.0 - visited / grid if grid else 0.0,
+                       1.0 - visited / baseline if baseline else 0.0, visited)
+    return packing.unpack(out), stats
 
 
 _WARNED: set = set()
@@ -389,19 +508,16 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
         raise NotImplementedError(f"sparse_attn: attention masks of type {type(mask).__name__} are not supported")
     if _check_band(mask, lq, lk, causal, window):
         return
+    if mask.dim() == 2:  # a raw [B, Lk] padding mask: the attention function runs the rows' real tokens
+        return
     sig = (tuple(mask.shape), mask._version, lq, lk, causal, window)
     if _CHECKED and _CHECKED[0]() is mask and _CHECKED[1] == sig:
-        return
-    if mask.dim() == 2:  # a raw [B, Lk] padding mask
-        if not bool(mask.bool().all()):
-            raise NotImplementedError(PADDED_MESSAGE)
-        _CHECKED[:] = [weakref.ref(mask), sig]
         return
     if mask.dim() != 4 or mask.shape[-2] != lq or mask.shape[-1] != lk:
         raise NotImplementedError(
             f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} for q_len={lq}, kv_len={lk}; only "
             "[B, 1|H, q_len, kv_len] masks equal to the causal mask are accepted (static caches, whose key buffer "
-            "runs past the last query, and padded batches are not supported yet)")
+            "runs past the last query, are not supported; padding comes as the model's [B, Lk] attention_mask)")
     if mask.dtype == torch.bool:
         allowed = mask
     else:  # additive: 0 where allowed, a large negative number where masked; anything else is a bias
@@ -447,21 +563,36 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
             f"sparse_attn: the keys (positions {kv_offset}..{kv_offset + kv_length - 1}) do not end at the last query "
             f"(position {q_offset + q_length - 1}); static / pre-allocated caches are not supported yet: use the "
             "default DynamicCache")
+    padding = None  # [B, kv_length] bool where some row has padding among the call's keys
     if attention_mask is not None:
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
-        if not bool(padding.all()):
-            raise NotImplementedError(PADDED_MESSAGE)
+        if bool(padding.all()):
+            padding = None
     if mask_function is None or mask_function in (causal_mask_function, bidirectional_mask_function):
-        return None
+        if padding is None:
+            return None
+        return _padding_marker(padding, q_length, kv_length, None, kv_offset,
+                               mask_function is not bidirectional_mask_function)
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     window, device = kwargs.get("local_size"), kwargs.get("device") or "cpu"
-    for causal in (True, False):
-        # the attention call's sliding_window for this mask (bidirectional: half-width + 1, FlashAttention's)
-        layer_window = window if causal or window is None else int(window) + 1
-        if _is_band(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, layer_window, causal,
-                    device, bool(kwargs.get("use_vmap"))):
-            return _band_marker(batch_size, q_length, kv_length, layer_window, device, kv_offset, causal)
+    use_vmap = bool(kwargs.get("use_vmap"))
+    bounds = None  # the sequences of a packed batch (training without padding or cache: Lq = Lk, no offsets)
+    if padding is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        bounds = _unpad.segments(batch_size, q_length, mask_function, device)
+    if bounds is not None and any(len(row) > 2 for row in bounds):  # several sequences in a row
+        packed = _packed_marker(batch_size, q_length, mask_function, window, device, use_vmap, bounds)
+        if packed is not None:
+            return packed
+    else:
+        for causal in (True, False):
+            # the attention call's sliding_window for this mask (bidirectional: half-width + 1, FlashAttention's)
+            layer_window = window if causal or window is None else int(window) + 1
+            if _is_band(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, layer_window, causal,
+                        device, use_vmap):
+                if padding is not None:
+                    return _padding_marker(padding, q_length, kv_length, layer_window, kv_offset, causal)
+                return _band_marker(batch_size, q_length, kv_length, layer_window, device, kv_offset, causal)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      allow_is_causal_skip=False, **{k: v for k, v in kwargs.items() if k in ("local_size", "use_vmap",
@@ -473,25 +604,96 @@ _BANDS: list = []     # (weakref to a band marker, (q_len, kv_len, window, kv_of
 
 
 def _is_band(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
-             mask_function: Callable, window: int | None, causal: bool, device, use_vmap: bool = False) -> bool:
+             mask_function: Callable, window: int | None, causal: bool, device, use_vmap: bool = False,
+             spans: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Whether ``mask_function`` allows exactly what sparse_attn applies itself for a layer with this
-    causality and ``sliding_window = window`` (:func:`_band_rule`; None: no window) for every batch row.
-    Evaluated a chunk of query rows at a time (:data:`MASK_CHUNK` entries), so no ``[B, 1, Lq, Lk]``
-    mask exists; stops at the first row chunk that differs."""
+    causality and ``sliding_window = window`` (:func:`_band_rule`; None: no window) for every batch row;
+    with ``spans`` (each token's sequence ``[first, end)``, int ``[B, Lk]``: a packed batch, Lq = Lk), that
+    band within each sequence and nothing across sequences. Either allows each query one interval of keys
+    (:func:`_band_bounds`), so each row of the evaluated mask is checked by its count and its first and
+    last allowed key, not against a second [rows, Lk] tensor. Evaluated a chunk of query rows at a time
+    (:data:`MASK_CHUNK` entries), so no ``[B, 1, Lq, Lk]`` mask exists; stops at the first row chunk that
+    differs."""
     from transformers.masking_utils import sdpa_mask
     rows = max(1, MASK_CHUNK // max(1, batch_size * kv_length))
-    j = torch.arange(kv_length, device=device)[None, :]
+    agree = None  # the chunks' verdicts after the first, kept on the device: one sync at the end, not one a chunk
     for r0 in range(0, q_length, rows):
         r1 = min(q_length, r0 + rows)
         got = sdpa_mask(batch_size=batch_size, q_length=r1 - r0, kv_length=kv_length, q_offset=q_offset + r0,
                         kv_offset=kv_offset, mask_function=mask_function, allow_is_causal_skip=False,
                         use_vmap=use_vmap, device=device)
-        if got is None or got.dtype != torch.bool:
+        if got is None or got.dtype != torch.bool or got.dim() != 4 or got.shape[1] != 1:
             return False
-        p = torch.arange(r0, r1, device=device)[:, None] + (kv_length - q_length)
-        if not torch.equal(got, _band_rule(p, j, causal, window).expand_as(got)):
-            return False
-    return True
+        p = torch.arange(r0, r1, device=device) + (kv_length - q_length)
+        lo, hi = _band_bounds(p, kv_length, causal, window)
+        if spans is not None:
+            lo = torch.maximum(lo, spans[0][:, r0:r1])
+            hi = torch.minimum(hi, spans[1][:, r0:r1] - 1)
+        ok = _rows_are_intervals(got[:, 0], lo, hi)
+        if agree is None:  # most masks that differ do so in the first chunk: stop there
+            if not bool(ok):
+                return False
+            agree = ok
+        else:
+            agree = agree & ok
+    return agree is None or bool(agree)
+
+
+def _band_bounds(p: torch.Tensor, kv_length: int, causal: bool, window: int | None):
+    """The first and last key (int64, inclusive; empty when last < first) that :func:`_band_rule` allows the
+    query positions ``p``."""
+    lo = torch.zeros_like(p)
+    hi = p.clamp(max=kv_length - 1) if causal else torch.full_like(p, kv_length - 1)
+    if window:
+        lo = (p - int(window) + 1).clamp(min=0)
+        if not causal:
+            hi = torch.minimum(hi, p + int(window) - 1)
+    return lo, hi
+
+
+def _rows_are_intervals(mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Whether each row of the bool ``mask [B, R, Lk]`` allows exactly the keys ``lo..hi`` (``[B or 1, R]``,
+    inclusive; none when hi < lo), as a 0-dim bool tensor on the mask's device: every row's count equals
+    its interval's length and, when that is not zero, its first and last allowed keys are lo and hi (then
+    nothing else fits)."""
+    want = (hi - lo + 1).clamp(min=0)
+    bytes_ = mask.view(torch.uint8)  # argmax returns the first maximal index
+    first = bytes_.argmax(-1)
+    last = mask.shape[-1] - 1 - bytes_.flip(-1).argmax(-1)
+    ok = (mask.sum(-1) == want) & ((want == 0) | ((first == lo) & (last == hi)))
+    return ok.all()
+
+
+_PACKED: list = []  # (weakref to a packed-batch marker, its rows' sequence bounds) of the latest markers
+
+
+def _packed_marker(batch_size: int, length: int, mask_function: Callable, window: int | None, device,
+                   use_vmap: bool, bounds: list[list[int]]) -> torch.Tensor | None:
+    """A zero-memory marker (as :func:`_band_marker`) for a packed batch: rows holding several sequences
+    (transformers' padding-free format, ``position_ids`` restarting at 0), each attending causally or
+    bidirectionally, within the layer's window, to its own tokens only. ``bounds``: the sequences as read off
+    the mask function (:func:`_unpad.segments`); the whole mask is checked against them. None when it is not
+    such a mask (then it is materialised and refused as custom)."""
+    spans = _unpad.token_spans(bounds, length, device)
+    for causal in (True, False):
+        layer_window = window if causal or window is None else int(window) + 1
+        if _is_band(batch_size, length, length, 0, 0, mask_function, layer_window, causal, device, use_vmap, spans):
+            marker = _band_marker(batch_size, length, length, layer_window, device, 0, causal)
+            _PACKED[:] = [(weakref.ref(marker), bounds)] + [e for e in _PACKED if e[0]() is not None][:3]
+            return marker
+    return None
+
+
+def _padding_marker(padding: torch.Tensor, q_length: int, kv_length: int, window: int | None, kv_offset: int,
+                    causal: bool) -> torch.Tensor:
+    """What the mask interface returns for a padded batch whose mask is otherwise plain (causal /
+    bidirectional, or a sliding window verified by :func:`_is_band`): the ``[B, kv_length]`` bool padding
+    mask of the call's keys, registered with the band like a band marker, so :func:`check_mask` accepts it
+    only on a call with that causality and window. The attention function runs the rows' real tokens."""
+    padding = padding.clone()  # our own object: the registry's weakref must not see the caller's tensor
+    entry = (weakref.ref(padding), (q_length, kv_length, window, int(kv_offset), bool(causal)))
+    _BANDS[:] = [entry] + [b for b in _BANDS if b[0]() is not None][:3]
+    return padding
 
 
 def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device,

@@ -1,0 +1,258 @@
+"""Padded and packed batches through the transformers integration (tiny random models, no download).
+
+The reference for every row is the same model run on that row's real tokens alone, unpadded and unpacked:
+a padded or packed batch must give each sequence exactly what it gets by itself, whatever the pattern.
+"""
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch
+from test_transformers_integration import BLOCK, ids, tiny_llama, tiny_mistral
+
+from sparse_attn.integrations import _unpad
+from sparse_attn.integrations import transformers as sat
+from sparse_attn.integrations.transformers import SparseAttnConfig, enable
+
+PATTERNS = [("dense", {}), ("local", {"window": 8}), ("streaming", {"window": 8, "num_sink": 3}),
+            ("adaptive", {"topk": 0.5})]
+
+
+def left_padded(lengths, width, seed=1):
+    """(ids [B, width] with pad id 0 before each row's real tokens, the [B, width] attention mask)."""
+    x = ids(batch=len(lengths), length=width, seed=seed)
+    mask = torch.zeros_like(x)
+    for b, n in enumerate(lengths):
+        mask[b, width - n:] = 1
+        x[b, :width - n] = 0
+    return x, mask
+
+
+@pytest.mark.parametrize("pattern,kwargs", PATTERNS)
+def test_left_padded_forward_gives_each_row_what_it_gets_alone(pattern, kwargs):
+    """Streaming's sinks are the sequence's first real tokens, not the padding: a row padded by 27 tokens
+    equals that row run alone; adaptive predicts each row's layout from its own q / k. The layer stats sum
+    the rows' own layouts. (position_ids as generate() makes them, so each row's q / k are its own.)"""
+    model = tiny_llama(layers=2)
+    cfg = enable(model, SparseAttnConfig(pattern, {**kwargs, **BLOCK}))
+    lengths, width = [40, 29, 13], 40
+    x, mask = left_padded(lengths, width)
+    with torch.no_grad():
+        out = model(x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        batch_stats = cfg.stats[1]
+        blocks = 0
+        for b, n in enumerate(lengths):
+            alone = model(x[b:b + 1, width - n:]).logits
+            torch.testing.assert_close(out[b, width - n:], alone[0], atol=2e-5, rtol=2e-5)
+            blocks += cfg.stats[1].blocks
+    assert (batch_stats.q_len, batch_stats.kv_len, batch_stats.blocks) == (width, width, blocks)
+
+
+def test_right_padded_forward_and_its_gradients_match_the_rows_alone():
+    """Training with right padding: the logits of the real tokens and the gradients of a loss over them
+    equal the sum over rows run alone."""
+    lengths, width = [24, 17, 6], 24
+    x = ids(batch=3, length=width, seed=4)
+    mask = torch.zeros_like(x)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+
+    def loss_of(model, batch_logits):
+        return sum(batch_logits[b, :n].square().mean() for b, n in enumerate(lengths))
+
+    model = tiny_llama(layers=2)
+    enable(model, SparseAttnConfig("local", {"window": 8, **BLOCK}))
+    loss_of(model, model(x, attention_mask=mask, use_cache=False).logits).backward()
+    batched = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    total = 0
+    for b, n in enumerate(lengths):
+        total = total + model(x[b:b + 1, :n], use_cache=False).logits[0].square().mean()
+    total.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(batched[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_left_padded_generate_matches_each_prompt_alone():
+    """Batched greedy decoding of prompts of 30, 21 and 9 tokens (streaming, cache growing each step)
+    produces each prompt's own continuation."""
+    model = tiny_llama(layers=2)
+    enable(model, SparseAttnConfig("streaming", {"window": 8, "num_sink": 2, **BLOCK}))
+    lengths, width = [30, 21, 9], 30
+    x, mask = left_padded(lengths, width, seed=2)
+    with torch.no_grad():
+        batch = model.generate(x, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        for b, n in enumerate(lengths):
+            alone = model.generate(x[b:b + 1, width - n:], max_new_tokens=12, do_sample=False)
+            assert torch.equal(batch[b, width:], alone[0, n:]), b
+
+
+def test_sliding_window_model_with_padding_matches_rows_alone():
+    """Mistral's own window (20) with left padding, prefill and a cached decoding step that has dropped keys
+    (local pattern: placed relative to the diagonal, so dropped keys do not matter)."""
+    model = tiny_mistral(window=20)
+    enable(model, SparseAttnConfig("local", {"window": 12, **BLOCK}))
+    lengths, width = [41, 30], 41
+    x, mask = left_padded(lengths, width, seed=3)
+    with torch.no_grad():
+        out = model(x, attention_mask=mask).logits
+        pre = model(x[:, :40], attention_mask=mask[:, :40], use_cache=True)
+        step = model(x[:, 40:], attention_mask=mask, past_key_values=pre.past_key_values, use_cache=True).logits
+        for b, n in enumerate(lengths):
+            alone = model(x[b:b + 1, width - n:]).logits
+            torch.testing.assert_close(out[b, width - n:], alone[0], atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(step[b, -1], alone[0, -1], atol=2e-5, rtol=2e-5)
+
+
+def test_packed_rows_by_position_ids_match_the_sequences_alone():
+    """Padding-free training (transformers' DataCollatorWithFlattening: one row, position_ids restarting at
+    0): each sequence attends its own tokens only, forward and gradients; the mask interface hands over a
+    one-element marker, not an [B, 1, L, L] mask."""
+    seqs = [17, 9, 14]
+    z = ids(batch=1, length=sum(seqs), seed=7)
+    pos = torch.cat([torch.arange(n) for n in seqs])[None]
+    model = tiny_llama(layers=2)
+    enable(model, SparseAttnConfig("streaming", {"window": 8, "num_sink": 2, **BLOCK}))
+    made = []
+    real = sat.sparse_attn_mask
+    from transformers.masking_utils import AttentionMaskInterface
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(AttentionMaskInterface._global_mapping, sat.NAME,
+                   lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+        out = model(z, position_ids=pos, use_cache=False).logits
+    assert len(made) == 1 and made[0].untyped_storage().nbytes() == 1
+    out.square().mean().backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    total, s = 0, 0
+    for n in seqs:
+        alone = model(z[:, s:s + n], use_cache=False).logits
+        torch.testing.assert_close(out[0, s:s + n], alone[0], atol=2e-5, rtol=2e-5)
+        total = total + alone.square().sum() / out.numel()
+        s += n
+    total.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_flash_attention_offsets_run_packed_and_must_agree_with_position_ids():
+    """cu_seq_lens_q / cu_seq_lens_k (FlashAttention's keyword arguments) give the same result as position_ids;
+    offsets naming other sequences than position_ids, one without the other, or several rows are refused."""
+    seqs = [12, 20]
+    z = ids(batch=1, length=sum(seqs), seed=8)
+    pos = torch.cat([torch.arange(n) for n in seqs])[None]
+    cu = torch.tensor([0, 12, 32], dtype=torch.int32)
+    model = tiny_llama(layers=2)
+    enable(model, SparseAttnConfig("local", {"window": 8, **BLOCK}))
+    fa = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 20, "max_length_k": 20}
+    with torch.no_grad():
+        by_pos = model(z, position_ids=pos, use_cache=False).logits
+        by_offsets = model(z, use_cache=False, **fa).logits
+        both = model(z, position_ids=pos, use_cache=False, **fa).logits
+        # without position_ids the rotary positions run on across the row: equal up to rounding (RoPE is relative)
+        torch.testing.assert_close(by_offsets, by_pos, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(both, by_pos, atol=0, rtol=0)
+        other = torch.tensor([0, 16, 32], dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"name sequences of \[16, 16\].*gives \[12, 20\]"):
+            model(z, position_ids=pos, use_cache=False, cu_seq_lens_q=other, cu_seq_lens_k=other)
+        with pytest.raises(ValueError, match="only one of cu_seq_lens_q / cu_seq_lens_k"):
+            model(z, use_cache=False, cu_seq_lens_q=cu)
+        with pytest.raises(ValueError, match="packed in one row, but the batch has 2 rows"):
+            model(torch.cat([z, z]), use_cache=False, **fa)
+
+
+def test_rows_without_real_queries_give_zeros():
+    """An all-padding row, and rows whose real tokens all lie before a decoding step's query (right padding),
+    have no sequence: their outputs are zeros, and the other rows are unaffected."""
+    q = torch.randn(3, 4, 1, 16)
+    k, v = torch.randn(3, 2, 10, 16), torch.randn(3, 2, 10, 16)
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1] = 0         # all padding
+    mask[2, 6:] = 0     # right padding: the query (position 9) is padding
+    module = torch.nn.Module()
+    out, _ = sat.sparse_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert out.shape == (3, 1, 4, 16)
+    assert bool((out[1:] == 0).all())
+    ref, _ = sat.sparse_attention_forward(module, q[:1], k[:1], v[:1], None, scaling=0.25)
+    torch.testing.assert_close(out[:1], ref, atol=1e-6, rtol=1e-6)
+
+
+def test_from_padding_places_queries_bottom_right():
+    """Three rows of 10 keys, 4 queries (positions 6..9): left padding 3, right padding after 8, none."""
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[0, :3] = False
+    mask[1, 8:] = False
+    p = _unpad.from_padding(mask, 4)
+    assert (p.q_lens, p.k_lens) == ((4, 2, 4), (7, 8, 10))
+    assert p.cu_q.tolist() == [0, 4, 6, 10] and p.cu_k.tolist() == [0, 7, 15, 25]
+    assert p.q_rows.tolist() == [0] * 4 + [1] * 2 + [2] * 4 and p.q_pos.tolist() == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3]
+    assert p.k_pos.tolist() == list(range(3, 10)) + list(range(8)) + list(range(10))
+    assert _unpad.from_padding(torch.ones(2, 5), 5) is None
+    x = torch.randn(3, 2, 4, 8)
+    packed = p.pack(x, keys=False)
+    assert torch.equal(p.unpack(packed)[1, :2], x[1, :, :2].transpose(0, 1))
+    assert bool((p.unpack(packed)[1, 2:] == 0).all())
+
+
+def test_mask_interface_returns_the_padding_and_keeps_refusing_custom_functions():
+    """No padding: None (plain causal). Padding: the [B, Lk] padding of the call's keys, registered with the
+    call's band so another call cannot take it. A custom mask function with padding is still materialised,
+    and refused by the attention function."""
+    from transformers.masking_utils import and_masks, causal_mask_function
+    pad = torch.ones(2, 12, dtype=torch.bool)
+    assert sat.sparse_attn_mask(2, 12, 12, mask_function=causal_mask_function, attention_mask=pad) is None
+    pad[1, :5] = False
+    got = sat.sparse_attn_mask(2, 12, 12, mask_function=causal_mask_function, attention_mask=pad)
+    assert got.shape == (2, 12) and torch.equal(got, pad) and got is not pad
+    sat.check_mask(got, 12, 12, True, None)
+    with pytest.raises(NotImplementedError, match="over q_len=12, kv_len=12"):
+        sat.check_mask(got, 12, 12, False, None)
+    odd = and_masks(causal_mask_function, lambda b, h, q, kv: (q - kv) != 3)
+    materialised = sat.sparse_attn_mask(2, 12, 12, mask_function=odd, attention_mask=pad)
+    with pytest.raises(NotImplementedError, match="got a padded or custom mask"):
+        sat.check_mask(materialised, 12, 12, True, None)
+
+
+
+def _packed_causal(seqs):
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        find_packed_sequence_indices,
+        packed_sequence_mask_function,
+    )
+    pos = torch.cat([torch.arange(n) for n in seqs])[None]
+    return and_masks(causal_mask_function, packed_sequence_mask_function(find_packed_sequence_indices(pos)))
+
+
+def test_a_packed_mask_with_one_key_more_is_materialised_and_refused(monkeypatch):
+    """The sequences are read off the mask at (i, i - 1) only, so the whole mask is then checked against them
+    (a few rows a chunk here): one extra key across sequences, invisible to that probe, falls back to the
+    materialised mask, which the attention function refuses."""
+    from transformers.masking_utils import or_masks
+    monkeypatch.setattr(sat, "MASK_CHUNK", 3 * 40)
+    seqs = [15, 10, 15]
+    plain = sat.sparse_attn_mask(1, 40, 40, mask_function=_packed_causal(seqs))
+    assert plain.untyped_storage().nbytes() == 1
+    assert _unpad.from_segments(sat._PACKED[0][1], 40).q_lens == (15, 10, 15)
+    leak = or_masks(_packed_causal(seqs), lambda b, h, q, kv: (q == 37) & (kv == 2))
+    got = sat.sparse_attn_mask(1, 40, 40, mask_function=leak)
+    assert got.untyped_storage().nbytes() >= 40 * 40 and bool(got[0, 0, 37, 2])
+    with pytest.raises(NotImplementedError, match="got a padded or custom mask"):
+        sat.check_mask(got, 40, 40, True, None)
+
+
+def test_packed_rows_on_a_sliding_window_model_match_the_sequences_alone():
+    """Mistral's window (20) inside packed sequences of 30, 9 and 25 tokens: the band within each sequence."""
+    model = tiny_mistral(window=20)
+    enable(model, SparseAttnConfig("dense", BLOCK))
+    seqs = [30, 9, 25]
+    z = ids(batch=1, length=sum(seqs), seed=9)
+    pos = torch.cat([torch.arange(n) for n in seqs])[None]
+    with torch.no_grad():
+        out = model(z, position_ids=pos, use_cache=False).logits
+        s = 0
+        for n in seqs:
+            torch.testing.assert_close(out[0, s:s + n], model(z[:, s:s + n], use_cache=False).logits[0],
+                                       atol=2e-5, rtol=2e-5)
+            s += n
