@@ -68,7 +68,8 @@ CUSTOM_MASK_MESSAGE = ("sparse_attn: got a padded or custom mask: a materialised
 
 @dataclass
 class LayerStats:
-    """What one layer's last call ran."""
+    """What one layer's last call ran. For a padded or packed batch: the call's padded ``q_len`` / ``kv_len``,
+    and the fractions and block count over its sequences' own layouts together."""
 
     pattern: str
     q_len: int
