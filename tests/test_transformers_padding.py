@@ -8,7 +8,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch
-from test_transformers_integration import BLOCK, ids, tiny_llama, tiny_mistral
+from test_transformers_integration import BLOCK, VOCAB, ids, tiny_llama, tiny_mistral
 
 from sparse_attn.integrations import _unpad
 from sparse_attn.integrations import transformers as sat
@@ -256,3 +256,23 @@ def test_packed_rows_on_a_sliding_window_model_match_the_sequences_alone():
             torch.testing.assert_close(out[0, s:s + n], model(z[:, s:s + n], use_cache=False).logits[0],
                                        atol=2e-5, rtol=2e-5)
             s += n
+
+
+def test_padded_encoder_batch_matches_eager_attention():
+    """A bidirectional encoder (BERT) with right padding: the real tokens' states equal transformers' eager
+    attention under the padding mask (each row's real tokens attend each other, no padding key)."""
+    from transformers import BertConfig, BertModel
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = BertModel(cfg).eval()
+    x = ids(batch=3, length=30, seed=11)
+    mask = torch.ones_like(x)
+    mask[1, 20:] = 0
+    mask[2, 7:] = 0
+    with torch.no_grad():
+        ref = model(x, attention_mask=mask).last_hidden_state
+        enable(model, SparseAttnConfig("dense", BLOCK))
+        out = model(x, attention_mask=mask).last_hidden_state
+    for b, n in enumerate([30, 20, 7]):
+        torch.testing.assert_close(out[b, :n], ref[b, :n], atol=2e-5, rtol=2e-5)
