@@ -26,6 +26,30 @@ from .masks import ElementMask, MaskTerm, allowed, count_allowed, mask_table, te
 
 MIN_BLOCK, MAX_BLOCK = 16, 256
 _CLASSIFY_CHUNK = 1 << 21  # candidate-rows per chunk when classifying blocks (bounds host memory)
+_FEW_ROWS = 16  # from_mask of one query block of at most this many rows runs in plain integers
+
+
+def _interval(term: MaskTerm, p: int) -> tuple[int, int]:
+    """:func:`masks.term_intervals` for one query position: the allowed keys ``[lo, hi]`` (empty if lo > hi)."""
+    lo = max(p - term.left, term.k_lo)
+    hi = min(p + term.right, term.k_hi)
+    if term.doc:
+        d0 = p // term.doc * term.doc
+        lo, hi = max(lo, d0), min(hi, d0 + term.doc - 1)
+    if p < term.q_lo or p > term.q_hi:
+        hi = lo - 1
+    return lo, hi
+
+
+def _union_length(intervals: list[tuple[int, int]], j0: int, j1: int) -> int:
+    """How many keys of ``[j0, j1]`` the union of ``intervals`` holds."""
+    cut = sorted((max(lo, j0), min(hi, j1)) for lo, hi in intervals if max(lo, j0) <= min(hi, j1))
+    total, end = 0, j0 - 1
+    for lo, hi in cut:
+        if hi > end:
+            total += hi - max(lo, end + 1) + 1
+            end = hi
+    return total
 
 
 class LayoutError(ValueError):
@@ -340,6 +364,14 @@ class BlockLayout:
         check_block_size("block_q", block_q)
         check_block_size("block_k", block_k)
         block_q, block_k = int(block_q), int(block_k)
+        if 0 < q_len <= min(block_q, _FEW_ROWS) and kv_len > 0:
+            return cls._from_mask_few_rows(mask, q_len, kv_len, block_q, block_k, device)
+        return cls._from_mask_blocks(mask, q_len, kv_len, block_q, block_k, device)
+
+    @classmethod
+    def _from_mask_blocks(cls, mask: ElementMask, q_len: int, kv_len: int, block_q: int, block_k: int,
+                          device) -> "BlockLayout":
+        """:meth:`from_mask` by tensor ops over every query block (checked arguments)."""
         nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_k)
         offset = kv_len - q_len
         qb = torch.arange(nq, device=device)
@@ -368,6 +400,54 @@ class BlockLayout:
         coo = _Coo(zeros, zeros, q_c, k_c, zeros)  # every candidate starts partial with mask 0
         return cls._from_coo(coo, batch=1, heads=1, block_q=block_q, block_k=block_k,
                              q_len=q_len, kv_len=kv_len, masks=(mask,))._classified()
+
+    @classmethod
+    def _from_mask_few_rows(cls, mask: ElementMask, q_len: int, kv_len: int, block_q: int, block_k: int,
+                            device) -> "BlockLayout":
+        """:meth:`from_mask` of one query block of at most :data:`_FEW_ROWS` rows (a decoding step's), in plain
+        integers: the tensor path's hundred-odd small ops cost ~2.5 ms a layout on a CPU core, more on a GPU,
+        for a grid of one row of blocks. The same entries, masks and order (tests/test_layout_fast_path.py
+        compares the two on random masks). Each candidate block is settled by the first and last row's
+        intervals where one term fills it or every term misses it (both interval ends are non-decreasing in
+        the query position, as in :meth:`_bounds_classify`), else by counting its allowed keys row by row."""
+        offset = kv_len - q_len
+        p_first, p_last = offset, q_len - 1 + offset
+        bounds, candidates = [], set()
+        for t in mask.terms:
+            lo_first, hi_first = _interval(t, min(max(p_first, t.q_lo), t.q_hi))
+            lo_last, hi_last = _interval(t, max(min(p_last, t.q_hi), t.q_lo))
+            touches = p_last >= t.q_lo and p_first <= t.q_hi
+            bounds.append((p_first >= t.q_lo and p_last <= t.q_hi, touches, lo_first, hi_first, lo_last, hi_last))
+            # candidates as the tensor path takes them: from the first row's start to the last row's end
+            lo = max(_interval(t, max(p_first, t.q_lo))[0], 0)
+            hi = min(_interval(t, min(p_last, t.q_hi))[1], kv_len - 1)
+            if lo <= hi and touches:
+                candidates.update(range(lo // block_k, hi // block_k + 1))
+        rows = None  # each row's intervals, made when a block needs counting
+        kbs, mids = [], []
+        for kb in sorted(candidates):
+            j0 = kb * block_k
+            j1 = min(j0 + block_k, kv_len) - 1
+            if any(in_rows and lo_l <= j0 and hi_f >= j1 for in_rows, _, _, hi_f, lo_l, _ in bounds):
+                kbs.append(kb)
+                mids.append(-1)
+                continue
+            if all(not touches or hi_l < j0 or lo_f > j1 for _, touches, lo_f, _, _, hi_l in bounds):
+                continue
+            if rows is None:
+                rows = [[_interval(t, p) for t in mask.terms] for p in range(p_first, p_last + 1)]
+            total = sum(_union_length(ivals, j0, j1) for ivals in rows)
+            if total:
+                kbs.append(kb)
+                mids.append(-1 if total == q_len * (j1 - j0 + 1) else 0)
+        n = len(kbs)
+        layout = cls(block_q, block_k, q_len, kv_len,
+                     torch.tensor([n], dtype=torch.int32, device=device).view(1, 1, 1),
+                     torch.tensor(kbs, dtype=torch.int32, device=device).view(1, 1, 1, n),
+                     torch.tensor(mids, dtype=torch.int32, device=device).view(1, 1, 1, n),
+                     (mask,) if 0 in mids else ())
+        layout._validated = True  # sorted, de-duplicated, in range by construction (as _from_coo)
+        return layout
 
     def _classified(self, only: set | None = None) -> "BlockLayout":
         """Drop partial blocks the mask leaves empty; mark partial blocks it fully allows as full.
