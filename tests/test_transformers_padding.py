@@ -276,3 +276,19 @@ def test_padded_encoder_batch_matches_eager_attention():
         out = model(x, attention_mask=mask).last_hidden_state
     for b, n in enumerate([30, 20, 7]):
         torch.testing.assert_close(out[b, :n], ref[b, :n], atol=2e-5, rtol=2e-5)
+
+
+def test_dense_block_counts_match_the_causal_layouts():
+    """The stats of dense / causal packed calls are counted in integers, without layouts: the same blocks
+    as patterns.causal_block_count (and so as the causal layout) for any lengths, Lq above Lk included."""
+    import random
+
+    from sparse_attn import patterns
+    rng = random.Random(3)
+    for _ in range(300):
+        nq, nk = rng.randint(1, 700), rng.randint(1, 900)
+        bq, bk = rng.choice([16, 64, 128]), rng.choice([16, 32, 128])
+        visited, grid, baseline = sat._dense_counts((nq, 5), (nk, 9), bq, bk, True, True)
+        want = patterns.causal_block_count(nq, nk, block_q=bq, block_k=bk) + 1
+        assert (visited, baseline) == (want, want), (nq, nk, bq, bk)
+        assert grid == -(-nq // bq) * -(-nk // bk) + 1
