@@ -853,13 +853,23 @@ def test_additive_mask_with_finite_bias_values_is_refused():
         sat.check_mask(biased, 24, 24, True, None)
 
 
-def test_mask_interface_refuses_keys_that_do_not_end_at_the_last_query():
-    """A static cache's key buffer runs past the last query (q at 0..7 of 64 key slots): bottom-right
-    causal would be wrong, so the mask interface raises; keys ending at the last query give None
-    (sparse_attn applies causal itself), and a bidirectional mask has no alignment to keep."""
-    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
-    with pytest.raises(NotImplementedError, match="static / pre-allocated caches"):
-        sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=causal_mask_function)
+def test_mask_interface_on_keys_that_do_not_end_at_the_last_query():
+    """A static cache's key buffer runs past the last query (q at 0..7 of 64 key slots): bottom-right causal
+    over the buffer would be wrong, so the slots after the last query come back as padding (the attention
+    function then runs keys 0..7 only; tests/test_transformers_padding.py generates with static caches);
+    a sliding-window layer's buffer is refused. Keys ending at the last query give None (sparse_attn applies
+    causal itself), and a bidirectional mask has no alignment to keep."""
+    from transformers.masking_utils import (
+        bidirectional_mask_function,
+        causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
+    written = sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=causal_mask_function)
+    assert written.shape == (1, 64) and written[0].tolist() == [True] * 8 + [False] * 56
+    assert sat._unpad.from_padding(written, 8, 8).k_lens == (8,)
+    with pytest.raises(NotImplementedError, match="full-attention layers only"):
+        sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=sliding_window_causal_mask_function(16),
+                             local_size=16)
     assert sat.sparse_attn_mask(1, 8, 64, q_offset=56, kv_offset=0, mask_function=causal_mask_function) is None
     assert sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=bidirectional_mask_function) is None
 

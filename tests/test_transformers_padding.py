@@ -292,3 +292,21 @@ def test_dense_block_counts_match_the_causal_layouts():
         want = patterns.causal_block_count(nq, nk, block_q=bq, block_k=bk) + 1
         assert (visited, baseline) == (want, want), (nq, nk, bq, bk)
         assert grid == -(-nq // bq) * -(-nk // bk) + 1
+
+
+@pytest.mark.parametrize("pattern,kwargs", [("dense", {}), ("streaming", {"window": 8, "num_sink": 2})])
+def test_static_cache_generation_matches_the_dynamic_cache(pattern, kwargs):
+    """generate(cache_implementation="static"): the key buffer runs past the last query, and its unwritten
+    slots are treated as padding; one prompt and a left-padded batch give the dynamic cache's tokens and
+    logits."""
+    model = tiny_llama(layers=2)
+    enable(model, SparseAttnConfig(pattern, {**kwargs, **BLOCK}))
+    x, mask = left_padded([30, 21, 9], 30, seed=12)
+    gen = {"max_new_tokens": 10, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        for rows, m in ((x[:1], None), (x, mask)):
+            dynamic = model.generate(rows, attention_mask=m, **gen)
+            static = model.generate(rows, attention_mask=m, cache_implementation="static", **gen)
+            assert torch.equal(static.sequences, dynamic.sequences)
+            for a, b in zip(static.logits, dynamic.logits):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -83,12 +83,14 @@ def _ranges(rows: list[int], starts: list[int], lens: list[int], device) -> tupl
     return row[seq], pos
 
 
-def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
+def from_padding(mask: torch.Tensor, q_len: int, q_end: int | None = None) -> Packing | None:
     """The sequences of a padded batch. ``mask``: ``[B, Lk]`` (nonzero: a real token) over the call's
-    keys; the queries are the last ``q_len`` key positions (bottom-right). Each row's real tokens must
-    be one contiguous run (left and / or right padding); None when no row has padding. One host read
-    of three numbers a row."""
-    real = mask.bool()
+    keys; the queries are the ``q_len`` key positions before ``q_end`` (default ``Lk``: bottom-right; less
+    in a static cache's buffer, whose later slots are not keys yet). Each row's real tokens must be one
+    contiguous run (left and / or right padding); None when no row has padding. One host read of three
+    numbers a row."""
+    cut = q_end is not None and q_end < mask.shape[1]  # keys past the queries: a static cache's unwritten slots
+    real = mask[:, :q_end].bool() if cut else mask.bool()
     batch, kv_len = real.shape
     if kv_len == 0:
         return None
@@ -96,7 +98,7 @@ def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
     first = torch.where(real, pos, kv_len).amin(1)
     end = torch.where(real, pos + 1, 0).amax(1)
     firsts, ends, counts = torch.stack([first, end, real.sum(1)]).tolist()
-    if all(c == kv_len for c in counts):
+    if not cut and all(c == kv_len for c in counts):
         return None
     q0 = kv_len - q_len  # the position of query 0
     rows, q_starts, q_lens, k_starts, k_lens = [], [], [], [], []

@@ -24,10 +24,11 @@ training batches) and packed ones (several sequences in a row: ``position_ids`` 
 FlashAttention's ``cu_seq_lens_q`` / ``cu_seq_lens_k``) run as one :func:`sparse_attn.varlen_attention`
 call over the real sequences, each as if it were called alone (its pattern, window and causal alignment
 counted from its own first token; zeros at padded queries). The packed mask is read off the mask function
-and checked a chunk at a time, never materialised. A row with padding between real tokens, a static cache
-whose key buffer runs past the last query, or any other custom mask raises ``NotImplementedError`` rather
-than being silently ignored. Sliding-window layers (``sliding_window=`` from the model) are
-honoured by intersecting with :func:`sparse_attn.patterns.local`: causal ones attend the last
+and checked a chunk at a time, never materialised. A static cache's key buffer (``cache_implementation=
+"static"``) runs past the last query: on full-attention layers its unwritten slots count as padding. A row
+with padding between real tokens, a static cache on sliding-window layers, or any other custom mask raises
+``NotImplementedError`` rather than being silently ignored. Sliding-window layers (``sliding_window=``
+from the model) are honoured by intersecting with :func:`sparse_attn.patterns.local`: causal ones attend the last
 ``sliding_window`` keys (self included), bidirectional ones (encoders such as ModernBERT) the keys less
 than ``sliding_window`` away on either side, FlashAttention's reading of that argument. Once a causal
 layer's cache has dropped its oldest keys
@@ -451,7 +452,8 @@ def _mask_packing(mask: torch.Tensor, lq: int, lk: int) -> _unpad.Packing | None
         if mask.shape[1] != lk:
             raise NotImplementedError(f"sparse_attn: got a [B, Lk] padding mask of shape {tuple(mask.shape)} for "
                                       f"kv_len={lk}")
-        return _unpad.from_padding(mask, lq)
+        q_end = next((end for ref, end in _QUERY_ENDS if ref() is mask), None)
+        return _unpad.from_padding(mask, lq, q_end)
     return None
 
 
@@ -532,8 +534,8 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
     if mask.dim() != 4 or mask.shape[-2] != lq or mask.shape[-1] != lk:
         raise NotImplementedError(
             f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} for q_len={lq}, kv_len={lk}; only "
-            "[B, 1|H, q_len, kv_len] masks equal to the causal mask are accepted (static caches, whose key buffer "
-            "runs past the last query, are not supported; padding comes as the model's [B, Lk] attention_mask)")
+            "[B, 1|H, q_len, kv_len] masks equal to the causal mask are accepted (padding, and a static cache's "
+            "unwritten slots, come through sparse_attn's mask interface as [B, Lk] masks)")
     if mask.dtype == torch.bool:
         allowed = mask
     else:  # additive: 0 where allowed, a large negative number where masked; anything else is a bias
@@ -549,8 +551,8 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
             raise NotImplementedError(
                 f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} that allows no key at all: a copy of "
                 "the one-element marker sparse_attn's mask interface returns for a sliding-window mask, which "
-                "generate() makes with a static cache (cache_implementation='static'); static / pre-allocated "
-                "caches are not supported yet: use the default DynamicCache")
+                "generate() makes with a static cache (cache_implementation='static'); static caches are supported "
+                "on full-attention layers only: use the default DynamicCache for sliding-window models")
         raise NotImplementedError(CUSTOM_MASK_MESSAGE)
     _CHECKED[:] = [weakref.ref(mask), sig]
 
@@ -559,9 +561,10 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
                      mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                      **kwargs) -> torch.Tensor | None:
     """transformers mask interface for ``"sparse_attn"``: None for the plain causal/bidirectional
-    case (sparse_attn applies causal itself); raises on padding or a key range that does not end at
-    the last query (static caches). A mask function found (chunk by chunk) to be a sliding-window layer's
-    mask gives a zero-memory marker that :func:`check_mask` accepts only on a call with that causality
+    case (sparse_attn applies causal itself); padding, and a static cache's slots after the last query
+    (full-attention layers; other key ranges that do not end at the last query raise), as a registered
+    ``[B, Lk]`` padding mask (:func:`_padding_marker`); a packed row as a marker (:func:`_packed_marker`).
+    A mask function found (chunk by chunk) to be a sliding-window layer's mask gives a zero-memory marker that :func:`check_mask` accepts only on a call with that causality
     and ``sliding_window``: causal within ``local_size`` keys (``sliding_window = local_size``), or
     bidirectional within ``|i - j| <= local_size`` (ModernBERT's: ``sliding_window = local_size + 1``).
     Other mask functions (packed sequences, ...) are materialised so the attention function can check them."""
@@ -572,18 +575,26 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
         sdpa_mask,
     )
     q_offset = int(q_offset)
+    q_end = q_offset + q_length - kv_offset  # one past the last query, in the call's keys
     # a causal mask lines queries up with the end of the keys; a bidirectional one (encoders,
-    # cross-attention over encoder states) has no such alignment to keep
-    if mask_function is not bidirectional_mask_function and q_offset + q_length != kv_offset + kv_length:
+    # cross-attention over encoder states) has no such alignment to keep. A static cache's key buffer runs
+    # past the last query: its slots after it are not written yet, which a full-attention layer (keys from
+    # token 0) treats as padding; a sliding-window one (its own buffer layout) is refused.
+    static = mask_function is not bidirectional_mask_function and q_end != kv_length
+    if static and not (mask_function in (None, causal_mask_function) and kv_offset == 0 and 0 < q_end < kv_length):
         raise NotImplementedError(
             f"sparse_attn: the keys (positions {kv_offset}..{kv_offset + kv_length - 1}) do not end at the last query "
-            f"(position {q_offset + q_length - 1}); static / pre-allocated caches are not supported yet: use the "
-            "default DynamicCache")
+            f"(position {q_offset + q_length - 1}); pre-allocated caches are supported on full-attention layers "
+            "only (keys from token 0, the query inside the buffer): use the default DynamicCache")
     padding = None  # [B, kv_length] bool where some row has padding among the call's keys
     if attention_mask is not None:
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
         if bool(padding.all()):
             padding = None
+    if static:  # the unwritten slots are padding too
+        written = torch.arange(kv_length, device=kwargs.get("device") or "cpu") < q_end
+        padding = written.expand(batch_size, -1) if padding is None else padding.bool() & written.to(padding.device)
+        return _padding_marker(padding, q_length, kv_length, None, kv_offset, True, q_end)
     if mask_function is None or mask_function in (causal_mask_function, bidirectional_mask_function):
         if padding is None:
             return None
@@ -701,15 +712,21 @@ def _packed_marker(batch_size: int, length: int, mask_function: Callable, window
 
 
 def _padding_marker(padding: torch.Tensor, q_length: int, kv_length: int, window: int | None, kv_offset: int,
-                    causal: bool) -> torch.Tensor:
+                    causal: bool, q_end: int | None = None) -> torch.Tensor:
     """What the mask interface returns for a padded batch whose mask is otherwise plain (causal /
     bidirectional, or a sliding window verified by :func:`_is_band`): the ``[B, kv_length]`` bool padding
     mask of the call's keys, registered with the band like a band marker, so :func:`check_mask` accepts it
-    only on a call with that causality and window. The attention function runs the rows' real tokens."""
+    only on a call with that causality and window. The attention function runs the rows' real tokens.
+    ``q_end``: one past the last query among the keys when it is not ``kv_length`` (a static cache)."""
     padding = padding.clone()  # our own object: the registry's weakref must not see the caller's tensor
     entry = (weakref.ref(padding), (q_length, kv_length, window, int(kv_offset), bool(causal)))
     _BANDS[:] = [entry] + [b for b in _BANDS if b[0]() is not None][:3]
+    if q_end is not None:
+        _QUERY_ENDS[:] = [(weakref.ref(padding), q_end)] + [e for e in _QUERY_ENDS if e[0]() is not None][:3]
     return padding
+
+
+_QUERY_ENDS: list = []  # (weakref to a static cache's padding marker, one past its last query among the keys)
 
 
 def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device,
