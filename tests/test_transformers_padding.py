@@ -279,19 +279,21 @@ def test_padded_encoder_batch_matches_eager_attention():
 
 
 def test_dense_block_counts_match_the_causal_layouts():
-    """The stats of dense / causal packed calls are counted in integers, without layouts: the same blocks
-    as patterns.causal_block_count (and so as the causal layout) for any lengths, Lq above Lk included."""
+    """The stats of dense / causal packed calls are counted without layouts: the blocks of the causal
+    layouts each sequence would run, summed, for any lengths (Lq above Lk included)."""
     import random
 
     from sparse_attn import patterns
     rng = random.Random(3)
-    for _ in range(300):
-        nq, nk = rng.randint(1, 700), rng.randint(1, 900)
+    for _ in range(60):
+        lens = [(rng.randint(1, 700), rng.randint(1, 900)) for _ in range(2)]
         bq, bk = rng.choice([16, 64, 128]), rng.choice([16, 32, 128])
-        visited, grid, baseline = sat._dense_counts((nq, 5), (nk, 9), bq, bk, True, True)
-        want = patterns.causal_block_count(nq, nk, block_q=bq, block_k=bk) + 1
-        assert (visited, baseline) == (want, want), (nq, nk, bq, bk)
-        assert grid == -(-nq // bq) * -(-nk // bk) + 1
+        layouts = [patterns.causal(nq, nk, block_q=bq, block_k=bk) for nq, nk in lens]
+        q_lens, k_lens = zip(*lens)
+        visited, grid, baseline = sat._dense_counts(q_lens, k_lens, bq, bk, True, True)
+        assert visited == baseline == sum(lay.num_blocks for lay in layouts), (lens, bq, bk)
+        assert grid == sum(lay.num_q_blocks * lay.num_kv_blocks for lay in layouts)
+        assert sat._dense_counts(q_lens, k_lens, bq, bk, False, False) == (grid, grid, grid)
 
 
 @pytest.mark.parametrize("pattern,kwargs", [("dense", {}), ("streaming", {"window": 8, "num_sink": 2})])

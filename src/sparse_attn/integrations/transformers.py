@@ -402,16 +402,12 @@ def _dense_stats(spec: PatternSpec, packing: _unpad.Packing, run_causal: bool, c
 @functools.lru_cache(maxsize=64)
 def _dense_counts(q_lens: tuple, k_lens: tuple, bq: int, bk: int, run_causal: bool, causal: bool) -> tuple:
     """(blocks visited, blocks in the grids, blocks of the dense attention replaced) over the sequences:
-    the same for every layer of a forward, so counted once. Causal: per query block, the key blocks through
-    the one holding its last row's position (``patterns.causal_block_count``, in integers)."""
+    the same for every layer of a forward, so counted once."""
+    from .. import patterns
     visited = grid = baseline = 0
     for nq, nk in zip(q_lens, k_lens):
-        nkb = (nk + bk - 1) // bk
-        every = ((nq + bq - 1) // bq) * nkb
-        mine = every
-        if run_causal:
-            mine = sum(min(max((min((qb + 1) * bq, nq) - 1 + nk - nq) // bk + 1, 0), nkb)
-                       for qb in range((nq + bq - 1) // bq))
+        every = ((nq + bq - 1) // bq) * ((nk + bk - 1) // bk)
+        mine = patterns.causal_block_count(nq, nk, block_q=bq, block_k=bk) if run_causal else every
         visited, grid = visited + mine, grid + every
         baseline += mine if causal else every
     return visited, grid, baseline
