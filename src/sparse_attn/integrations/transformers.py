@@ -500,7 +500,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-_CHECKED: list = []  # (weakref to the last mask found plain, its signature): not re-checked in every layer
+_CHECKED = _unpad.LastOne()  # the last mask found plain: not re-checked in every layer
 
 
 def _band_rule(p: torch.Tensor, j: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
@@ -524,9 +524,12 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
         return
     if mask.dim() == 2:  # a raw [B, Lk] padding mask: the attention function runs the rows' real tokens
         return
-    sig = (tuple(mask.shape), mask._version, lq, lk, causal, window)
-    if _CHECKED and _CHECKED[0]() is mask and _CHECKED[1] == sig:
-        return
+    _CHECKED.get(mask, (tuple(mask.shape), lq, lk, causal, window),
+                 lambda: _check_materialised(mask, lq, lk, causal, window))
+
+
+def _check_materialised(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
+    """check_mask of a 4-D mask: True, or NotImplementedError when it is not the band sparse_attn applies."""
     if mask.dim() != 4 or mask.shape[-2] != lq or mask.shape[-1] != lk:
         raise NotImplementedError(
             f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} for q_len={lq}, kv_len={lk}; only "
@@ -550,7 +553,7 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
                 "generate() makes with a static cache (cache_implementation='static'); static caches are supported "
                 "on full-attention layers only: use the default DynamicCache for sliding-window models")
         raise NotImplementedError(CUSTOM_MASK_MESSAGE)
-    _CHECKED[:] = [weakref.ref(mask), sig]
+    return True
 
 
 def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
