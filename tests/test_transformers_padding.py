@@ -312,3 +312,18 @@ def test_static_cache_generation_matches_the_dynamic_cache(pattern, kwargs):
             assert torch.equal(static.sequences, dynamic.sequences)
             for a, b in zip(static.logits, dynamic.logits):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_masks_made_in_inference_mode_are_checked():
+    """Tensors made under torch.inference_mode have no version counter: check_mask read it to remember the
+    last plain mask and failed (RuntimeError) on a plain 4-D causal mask; it now checks such masks each time,
+    and a padded one still runs."""
+    with torch.inference_mode():
+        plain = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+        padding = torch.ones(2, 12, dtype=torch.long)
+        padding[1, :4] = 0
+        q, k, v = torch.randn(2, 4, 12, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+        for _ in range(2):
+            sat.check_mask(plain, 12, 12, True, None)
+        out, _ = sat.sparse_attention_forward(torch.nn.Module(), q, k, v, padding, scaling=0.25)
+    assert bool((out[1, :4] == 0).all()) and torch.isfinite(out).all()
