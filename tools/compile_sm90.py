@@ -35,7 +35,7 @@ def signature(fn, consts):
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
         elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM", "WAVE_NS",
-                                                        "N_SPLIT", "T_Q", "T_K"):
+                                                        "N_SPLIT", "T_Q", "T_K", "WINDOW"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"
@@ -134,12 +134,12 @@ def _variants_as_written():
                                                                           (False, True), (False, True), (False, True)):
         yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=n_terms, IS_VARLEN=varlen, CONTIGUOUS=contiguous,
                                  USE_TMA=True, QUANT=0, PV_SKIP=False, KV_SPLIT=split, PACK_GQA=pack)
-    # the device plan (dense 1, causal 2; launch.forward device_plan): decoding tiles, split or not, GQA's rows
+    # the device plan (dense 1, causal 2, causal window 3; launch.forward device_plan): decoding tiles, split or not, GQA's rows
     # packed or not, and the autotuned 128-row tile of longer queries; packed (varlen) and padded (attention())
-    for plan, bm, split, pack, varlen in itertools.product((1, 2), (16, 128), (False, True), (False, True),
+    for plan, bm, split, pack, varlen in itertools.product((1, 2, 3), (16, 128), (False, True), (False, True),
                                                            (True, False)):
         if bm == 16 or not (split or pack):
-            yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=plan - 1,
+            yield K.fwd_kernel, dict(fwd, BLOCK_M=bm, BLOCK_N=128, N_TERMS=int(plan != 1),
                                      IS_VARLEN=varlen, CONTIGUOUS=True, USE_TMA=True, QUANT=0, PV_SKIP=False,
                                      KV_SPLIT=split, PACK_GQA=pack, DEVICE_PLAN=plan)
     yield K.fwd_kernel, dict(fwd, HEAD_DIM=256, D_PAD=256, NUM_STAGES=2, BLOCK_M=16, BLOCK_N=64, N_TERMS=2,

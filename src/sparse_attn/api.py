@@ -11,6 +11,7 @@ import torch
 from . import patterns, reference
 from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
+from .patterns._common import check_int
 from .patterns.basic import mark_causal
 from .plan_cache import PlanCache
 from .validation import (capturing, check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv,
@@ -245,7 +246,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                      layouts=None, pattern=None, causal: bool = False, scale: float | None = None,
                      return_lse: bool = False, quant: str | None = None, quant_granularity: str = "per_warp",
-                     smooth_k: bool = True):
+                     smooth_k: bool = True, window: int | None = None):
     """Block-sparse attention over packed variable-length sequences.
 
     Args:
@@ -266,13 +267,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             whose growing caches make every shape new (README, "Decoding").
         causal: bottom-right aligned per sequence (query i of a sequence sees key j iff
             ``j <= i + kv_len - q_len``), combined with the layout by intersection.
+        window: with ``causal``, a sliding window of this many keys per sequence (query at position
+            ``p = i + kv_len - q_len`` sees ``p - window < j <= p``, self included: ``patterns.local``, or
+            FlashAttention's ``window_size=(window - 1, 0)``). Not with ``layouts`` / ``pattern`` (build the
+            window into them). Forward-only CUDA calls plan it in the kernel like dense / causal (below).
         quant, quant_granularity, smooth_k: 8-bit attention as in :func:`attention`; each packed
             sequence is quantized as if it were called alone (its own scale groups, K mean and V
             channel scales), so its result does not depend on what else is packed with it.
 
     Returns: out ``[Tq, Hq, Dv]`` (and lse fp32 ``[Hq, Tq]``).
 
-    Forward-only calls without layouts, pattern or quant (dense or causal, nothing requiring grad) on CUDA
+    Forward-only calls without layouts, pattern or quant (dense, causal or window, nothing requiring grad) on CUDA
     plan each row in the kernel from the offsets (the device plan): no plan is built on the host, and the
     call can be captured in a CUDA graph whose replays follow whatever lengths ``cu_seqlens`` then hold.
     Capture it on the whole K/V buffers with the offsets on q's device, after eager warm-up calls; inside
@@ -288,6 +293,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     check_flags(return_lse=return_lse, smooth_k=smooth_k)
     _check_unused_granularity(quant, quant_granularity)
     check_packed_qkv(q, k, v, "varlen_attention")
+    window = _check_window(window, causal, layouts, pattern)
     device_plan = _varlen_device_plan(q, k, v, layouts, pattern, quant)
     q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device, device_plan)
     k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device, device_plan)
@@ -299,7 +305,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         from .ops.block_sparse import varlen_device_plan_op
         cu_seqlens_q, cu_seqlens_k = varlen.offsets_on(q.device, cu_seqlens_q, cu_seqlens_k)  # given on the CPU
         return varlen_device_plan_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                     scale=scale, return_lse=return_lse)
+                                     scale=scale, return_lse=return_lse, window=window)
+    if window is not None:  # the host plans it as patterns.local, one cached function per window
+        pattern = _window_pattern(window)
     varlen.check_layout_args(layouts, pattern, len(q_lens))  # before the plan cache hashes them
     plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device,
                         exact=needs_grad(q, k, v))
@@ -318,6 +326,31 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     from .ops.block_sparse import varlen_attention_op
     return varlen_attention_op(q, k, v, plan.stacked, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                plan.kv_lens, scale=scale, return_lse=return_lse)
+
+
+def _check_window(window, causal: bool, layouts, pattern) -> int | None:
+    """varlen_attention's ``window`` as an int >= 1 (or None), refused by name where it has no meaning."""
+    if window is None:
+        return None
+    if isinstance(window, bool):
+        raise TypeError(f"window must be an int (keys), got {window!r}")
+    window = check_int("window", window, 1)
+    if not causal:
+        raise ValueError(f"window={window} is a causal sliding window (query at position p sees keys "
+                         f"p - {window} < j <= p): pass causal=True, or for a two-sided window "
+                         f"pattern=lambda lq, lk: patterns.local(lq, {window}, kv_len=lk, causal=False)")
+    if layouts is not None or pattern is not None:
+        raise ValueError(f"window={window} with {'layouts=' if layouts is not None else 'pattern='}: build the "
+                         f"window into them (your layout & patterns.local(q_len, {window}, kv_len=kv_len)), or drop "
+                         "window=")
+    return window
+
+
+@functools.lru_cache(maxsize=16)
+def _window_pattern(window: int):
+    """``pattern=`` for varlen_attention's ``window`` on the host plan: one function object per window, so
+    the plan cache (keyed by the pattern's identity) finds it again."""
+    return lambda q_len, kv_len: patterns.local(q_len, window, kv_len=kv_len)
 
 
 def _varlen_device_plan(q, k, v, layouts, pattern, quant) -> bool:

@@ -146,3 +146,80 @@ def test_eager_device_plan_calls_do_not_grow_memory():
         sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 1, 3300, causal=True)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+WINDOW_CASES = [  # (q_lens, k_lens, hq, hkv, d, window): decoding rows, a chunked prefill, odd / empty sequences
+    ([1] * 8, [1000, 4096, 130, 2500, 3000, 700, 1900, 260], 32, 8, 128, 1024),
+    ([1, 3, 1, 2], [20001, 517, 4097, 0], 16, 16, 128, 4096),
+    ([700, 129, 1, 0], [700, 3000, 5000, 64], 8, 2, 64, 300),
+    ([1000, 300], [1000, 2500], 8, 8, 256, 129),
+    ([2000, 517], [2000, 4000], 8, 4, 128, 1),
+]
+
+
+def _window_host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k):
+    """The same call on the host's plan of patterns.local layouts (what a call that needs gradients runs)."""
+    from sparse_attn import patterns, varlen
+    per_seq = varlen.build_layouts(q_lens, k_lens, None, lambda lq, lk: patterns.local(lq, window, kv_len=lk), True)
+    stacked = varlen.stack([lay.to(q.device) for lay in per_seq], max_q, max_k, q.shape[1])
+    return varlen_attention_op(q, k, v, stacked, _cu(q_lens), _cu(k_lens), max_q, max_k, tuple(k_lens),
+                               return_lse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(WINDOW_CASES)))
+def test_the_window_device_plan_gives_the_host_plan_s_bits(dtype, case, monkeypatch):
+    """DEVICE_PLAN 3 (varlen_attention(causal=True, window=W) without gradients) against patterns.local's host
+    plan, bit for bit with the key walk unsplit (the host plan sizes its split by its own longest row), and
+    against the fp64 oracle per sequence with the automatic split."""
+    from sparse_attn import patterns
+    from sparse_attn.ops.block_sparse import launch
+    q_lens, k_lens, hq, hkv, d, window = WINDOW_CASES[case]
+    q, k, v = _packed(q_lens, k_lens, hq, hkv, d, dtype, seed=20 + case)
+    max_q, max_k = max(q_lens), max(k_lens) + 5
+    monkeypatch.setattr(launch, "FWD_KV_SPLIT", "1")
+    got = varlen_device_plan_op(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, True, return_lse=True, window=window)
+    want = _window_host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    monkeypatch.setattr(launch, "FWD_KV_SPLIT", "auto")
+    out = sparse_attn.varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, causal=True, window=window)
+    cq, ck = _cu(q_lens, "cpu").tolist(), _cu(k_lens, "cpu").tolist()
+    for b in range(len(q_lens)):
+        if q_lens[b] == 0 or k_lens[b] == 0:
+            continue
+        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
+        ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1)[None] for t in (k, v))
+        layout = patterns.local(q_lens[b], window, kv_len=k_lens[b], device="cuda")
+        assert_close_to_oracle(out[cq[b]:cq[b + 1]].transpose(0, 1)[None], reference_attention(qs, ks, vs, layout),
+                               oracle_attention(qs, ks, vs, layout))
+
+
+def test_a_captured_window_decoding_step_follows_new_lengths_on_replay():
+    """A captured varlen decoding step with a 512-key window (8 sequences, GQA): replays on grown, shrunk and
+    emptied caches equal eager calls bit for bit, outputs poisoned before each replay."""
+    n_seqs, cap, hq, hkv, d = 8, 3000, 32, 8, 128
+    rnd = random.Random(4)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(n_seqs, hq, d, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(n_seqs * cap, hkv, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    cu_q = _cu([1] * n_seqs)
+    lens = [rnd.randint(1, cap - 1) for _ in range(n_seqs)]
+    cu_k = _cu(lens)
+
+    def call(kk, vv, offsets):
+        return sparse_attn.varlen_attention(q, kk, vv, cu_q, offsets, 1, cap, causal=True, window=512,
+                                            return_lse=True)
+
+    t = sum(lens)
+    graph, (out, lse) = capture_graph(lambda: call(k, v, cu_k), warm_up=lambda: call(k[:t], v[:t], cu_k))
+    for trial in range(4):
+        lens = [n + 1 for n in lens] if trial == 0 else [rnd.randint(0 if trial == 3 else 1, cap)
+                                                         for _ in range(n_seqs)]
+        cu_k.copy_(_cu(lens))
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        t = sum(lens)
+        want = call(k[:t], v[:t], _cu(lens))
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), trial

@@ -284,6 +284,9 @@ def _layer_set(value) -> frozenset | None:
 def _window_blocks(q_len: int, kv_len: int, window: int, block_q: int, block_k: int, causal: bool) -> int:
     """Blocks the model's sliding window (:func:`_window_layout`) visits on this grid (one (batch, head) row
     set): the dense baseline of a sliding-window layer, cached (adaptive layers measure it every call)."""
+    if causal:
+        from .. import patterns
+        return patterns.local_block_count(q_len, window, kv_len, block_q=block_q, block_k=block_k)
     return _window_layout(q_len, kv_len, window, block_q, block_k, causal, None).num_blocks
 
 
@@ -413,6 +416,46 @@ def _dense_counts(q_lens: tuple, k_lens: tuple, bq: int, bk: int, run_causal: bo
     return visited, grid, baseline
 
 
+def _causal_window(spec: PatternSpec, model_window: int | None, causal: bool) -> int | None:
+    """The one causal sliding window (in keys, as patterns.local's) that a causal layer's pattern and the
+    model's window amount to, on 128-token blocks: ``local`` (its window, or the model's where smaller), or
+    dense / causal under the model's window. varlen_attention(window=) runs it per sequence without a layout
+    (patterns.local's blocks and masks, so what layout_for_lengths would build); None for anything else."""
+    if not causal or not isinstance(spec.pattern, str):
+        return None
+    name, opts = spec.pattern.strip(), spec.options
+    if opts.get("block_q", 128) != 128 or opts.get("block_k", 128) != 128:
+        return None
+    model_window = int(model_window) if model_window else None
+    if name in ("dense", "causal"):
+        return model_window
+    if name == "local" and opts.get("causal", True) is True and not opts.get("window_right"):
+        return min(int(opts["window"]), model_window or int(opts["window"]))
+    return None
+
+
+def _window_stats(spec: PatternSpec, packing: _unpad.Packing, run_window: int, model_window: int | None) -> LayerStats:
+    """LayerStats of a causal sliding-window call over ``packing``'s sequences, counted without layouts."""
+    visited, grid, baseline = _window_counts(packing.q_lens, packing.k_lens, run_window,
+                                             int(model_window) if model_window else None)
+    return LayerStats(spec.describe(), packing.q_len, packing.kv_len, 1.0 - visited / grid if grid else 0.0,
+                      1.0 - visited / baseline if baseline else 0.0, visited)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_counts(q_lens: tuple, k_lens: tuple, run_window: int, model_window: int | None) -> tuple:
+    """(blocks visited, blocks in the grids, blocks of the attention replaced: the model's window, else
+    causal) over the sequences on 128-token blocks, as _dense_counts: once a forward."""
+    from .. import patterns
+    visited = grid = baseline = 0
+    for nq, nk in zip(q_lens, k_lens):
+        visited += patterns.local_block_count(nq, run_window, nk)
+        grid += ((nq + 127) // 128) * ((nk + 127) // 128)
+        baseline += (_window_blocks(nq, nk, model_window, 128, 128, True) if model_window
+                     else patterns.causal_block_count(nq, nk))
+    return visited, grid, baseline
+
+
 _MASK_PACKINGS = _unpad.LastOne()     # the last mask's sequences (every layer of a forward gets the same mask)
 _OFFSET_PACKINGS = _unpad.LastOne()   # the last cu_seq_lens_q's
 
@@ -471,6 +514,11 @@ def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing
         out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
                                     causal=run_causal, scale=scaling)
         return packing.unpack(out), _dense_stats(spec, packing, run_causal, causal)
+    run_window = _causal_window(spec, window, causal)
+    if run_window is not None:  # one causal sliding window: varlen plans it too (in the kernel, forward-only)
+        out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
+                                    causal=True, window=run_window, scale=scaling)
+        return packing.unpack(out), _window_stats(spec, packing, run_window, window)
     cq, ck = packing.cu_q.tolist(), packing.cu_k.tolist()  # CPU tensors: no sync
     per_seq = []
     for i, (nq, nk) in enumerate(zip(packing.q_lens, packing.k_lens)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..layout import BlockLayout
 from ..masks import INF, ElementMask, MaskTerm
 from ..validation import check_flag
-from ._common import check_int, lengths
+from ._common import check_int, grid, lengths
 
 
 def _window_term(window: int, window_right: int | None, causal: bool) -> MaskTerm:
@@ -40,6 +40,24 @@ def local(seq_len: int, window: int, kv_len: int | None = None, *, causal: bool 
     mask = ElementMask((_window_term(window, window_right, causal),))
     return BlockLayout.from_mask(mask, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k,
                                  device=device)
+
+
+def local_block_count(seq_len: int, window: int, kv_len: int | None = None, *, block_q: int = 128,
+                      block_k: int = 128) -> int:
+    """``local(seq_len, window, kv_len, block_q=, block_k=).num_blocks`` (causal) in O(Qb) integer steps,
+    without building the layout: per query block, the key blocks from the one holding its first row's
+    earliest key through its last row's position (consecutive rows' windows overlap, so every block in
+    between holds an allowed key). The kernels' device plan walks the same blocks (kernels._device_window_row)."""
+    q_len, kv_len = lengths(seq_len, kv_len)
+    check_int("window", window, 1)
+    nq, _ = grid(q_len, kv_len, block_q, block_k)
+    total = 0
+    for qb in range(nq):
+        p_first = qb * block_q + kv_len - q_len
+        p_last = min((qb + 1) * block_q, q_len) - 1 + kv_len - q_len
+        if p_last >= 0:  # p_last < kv_len always: the last query sits at the last key
+            total += p_last // block_k + 1 - max(p_first - window + 1, 0) // block_k
+    return total
 
 
 def streaming(seq_len: int, window: int, num_sink: int, kv_len: int | None = None, *, causal: bool = True,

@@ -146,17 +146,19 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
 
 
 def _device_plan_forward(q, k, v, causal: bool, cu_q, cu_k, max_q: int, max_k: int, scale, return_lse: bool,
-                         pv_threshold: float = 0.0):
-    """Dense or bottom-right causal forward whose rows the kernel plans itself (launch.forward ``device_plan``;
-    128 x 128 blocks, the bits of the default layout's host plan). An int32 stand-in (the offsets, or one
+                         pv_threshold: float = 0.0, window: int | None = None):
+    """Dense, bottom-right causal or (``window``, with causal) causal sliding-window forward whose rows the
+    kernel plans itself (launch.forward ``device_plan``; 128 x 128 blocks, the bits of the default layout's,
+    or patterns.local's, host plan). An int32 stand-in (the offsets, or one
     int) rides in the schedule's and term table's places, never read: the custom op takes tensors there,
     and the autotune key, which holds their dtypes, is then the host plan's."""
     q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
     cu_q, cu_k = _offsets(cu_q), _offsets(cu_k)
     stand_in = cu_q if cu_q is not None else torch.empty(1, dtype=torch.int32, device=q.device)
     schedule = (stand_in,) * 5 + (True, None, None, None, None, False, stand_in, 1 if causal else 0)
+    plan = 3 if window else 2 if causal else 1
     out, lse = forward_op(q, k, v, *schedule, cu_q, cu_k, 128, 128, scale, max_q, max_k,
-                          pv_threshold=float(pv_threshold), device_plan=2 if causal else 1)
+                          pv_threshold=float(pv_threshold), device_plan=plan, window=int(window or 0))
     return (out, lse) if return_lse else out
 
 
@@ -170,12 +172,12 @@ def device_plan_attention_op(q, k, v, causal: bool, *, scale: float | None = Non
 
 
 def varlen_device_plan_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, *,
-                          scale: float | None = None, return_lse: bool = False):
-    """Dense or causal attention on validated packed ``[T, H, D]`` inputs, forward only, its rows planned by
-    the kernels from ``cu_q`` / ``cu_k`` on q's device (_device_plan_forward): nothing reads the offsets on
-    the host, so the call can be captured in a CUDA graph and replayed on other lengths up to ``max_q`` /
-    ``max_k``."""
-    return _device_plan_forward(q, k, v, causal, cu_q, cu_k, max_q, max_k, scale, return_lse)
+                          scale: float | None = None, return_lse: bool = False, window: int | None = None):
+    """Dense, causal or causal sliding-window (``window`` keys) attention on validated packed ``[T, H, D]``
+    inputs, forward only, its rows planned by the kernels from ``cu_q`` / ``cu_k`` on q's device
+    (_device_plan_forward): nothing reads the offsets on the host, so the call can be captured in a CUDA
+    graph and replayed on other lengths up to ``max_q`` / ``max_k``."""
+    return _device_plan_forward(q, k, v, causal, cu_q, cu_k, max_q, max_k, scale, return_lse, window=window)
 
 
 def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,

@@ -130,6 +130,30 @@ def _device_row(q_len, k_len, qb, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
+def _device_window_row(q_len, k_len, qb, window, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A bottom-right causal sliding window's row (DEVICE_PLAN 3: query at position p sees keys
+    p - window < j <= p, as patterns.local) from the sequence's lengths, as the host plan of
+    ``patterns.local`` layouts schedules it: (kept blocks, unmasked blocks, first kept block, first
+    unmasked block). The kept blocks are one run of key blocks from the first kept one; the unmasked
+    ones a run inside it, walked first; the masked slots after them hold the run's blocks before and
+    after the unmasked run, in ascending order (a cut last block, k_len not a multiple of BLOCK_K,
+    among them). Without an unmasked block the first unmasked block is returned as the run's end, so
+    that every masked slot s holds block first_kept + s. Query block qb holds a row."""
+    offset = k_len - q_len
+    p_first = qb * BLOCK_Q + offset
+    p_last = tl.minimum((qb + 1) * BLOCK_Q, q_len) - 1 + offset
+    # the keys some row sees, [max(p_first - window + 1, 0), p_last]: consecutive rows' windows overlap
+    b_hi = tl.where(p_last >= 0, tl.maximum(p_last, 0) // BLOCK_K + 1, 0)
+    b_lo = tl.minimum(tl.maximum(p_first - window + 1, 0) // BLOCK_K, b_hi)
+    # every row sees every key of block b: b * BLOCK_K > p_last - window and (b + 1) * BLOCK_K - 1 <= p_first,
+    # and the block is not cut by the sequence's end
+    u_lo = tl.maximum((tl.maximum(p_last - window + 1, 0) + BLOCK_K - 1) // BLOCK_K, b_lo)
+    u_hi = tl.minimum(tl.maximum(p_first + 1, 0) // BLOCK_K, k_len // BLOCK_K)
+    n_full = tl.maximum(u_hi - u_lo, 0)
+    return b_hi - b_lo, n_full, b_lo, tl.where(n_full > 0, u_lo, b_hi)
+
+
+@triton.jit
 def _batch_head(H, SPLIT_GRID: tl.constexpr):
     """(batch or sequence, head) of a program of a (tiles, B * H) grid, or with SPLIT_GRID of a
     (tiles, H, B) grid (see the legend)."""
@@ -339,7 +363,7 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS, N_SPLIT, stride_os, stride_ls, T_Q, T_K,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS, N_SPLIT, stride_os, stride_ls, T_Q, T_K, WINDOW,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -373,13 +397,14 @@ def fwd_kernel(
     PACK_GQA (decoding with GQA on a layout shared by all heads; launch.short_query_plan): the grid's heads
     (H) are kv heads and one tile holds the q_len rows of each of the G query heads that share one,
     so the K/V tiles are read once for the G heads (one layout row: every query in the first block).
-    DEVICE_PLAN (launch.forward's ``device_plan``: 1 dense, 2 bottom-right causal, 128 x 128 blocks): no
-    schedule or term table is read; each row's plan comes from its sequence's lengths (_device_row) and
-    the causal edge is the compare key <= position, which is what the causal term of the host's plan
-    (varlen.stack_dense_or_causal) allows: the same blocks in the same order and the same masks, so the
-    same bits. N_TERMS is the host plan's (1 causal, 0 dense) only so that both share an autotune key,
-    and so a config. Packed offsets are cut to T_Q / T_K tokens (_clamped_bounds): the host may not
-    have read them."""
+    DEVICE_PLAN (launch.forward's ``device_plan``: 1 dense, 2 bottom-right causal, 3 bottom-right causal
+    sliding window of WINDOW keys; 128 x 128 blocks): no schedule or term table is read; each row's plan
+    comes from its sequence's lengths (_device_row, _device_window_row) and the causal edge is the compare
+    key <= position (and key > position - WINDOW), which is what the causal term of the host's plan
+    (varlen.stack_dense_or_causal) or the window term of patterns.local allows: the same blocks in the same
+    order and the same masks, so the same bits. N_TERMS is the host plan's (0 dense, else 1) only so that
+    both share an autotune key, and so a config. Packed offsets are cut to T_Q / T_K tokens
+    (_clamped_bounds): the host may not have read them."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE, N_SPLIT, KV_SPLIT)
@@ -391,8 +416,12 @@ def fwd_kernel(
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
     if DEVICE_PLAN:
         tl.static_assert(CONTIGUOUS, "a device plan's rows are runs from key block 0")
-        tl.static_assert(N_TERMS == DEVICE_PLAN - 1, "N_TERMS: the host plan's (1 causal, 0 dense)")
-        count, n_full = _device_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, BLOCK_Q, BLOCK_K, DEVICE_PLAN == 2)
+        tl.static_assert(N_TERMS == (DEVICE_PLAN != 1), "N_TERMS: the host plan's (0 dense, else 1)")
+        if DEVICE_PLAN == 3:  # the run starts at key block b_lo; the unmasked part of it at u_lo
+            count, n_full, b_lo, u_lo = _device_window_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, WINDOW,
+                                                           BLOCK_Q, BLOCK_K)
+        else:
+            count, n_full = _device_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, BLOCK_Q, BLOCK_K, DEVICE_PLAN == 2)
     else:
         count = tl.load(COUNTS + p_cnt)
         n_full = tl.load(N_FULL + p_cnt)
@@ -479,7 +508,9 @@ def fwd_kernel(
     # contiguous rows (H100: random layouts +10-21%, benchmarks/NOTES.md v4).
     n_it = hi1 - lo1
     if CONTIGUOUS:
-        if DEVICE_PLAN:
+        if DEVICE_PLAN == 3:
+            run0 = u_lo * BLOCK_K + lo1 * BLOCK_N
+        elif DEVICE_PLAN:
             run0 = lo1 * BLOCK_N
         else:
             run0 = tl.load(FULL_START + p_cnt) * BLOCK_K + lo1 * BLOCK_N
@@ -506,7 +537,9 @@ def fwd_kernel(
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(lo2, hi2, num_stages=NUM_STAGES):
         slot = it // SUB
-        if DEVICE_PLAN:  # slot s holds key block s
+        if DEVICE_PLAN == 3:  # slot s >= n_full: block b_lo + s - n_full before the unmasked run, b_lo + s after it
+            start_n = (b_lo - tl.where(slot - n_full < u_lo - b_lo, n_full, 0)) * BLOCK_K + it * BLOCK_N
+        elif DEVICE_PLAN:  # slot s holds key block s
             start_n = it * BLOCK_N
         else:
             start_n = tl.load(INDICES + p_row + slot) * BLOCK_K + (it % SUB) * BLOCK_N
@@ -518,6 +551,8 @@ def fwd_kernel(
         b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
         if DEVICE_PLAN == 2:  # the causal edge; on a cut last block before it the compare holds everywhere
             b_s = tl.where(pos_q >= o_n[None, :], b_s, float("-inf"))
+        elif DEVICE_PLAN == 3:  # the window's two edges
+            b_s = tl.where((pos_q >= o_n[None, :]) & (pos_q - WINDOW < o_n[None, :]), b_s, float("-inf"))
         elif N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:

@@ -1,0 +1,80 @@
+"""Batched greedy decoding through the transformers integration, dense against local, alternated in one process,
+and where a decoding step's host time goes (cProfile, top functions by own time).
+
+    python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--rounds 3]
+
+The model and prompts of hf_batch_probe.py (random 4-layer Llama, 8 left-padded prompts of 512-4096 tokens, bf16,
+CUDA); each generate() makes 64 tokens, and its prefill (the same for every impl) is timed apart and taken off.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+from hf_batch_probe import _model, padded_inputs
+
+
+def _ms(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    import transformers
+
+    from sparse_attn.bench.results import make_header
+    from sparse_attn.integrations.transformers import SparseAttnConfig, enable
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    x, mask = padded_inputs()
+    models = {}
+    for name, cfg in (("dense", SparseAttnConfig("dense")), (f"local-{args.window}",
+                                                               SparseAttnConfig("local", {"window": args.window}))):
+        models[name] = _model("sparse_attn")
+        enable(models[name], cfg)
+    models["sdpa"] = _model("sdpa")
+    gen = lambda m: m.generate(x, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    times: dict = {name: {"generate": [], "prefill": []} for name in models}
+    with torch.no_grad():
+        for m in models.values():
+            gen(m)
+        for _ in range(args.rounds):
+            for name, m in models.items():
+                times[name]["generate"].append(_ms(lambda m=m: gen(m)))
+                times[name]["prefill"].append(_ms(lambda m=m: m(x, attention_mask=mask, use_cache=True)))
+        profiles = {}
+        for name, m in models.items():
+            pr = cProfile.Profile()
+            pr.enable()
+            gen(m)
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+            profiles[name] = buf.getvalue()
+    rows = []
+    for name, t in times.items():
+        g, p = statistics.median(t["generate"]), statistics.median(t["prefill"])
+        rows.append({"impl": name, "generate_ms": round(g, 2), "prefill_ms": round(p, 2),
+                     "decode_ms_per_token": round((g - p) / 63, 3), "rounds": t})
+        print(rows[-1]["impl"], rows[-1]["generate_ms"], rows[-1]["prefill_ms"], rows[-1]["decode_ms_per_token"])
+    for name, text in profiles.items():
+        print(f"===== {name}\n" + "\n".join(text.splitlines()[:45]))
+    with open(args.out, "w") as f:
+        json.dump({**make_header("cuda", "hf-decode-ab", transformers=transformers.__version__), "rows": rows,
+                   "profiles": profiles}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

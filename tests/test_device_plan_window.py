@@ -1,0 +1,151 @@
+"""varlen_attention(..., causal=True, window=W): a bottom-right causal sliding window per sequence. Forward-only
+CUDA calls plan it in the kernel (DEVICE_PLAN 3, kernels._device_window_row); the rest run the host's plan of
+``patterns.local`` layouts. Under TRITON_INTERPRET=1 (conftest.py) on small fp16 cases: the kernel's plan must
+give the host plan's bits, both must be the window's attention (an fp64 oracle written from the definition),
+and a call with the window must be refused where it has no meaning."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn import patterns, varlen
+from sparse_attn.ops.block_sparse import launch, varlen_attention_op, varlen_device_plan_op
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter tests run only without a GPU")
+
+
+def _cu(lens) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _packed(q_lens, k_lens, seed: int, hq: int = 4, hkv: int = 2, d: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda n, h: torch.randn(n, h, d, generator=g).half()  # noqa: E731
+    return mk(sum(q_lens), hq), mk(sum(k_lens), hkv), mk(sum(k_lens), hkv)
+
+
+def _host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k):
+    """The same call on the host's plan of patterns.local layouts (what a call with gradients runs)."""
+    per_seq = varlen.build_layouts(q_lens, k_lens, None, lambda lq, lk: patterns.local(lq, window, kv_len=lk), True)
+    stacked = varlen.stack(per_seq, max_q, max_k, q.shape[1])
+    return varlen_attention_op(q, k, v, stacked, _cu(q_lens), _cu(k_lens), max_q, max_k, tuple(k_lens),
+                               return_lse=True)
+
+
+def _oracle(q, k, v, q_lens, k_lens, window):
+    """fp64 attention of each sequence alone under ``p - window < j <= p``, p = i + k_len - q_len; rows
+    without a key give 0 and LSE -inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    cq, ck = _cu(q_lens).tolist(), _cu(k_lens).tolist()
+    for i, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+        qs = q[cq[i]:cq[i + 1]].transpose(0, 1)
+        ks = k[ck[i]:ck[i + 1]].transpose(0, 1).repeat_interleave(group, 0)
+        vs = v[ck[i]:ck[i + 1]].transpose(0, 1).repeat_interleave(group, 0)
+        p = torch.arange(nq)[:, None] + nk - nq
+        j = torch.arange(nk)[None, :]
+        allowed = (j <= p) & (j > p - window)
+        s = (qs @ ks.transpose(1, 2)) * q.shape[-1] ** -0.5
+        s = s.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        w = torch.where(allowed, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+        outs.append((w @ vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, -1)
+
+
+def _cases(rnd: random.Random, trials: int):
+    """Random batches over the window row's cases: windows shorter than, equal to and longer than a block,
+    one key, longer than the sequence; empty sequences; more queries than keys; cut last blocks; several
+    query blocks; max_seqlen above the longest sequence. First a fixed batch whose rows have masked blocks on
+    both sides of their unmasked run (sequence 0, query block 0: blocks 3-4 masked, 5 unmasked, 6-7 masked)."""
+    yield -1, [130, 1], [900, 700], 300, 130, 900
+    for trial in range(trials):
+        n_seqs = rnd.randint(1, 3)
+        q_lens = [rnd.choice([0, 1, 2, 17, 128, 130, 260]) for _ in range(n_seqs)]
+        k_lens = [rnd.choice([0, 1, 5, 127, 128, 129, 300, 520, 900]) for _ in range(n_seqs)]
+        window = rnd.choice([1, 2, 100, 127, 128, 129, 200, 256, 383, 1000])
+        yield trial, q_lens, k_lens, window, max(q_lens) + rnd.choice([0, 5]), max(k_lens) + rnd.choice([0, 9])
+
+
+def test_the_window_device_plan_gives_the_host_plan_s_bits(monkeypatch):
+    """Unsplit rows (the host plan's split count follows its own longest row, so splits could differ):
+    the same blocks in the same order with the same masks as patterns.local's host plan, bit for bit."""
+    monkeypatch.setattr(launch, "FWD_KV_SPLIT", "1")
+    for trial, q_lens, k_lens, window, max_q, max_k in _cases(random.Random(0), 12):
+        q, k, v = _packed(q_lens, k_lens, 100 + trial)
+        got = varlen_device_plan_op(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, True, return_lse=True,
+                                    window=window)
+        want = _host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (q_lens, k_lens, window)
+
+
+def test_the_window_is_the_definition_s_attention_split_or_not(monkeypatch):
+    """Against the fp64 oracle, with the key walk unsplit and split in 3 parts (decoding's split-KV path,
+    whose parts may get no tile of a short window): a wrong edge, slot or block shows here even where the
+    host plan would share the error."""
+    for split in ("1", "3"):
+        monkeypatch.setattr(launch, "FWD_KV_SPLIT", split)
+        for trial, q_lens, k_lens, window, max_q, max_k in _cases(random.Random(1), 6):
+            q, k, v = _packed(q_lens, k_lens, 50 + trial)
+            out, lse = varlen_device_plan_op(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, True, return_lse=True,
+                                             window=window)
+            want, want_lse = _oracle(q, k, v, q_lens, k_lens, window)
+            assert torch.allclose(out.double(), want, atol=2e-3), (split, q_lens, k_lens, window)
+            finite = torch.isfinite(want_lse)
+            assert torch.equal(finite, torch.isfinite(lse)), (split, q_lens, k_lens, window)
+            assert torch.allclose(lse.double()[finite], want_lse[finite], atol=1e-3), (split, q_lens, k_lens, window)
+
+
+def test_varlen_attention_s_window_on_every_path(monkeypatch):
+    """The public call: on the CPU (reference, patterns.local per sequence), with gradients (the host plan;
+    the gradients against the oracle's) and, as on CUDA, forward-only on the kernels' device plan."""
+    q_lens, k_lens, window = [3, 130, 0], [300, 130, 4], 100
+    q, k, v = _packed(q_lens, k_lens, 5)
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    want, want_lse = _oracle(q, k, v, q_lens, k_lens, window)
+    out, lse = sparse_attn.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 130, 300, causal=True,
+                                            window=window, return_lse=True)
+    assert torch.allclose(out.double(), want, atol=1e-4) and torch.equal(torch.isfinite(lse), torch.isfinite(want_lse))
+    from sparse_attn import api
+    monkeypatch.setattr(api, "_use_kernels", lambda t: True)
+    monkeypatch.setattr(api, "_plans_on_host", lambda device: True)
+    monkeypatch.setattr(api, "_VARLEN_PLANS", api.PlanCache(16))
+    got = sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 130, 300, causal=True, window=window)
+    assert len(api._VARLEN_PLANS) == 0  # planned in the kernel
+    assert torch.allclose(got.double(), want, atol=2e-3)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out = sparse_attn.varlen_attention(*leaves, cu_q, cu_k, 130, 300, causal=True, window=window)
+    assert len(api._VARLEN_PLANS) == 1  # the host's plan, which the backward reads
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(out.shape, generator=g)
+    (out * dout).sum().backward()
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    (_oracle(*ref_leaves, q_lens, k_lens, window)[0] * dout.double()).sum().backward()
+    for got_leaf, ref_leaf in zip(leaves, ref_leaves):
+        assert torch.allclose(got_leaf.grad.double(), ref_leaf.grad, atol=2e-3)
+
+
+def test_a_window_is_refused_where_it_means_nothing():
+    q, k, v = _packed([2], [9], 0)
+    cu_q, cu_k = _cu([2]), _cu([9])
+    call = lambda **kw: sparse_attn.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 2, 9, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="causal sliding window .* pass causal=True"):
+        call(window=4)
+    with pytest.raises(ValueError, match="window=4 with pattern=: build the window into them"):
+        call(window=4, causal=True, pattern=lambda lq, lk: patterns.causal(lq, lk))
+    with pytest.raises(ValueError, match="window=4 with layouts="):
+        call(window=4, causal=True, layouts=[patterns.causal(2, 9)])
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        call(window=0, causal=True)
+    with pytest.raises(TypeError, match="window must be an int"):
+        call(window=True, causal=True)
+    with pytest.raises(ValueError, match="a causal window of at least one key"):
+        launch.forward(q, k, v, cu_q, None, None, None, None, True, None, 0, cu_q, cu_k, 128, 128, 0.1, 2, 9,
+                       device_plan=3)

@@ -1,0 +1,104 @@
+"""Padded batches whose layer pattern is one causal sliding window (``local`` on 128-token blocks, or dense under
+the model's own window) run as one varlen_attention(window=) call, which needs no per-sequence layout (on CUDA
+forward-only: planned in the kernel). Each row must still get what it gets alone, and the layer stats must
+count the blocks its layouts would have. Tiny random models, no download; the reference is each row alone."""
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch
+from test_transformers_integration import tiny_llama, tiny_mistral
+from test_transformers_padding import left_padded
+
+from sparse_attn import patterns
+from sparse_attn.integrations import transformers as sat
+from sparse_attn.integrations.transformers import SparseAttnConfig, enable
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """The keyword arguments of every varlen_attention call the integration makes."""
+    calls = []
+    real = sat._api.varlen_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sat._api, "varlen_attention", spy)
+    return calls
+
+
+def _rows_alone(model, x, lengths, width, out, cfg=None):
+    """Each row's logits against the row run alone; the layer-1 blocks of those runs summed (with cfg)."""
+    blocks = 0
+    for b, n in enumerate(lengths):
+        alone = model(x[b:b + 1, width - n:]).logits
+        torch.testing.assert_close(out[b, width - n:], alone[0], atol=2e-5, rtol=2e-5)
+        blocks += cfg.stats[1].blocks if cfg is not None else 0
+    return blocks
+
+
+def test_a_local_layer_runs_one_window_call_and_counts_its_layouts_blocks(varlen_calls):
+    """Rows of 300, 200 and 40 tokens, window 100 on 128-token blocks: the window cuts blocks from the long rows,
+    and the stats equal the rows' own layouts' (which runs them alone through attention())."""
+    model = tiny_llama(layers=2)
+    cfg = enable(model, SparseAttnConfig("local", {"window": 100}))
+    lengths, width = [300, 200, 40], 300
+    x, mask = left_padded(lengths, width, seed=5)
+    with torch.no_grad():
+        out = model(x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        stats = cfg.stats[1]
+        assert [c.get("window") for c in varlen_calls] == [100, 100] and all("layouts" not in c for c in varlen_calls)
+        blocks = _rows_alone(model, x, lengths, width, out, cfg)
+    assert stats.blocks == blocks == sum(patterns.local_block_count(n, 100) for n in lengths)
+    causal = sum(patterns.causal_block_count(n) for n in lengths)
+    assert stats.causal_sparsity == pytest.approx(1 - blocks / causal)
+
+
+def test_the_model_s_window_runs_as_one_window_call(varlen_calls):
+    """Mistral's window (20): a dense layer runs that window; a local layer the smaller of the two. Prefill and a
+    cached decoding step per row against the row alone."""
+    for pattern, kwargs, expect in (("dense", {}, 20), ("local", {"window": 12}, 12), ("local", {"window": 50}, 20)):
+        model = tiny_mistral(window=20)
+        enable(model, SparseAttnConfig(pattern, kwargs))
+        lengths, width = [61, 30], 61
+        x, mask = left_padded(lengths, width, seed=3)
+        varlen_calls.clear()
+        with torch.no_grad():
+            out = model(x, attention_mask=mask).logits
+            pre = model(x[:, :60], attention_mask=mask[:, :60], use_cache=True)
+            step = model(x[:, 60:], attention_mask=mask, past_key_values=pre.past_key_values, use_cache=True).logits
+            assert {c.get("window") for c in varlen_calls} == {expect}, pattern
+            for b, n in enumerate(lengths):
+                alone = model(x[b:b + 1, width - n:]).logits
+                torch.testing.assert_close(out[b, width - n:], alone[0], atol=2e-5, rtol=2e-5)
+                torch.testing.assert_close(step[b, -1], alone[0, -1], atol=2e-5, rtol=2e-5)
+
+
+def test_left_padded_generate_with_a_local_layer_matches_each_prompt_alone(varlen_calls):
+    """Batched greedy decoding (cache growing each step) with a window shorter than the prompts."""
+    model = tiny_llama(layers=2)
+    enable(model, SparseAttnConfig("local", {"window": 16}))
+    lengths, width = [40, 25, 9], 40
+    x, mask = left_padded(lengths, width, seed=6)
+    with torch.no_grad():
+        batch = model.generate(x, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        assert varlen_calls and all(c.get("window") == 16 for c in varlen_calls)
+        for b, n in enumerate(lengths):
+            alone = model.generate(x[b:b + 1, width - n:], max_new_tokens=10, do_sample=False)
+            assert torch.equal(batch[b, width:], alone[0, n:]), b
+
+
+def test_other_layers_keep_their_per_sequence_layouts(varlen_calls):
+    """A window on other blocks, a two-sided window, and streaming are not one causal window on 128-token
+    blocks: they keep the layouts (the spy sees layouts=, no window=)."""
+    for pattern, kwargs in (("local", {"window": 8, "block_q": 64, "block_k": 64}),
+                            ("local", {"window": 8, "causal": False}), ("streaming", {"window": 8, "num_sink": 2})):
+        model = tiny_llama(layers=1)
+        enable(model, SparseAttnConfig(pattern, kwargs))
+        x, mask = left_padded([20, 9], 20, seed=7)
+        varlen_calls.clear()
+        with torch.no_grad():
+            model(x, attention_mask=mask)
+        assert varlen_calls and all("layouts" in c and "window" not in c for c in varlen_calls), pattern
