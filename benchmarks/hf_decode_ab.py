@@ -1,10 +1,11 @@
 """Batched greedy decoding through the transformers integration, dense against local, alternated in one process,
 and where a decoding step's host time goes (cProfile, top functions by own time).
 
-    python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--rounds 3]
+    python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--rounds 3] [--prompts padded|one]
 
-The model and prompts of hf_batch_probe.py (random 4-layer Llama, 8 left-padded prompts of 512-4096 tokens, bf16,
-CUDA); each generate() makes 64 tokens, and its prefill (the same for every impl) is timed apart and taken off.
+The model and prompts of hf_batch_probe.py (random 4-layer Llama, bf16, CUDA): ``padded``, 8 left-padded prompts of
+512-4096 tokens (varlen calls), or ``one``, the 4096-token prompt alone (attention() calls); each generate() makes
+64 tokens, and its prefill (the same for every impl) is timed apart and taken off.
 """
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", choices=("padded", "one"), default="padded")
     args = ap.parse_args()
     x, mask = padded_inputs()
+    if args.prompts == "one":  # the longest prompt, no padding
+        x, mask = x[:1], mask[:1]
     models = {}
     for name, cfg in (("dense", SparseAttnConfig("dense")), (f"local-{args.window}",
                                                                SparseAttnConfig("local", {"window": args.window}))):
@@ -72,8 +76,8 @@ def main() -> None:
     for name, text in profiles.items():
         print(f"===== {name}\n" + "\n".join(text.splitlines()[:45]))
     with open(args.out, "w") as f:
-        json.dump({**make_header("cuda", "hf-decode-ab", transformers=transformers.__version__), "rows": rows,
-                   "profiles": profiles}, f, indent=1)
+        json.dump({**make_header("cuda", "hf-decode-ab", transformers=transformers.__version__,
+                                 prompts=args.prompts), "rows": rows, "profiles": profiles}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -102,3 +102,32 @@ def test_other_layers_keep_their_per_sequence_layouts(varlen_calls):
         with torch.no_grad():
             model(x, attention_mask=mask)
         assert varlen_calls and all("layouts" in c and "window" not in c for c in varlen_calls), pattern
+
+
+@pytest.mark.parametrize("pattern,kwargs,builder", [
+    ("local", {"window": 100}, lambda lq, lk, device: patterns.local(lq, 100, kv_len=lk, device=device)),
+    ("dense", {}, lambda lq, lk, device: patterns.causal(lq, lk, device=device))])
+def test_unpadded_window_and_dense_layers_run_without_layouts(pattern, kwargs, builder, monkeypatch):
+    """Unpadded rows (one prompt, a cached step): local and dense layers call attention() without a layout
+    (window= for local), and give the logits and the stats of the same layouts passed as a pattern callable
+    (which runs them as layouts)."""
+    calls = []
+    real = sat._api.attention
+    monkeypatch.setattr(sat._api, "attention", lambda *a, **kw: calls.append((len(a), kw)) or real(*a, **kw))
+    x = torch.randint(1, 128, (2, 300), generator=torch.Generator().manual_seed(8))
+    results = []
+    for spec in (SparseAttnConfig(pattern, kwargs), SparseAttnConfig(builder)):
+        model = tiny_llama(layers=2)
+        cfg = enable(model, spec)
+        calls.clear()
+        with torch.no_grad():
+            pre = model(x[:, :299], use_cache=True)
+            step = model(x[:, 299:], past_key_values=pre.past_key_values, use_cache=True).logits
+        stats = cfg.stats[1]
+        results.append((pre.logits, step, (stats.blocks, stats.sparsity, stats.causal_sparsity), list(calls)))
+    (pre, step, stats, calls_ours), (pre_ref, step_ref, stats_ref, calls_ref) = results
+    assert all(n == 3 and kw.get("window") == kwargs.get("window") for n, kw in calls_ours)  # no layout argument
+    assert all(n == 4 for n, _ in calls_ref)
+    torch.testing.assert_close(pre, pre_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(step, step_ref, atol=2e-5, rtol=2e-5)
+    assert stats == pytest.approx(stats_ref)

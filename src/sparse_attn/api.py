@@ -132,7 +132,8 @@ def _one_sequence_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLa
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | str | None = None, *,
               causal: bool = False, scale: float | None = None, return_lse: bool = False,
               quant: str | None = None, quant_granularity: str = "per_warp", smooth_k: bool = True,
-              adaptive: dict | None = None, return_layout: bool = False, pv_threshold: float | None = None):
+              adaptive: dict | None = None, return_layout: bool = False, pv_threshold: float | None = None,
+              window: int | None = None):
     """Block-sparse attention.
 
     Args:
@@ -166,6 +167,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             relative to the row's running max, is dropped (no exp, no P.V), as if the layout had
             left it out for those rows (SpargeAttn's second stage, ``pvthreshd``, as a probability).
             Each dropped probability is < pv_threshold of its row's total.
+        window: with ``causal`` and no layout, a sliding window of this many keys: query i sees key j iff
+            ``p - window < j <= p``, ``p = i + Lk - Lq`` (``patterns.local``; FlashAttention's
+            ``window_size=(window - 1, 0)``). Forward-only fp16/bf16 calls on CUDA plan it in the kernel (no
+            layout built, nothing to warm up for torch.compile or CUDA graphs); calls with gradients, 8-bit
+            calls and the CPU run ``patterns.local(Lq, window, kv_len=Lk)`` (cached per shape; under
+            torch.compile with gradients pass that layout, prepared, instead).
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that may see no key
@@ -177,6 +184,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     _check_unused_granularity(quant, quant_granularity)
     if pv_threshold is not None:
         pv_threshold = _check_pv_threshold(pv_threshold, q, k, v, quant)
+    if window is not None:
+        window = _check_window(window, causal, layout if adaptive is None else layout or "adaptive", "layout")
+        if quant is not None or not _use_kernels(q) or needs_grad(q, k, v):  # these run a layout
+            layout = _window_layout(window, q.shape[2], k.shape[2], q.device)
     if isinstance(layout, str) or adaptive is not None:
         from .predict.adaptive import predicted_layout
         layout = predicted_layout(layout, q, k, causal=causal, scale=scale, options=adaptive)
@@ -197,9 +208,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         return reference.attention(q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse)
     from .ops.block_sparse import attention_op, device_plan_attention_op
     grad = needs_grad(q, k, v)
-    if layout is None and not grad:  # the kernel plans the default layout's rows itself
+    if layout is None and not grad:  # the kernel plans the default layout's (or the window's) rows itself
         return device_plan_attention_op(q, k, v, causal, scale=scale, return_lse=return_lse,
-                                        pv_threshold=pv_threshold or 0.0)
+                                        pv_threshold=pv_threshold or 0.0, window=window)
     kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device, exact=grad)
     return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse, pv_threshold=pv_threshold or 0.0)
 
@@ -293,7 +304,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     check_flags(return_lse=return_lse, smooth_k=smooth_k)
     _check_unused_granularity(quant, quant_granularity)
     check_packed_qkv(q, k, v, "varlen_attention")
-    window = _check_window(window, causal, layouts, pattern)
+    window = _check_window(window, causal, layouts if pattern is None else pattern,
+                           "layouts" if pattern is None else "pattern")
     device_plan = _varlen_device_plan(q, k, v, layouts, pattern, quant)
     q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device, device_plan)
     k_lens = varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device, device_plan)
@@ -328,8 +340,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                plan.kv_lens, scale=scale, return_lse=return_lse)
 
 
-def _check_window(window, causal: bool, layouts, pattern) -> int | None:
-    """varlen_attention's ``window`` as an int >= 1 (or None), refused by name where it has no meaning."""
+def _check_window(window, causal: bool, given, given_name: str) -> int | None:
+    """attention's / varlen_attention's ``window`` as an int >= 1 (or None), refused by name where it has no
+    meaning: without ``causal``, or beside ``given`` (the call's ``given_name``: layout, layouts, pattern)."""
     if window is None:
         return None
     if isinstance(window, bool):
@@ -337,13 +350,31 @@ def _check_window(window, causal: bool, layouts, pattern) -> int | None:
     window = check_int("window", window, 1)
     if not causal:
         raise ValueError(f"window={window} is a causal sliding window (query at position p sees keys "
-                         f"p - {window} < j <= p): pass causal=True, or for a two-sided window "
-                         f"pattern=lambda lq, lk: patterns.local(lq, {window}, kv_len=lk, causal=False)")
-    if layouts is not None or pattern is not None:
-        raise ValueError(f"window={window} with {'layouts=' if layouts is not None else 'pattern='}: build the "
-                         f"window into them (your layout & patterns.local(q_len, {window}, kv_len=kv_len)), or drop "
-                         "window=")
+                         f"p - {window} < j <= p): pass causal=True, or for a two-sided window a layout "
+                         f"patterns.local(q_len, {window}, kv_len=kv_len, causal=False)")
+    if given is not None:
+        shown = f"={given!r}" if isinstance(given, str) else "="
+        into = "it" if given_name == "layout" else "them"
+        raise ValueError(f"window={window} with {given_name}{shown}: build the window into {into} (your layout & "
+                         f"patterns.local(q_len, {window}, kv_len=kv_len)), or drop window=")
     return window
+
+
+_WINDOW_LAYOUTS = PlanCache(16)  # (window, lq, lk, device) -> patterns.local, for attention(window=) calls that run a layout
+
+
+def _window_layout(window: int, lq: int, lk: int, device) -> BlockLayout:
+    """``patterns.local(lq, window, kv_len=lk)`` on ``device``, cached per shape (a training loop's calls
+    repeat it). Not built while torch.compile traces (its block counting is data-dependent)."""
+    key = (window, lq, lk, str(device))
+    layout = _WINDOW_LAYOUTS.find(key)
+    if layout is None and torch.compiler.is_compiling():
+        raise RuntimeError(f"sparse_attn: attention(window={window}) with gradients (or quant=, or on the CPU) runs "
+                           f"patterns.local's layout, built on first use per shape (Lq={lq}, Lk={lk}), which cannot be "
+                           f"traced; pass layout=sparse_attn.prepare(patterns.local({lq}, {window}, kv_len={lk}, "
+                           "device=...), causal=True) with causal=True instead of window=")
+    return layout if layout is not None else _WINDOW_LAYOUTS.get(
+        key, lambda: patterns.local(lq, window, kv_len=lk, device=device))
 
 
 @functools.lru_cache(maxsize=16)

@@ -223,3 +223,48 @@ def test_a_captured_window_decoding_step_follows_new_lengths_on_replay():
         t = sum(lens)
         want = call(k[:t], v[:t], _cu(lens))
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), trial
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lq,lk,window,hkv", [(1, 20001, 4096, 8), (4, 3000, 1, 32), (700, 700, 256, 8),
+                                               (1000, 2500, 1024, 4), (300, 129, 100, 32)])
+def test_attention_s_window_without_a_layout_gives_patterns_local_s_bits(dtype, lq, lk, window, hkv):
+    """attention(causal=True, window=W) without gradients plans the window in the kernel; bit for bit the same
+    call on patterns.local's layout, and within the same-dtype reference's error of the fp64 oracle."""
+    from sparse_attn import patterns
+    from sparse_attn.ops.block_sparse import attention_op
+    g = torch.Generator(device="cuda").manual_seed(lq + lk)
+    q = torch.randn(2, 32, lq, 128, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(2, hkv, lk, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
+    got = sparse_attn.attention(q, k, v, causal=True, window=window, return_lse=True)
+    layout = patterns.local(lq, window, kv_len=lk, device="cuda")
+    want = attention_op(q, k, v, layout, return_lse=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_close_to_oracle(got[0], reference_attention(q, k, v, layout), oracle_attention(q, k, v, layout))
+
+
+def test_a_window_decoding_step_captures_without_a_warm_up_and_trains_through_patterns_local():
+    """A forward-only decoding step with a window needs no plan, so its first call at new lengths may be inside
+    a capture (an eager call at other lengths compiled the kernel); replays on new q equal eager calls. With
+    gradients the call runs patterns.local (close to the oracle)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(1, 32, 1, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(1, 8, 9000, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    sparse_attn.attention(q, k[:, :, :5000], v[:, :, :5000], causal=True, window=2048)
+    graph, out = capture_graph(lambda: sparse_attn.attention(q, k, v, causal=True, window=2048), warmup=0)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, sparse_attn.attention(q, k, v, causal=True, window=2048))
+    from sparse_attn import patterns
+    leaves = [torch.randn(1, h, 600, 64, device="cuda", generator=g).bfloat16().requires_grad_() for h in (8, 4, 4)]
+    twins = [t.detach().clone().requires_grad_() for t in leaves]
+    out = sparse_attn.attention(*leaves, causal=True, window=200)
+    out.float().square().sum().backward()
+    layout = patterns.local(600, 200, device="cuda")
+    want = sparse_attn.attention(*twins, layout, causal=True)
+    want.float().square().sum().backward()
+    assert torch.equal(out, want) and all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, twins))
+    detached = [t.detach() for t in leaves]
+    assert_close_to_oracle(out, reference_attention(*detached, layout), oracle_attention(*detached, layout))

@@ -163,12 +163,13 @@ def _device_plan_forward(q, k, v, causal: bool, cu_q, cu_k, max_q: int, max_k: i
 
 
 def device_plan_attention_op(q, k, v, causal: bool, *, scale: float | None = None, return_lse: bool = False,
-                             pv_threshold: float = 0.0):
-    """Dense or bottom-right causal attention on validated ``[B, H, L, D]`` inputs, forward only (nothing
-    requires grad), its rows planned by the kernel from Lq / Lk (_device_plan_forward): no layout is built
-    or looked up, so the call needs no eager warm-up before torch.compile or CUDA graph capture, and a
-    growing cache costs what a fixed one does."""
-    return _device_plan_forward(q, k, v, causal, None, None, q.shape[2], k.shape[2], scale, return_lse, pv_threshold)
+                             pv_threshold: float = 0.0, window: int | None = None):
+    """Dense, bottom-right causal or (``window``) causal sliding-window attention on validated ``[B, H, L, D]``
+    inputs, forward only (nothing requires grad), its rows planned by the kernel from Lq / Lk
+    (_device_plan_forward): no layout is built or looked up, so the call needs no eager warm-up before
+    torch.compile or CUDA graph capture, and a growing cache costs what a fixed one does."""
+    return _device_plan_forward(q, k, v, causal, None, None, q.shape[2], k.shape[2], scale, return_lse, pv_threshold,
+                                window=window)
 
 
 def varlen_device_plan_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, *,

@@ -1,0 +1,84 @@
+"""attention(q, k, v, causal=True, window=W): a bottom-right causal sliding window without a layout. Forward-only
+CUDA calls run the kernels' device plan (DEVICE_PLAN 3, no layout built); calls with gradients, 8-bit calls and
+the CPU run ``patterns.local(Lq, W, kv_len=Lk)``. Under TRITON_INTERPRET=1 (conftest.py) on small fp16 cases for the
+kernels; the CPU reference otherwise. The oracle is written from the definition, in fp64."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn import api, patterns
+
+SHAPES = [(1, 300, 100), (130, 300, 1), (257, 130, 64), (200, 200, 129), (3, 129, 1000)]  # (Lq, Lk, window)
+
+
+def _qkv(lq, lk, seed, dtype=torch.float16, hq=4, hkv=2, d=32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, hq, lq, d, generator=g).to(dtype),
+            *(torch.randn(2, hkv, lk, d, generator=g).to(dtype) for _ in range(2)))
+
+
+def _oracle(q, k, v, window):
+    """fp64 attention under ``p - window < j <= p``, p = i + Lk - Lq; rows without a key give 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    lq, lk = q.shape[2], k.shape[2]
+    p = torch.arange(lq)[:, None] + lk - lq
+    j = torch.arange(lk)[None, :]
+    allowed = (j <= p) & (j > p - window)
+    s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))
+    w = torch.softmax(s, -1).nan_to_num(0.0)
+    return w @ v
+
+
+def test_the_cpu_call_is_the_window_s_attention():
+    for lq, lk, window in SHAPES:
+        q, k, v = (t.float() for t in _qkv(lq, lk, lq + lk))
+        got = sparse_attn.attention(q, k, v, causal=True, window=window)
+        assert torch.allclose(got.double(), _oracle(q, k, v, window), atol=1e-5), (lq, lk, window)
+        same = sparse_attn.attention(q, k, v, patterns.local(lq, window, kv_len=lk), causal=True)
+        assert torch.equal(got, same), (lq, lk, window)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter tests run only without a GPU")
+def test_the_kernels_plan_the_window_without_a_layout_and_train_through_patterns_local(monkeypatch):
+    """As on CUDA (the kernels interpreted): forward-only calls build no layout and give the bits of the same
+    call on patterns.local's layout (the host plan); a call with gradients runs that layout, and its gradients
+    match the oracle's."""
+    from sparse_attn.ops.block_sparse import attention_op
+    monkeypatch.setattr(api, "_use_kernels", lambda t: True)
+    monkeypatch.setattr(api, "_DEFAULT_LAYOUTS", {})
+    monkeypatch.setattr(api, "_WINDOW_LAYOUTS", api.PlanCache(8))
+    for lq, lk, window in SHAPES:
+        q, k, v = _qkv(lq, lk, 7 * lq + lk)
+        got = sparse_attn.attention(q, k, v, causal=True, window=window, return_lse=True)
+        assert api._DEFAULT_LAYOUTS == {} and len(api._WINDOW_LAYOUTS) == 0, (lq, lk, window)
+        want = attention_op(q, k, v, patterns.local(lq, window, kv_len=lk), return_lse=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lq, lk, window)
+        assert torch.allclose(got[0].double(), _oracle(q, k, v, window), atol=2e-3), (lq, lk, window)
+    lq, lk, window = 130, 300, 100
+    leaves = [t.float().requires_grad_() for t in _qkv(lq, lk, 3)]
+    out = sparse_attn.attention(*leaves, causal=True, window=window)
+    assert len(api._WINDOW_LAYOUTS) == 1
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    (out * dout).sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    (_oracle(*ref, window) * dout.double()).sum().backward()
+    for got_leaf, ref_leaf in zip(leaves, ref):
+        assert torch.allclose(got_leaf.grad.double(), ref_leaf.grad, atol=2e-3)
+
+
+def test_a_window_is_refused_where_it_means_nothing():
+    q, k, v = (t.float() for t in _qkv(4, 9, 0))
+    with pytest.raises(ValueError, match="causal sliding window .* pass causal=True"):
+        sparse_attn.attention(q, k, v, window=4)
+    with pytest.raises(ValueError, match="window=4 with layout=: build the window into it"):
+        sparse_attn.attention(q, k, v, patterns.causal(4, 9), causal=True, window=4)
+    with pytest.raises(ValueError, match="window=4 with layout='adaptive'"):
+        sparse_attn.attention(q, k, v, "adaptive", causal=True, window=4)
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        sparse_attn.attention(q, k, v, causal=True, window=0)
