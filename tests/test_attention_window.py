@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparse_attn
-from sparse_attn import api, patterns
+from sparse_attn import api, patterns, sliding_window
 
 SHAPES = [(1, 300, 100), (130, 300, 1), (257, 130, 64), (200, 200, 129), (3, 129, 1000)]  # (Lq, Lk, window)
 
@@ -52,18 +52,18 @@ def test_the_kernels_plan_the_window_without_a_layout_and_train_through_patterns
     from sparse_attn.ops.block_sparse import attention_op
     monkeypatch.setattr(api, "_use_kernels", lambda t: True)
     monkeypatch.setattr(api, "_DEFAULT_LAYOUTS", {})
-    monkeypatch.setattr(api, "_WINDOW_LAYOUTS", api.PlanCache(8))
+    monkeypatch.setattr(sliding_window, "_WINDOW_LAYOUTS", api.PlanCache(8))
     for lq, lk, window in SHAPES:
         q, k, v = _qkv(lq, lk, 7 * lq + lk)
         got = sparse_attn.attention(q, k, v, causal=True, window=window, return_lse=True)
-        assert api._DEFAULT_LAYOUTS == {} and len(api._WINDOW_LAYOUTS) == 0, (lq, lk, window)
+        assert api._DEFAULT_LAYOUTS == {} and len(sliding_window._WINDOW_LAYOUTS) == 0, (lq, lk, window)
         want = attention_op(q, k, v, patterns.local(lq, window, kv_len=lk), return_lse=True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lq, lk, window)
         assert torch.allclose(got[0].double(), _oracle(q, k, v, window), atol=2e-3), (lq, lk, window)
     lq, lk, window = 130, 300, 100
     leaves = [t.float().requires_grad_() for t in _qkv(lq, lk, 3)]
     out = sparse_attn.attention(*leaves, causal=True, window=window)
-    assert len(api._WINDOW_LAYOUTS) == 1
+    assert len(sliding_window._WINDOW_LAYOUTS) == 1
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     (out * dout).sum().backward()
     ref = [t.detach().double().requires_grad_() for t in leaves]

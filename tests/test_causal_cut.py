@@ -87,3 +87,16 @@ def test_long_band_is_cheap():
                                          (1000, 999, 128, 64), (513, 2049, 64, 128), (3000, 17, 16, 16)])
 def test_causal_block_count(lq, lk, bq, bk):
     assert P.causal_block_count(lq, lk, block_q=bq, block_k=bk) == P.causal(lq, lk, block_q=bq, block_k=bk).num_blocks
+
+
+def test_local_block_count():
+    """The closed form (used for the device plan's stats) against the layout it stands for, on random shapes:
+    windows of one key to longer than the keys, Lq above and below Lk, odd block shapes."""
+    import random
+    rnd = random.Random(0)
+    for _ in range(300):
+        lq, lk = rnd.choice([0, 1, 2, 5, 127, 128, 129, 300, 700]), rnd.choice([0, 1, 3, 127, 128, 129, 400, 1000])
+        window, bq, bk = rnd.choice([1, 2, 50, 127, 128, 129, 300, 2000]), rnd.choice([16, 64, 128]), rnd.choice(
+            [16, 32, 128, 256])
+        want = P.local(lq, window, kv_len=lk, block_q=bq, block_k=bk).num_blocks
+        assert P.local_block_count(lq, window, lk, block_q=bq, block_k=bk) == want, (lq, lk, window, bq, bk)

@@ -14,19 +14,10 @@ import torch
 import sparse_attn
 from sparse_attn import patterns, varlen
 from sparse_attn.ops.block_sparse import launch, varlen_attention_op, varlen_device_plan_op
+from test_device_plan import _cu, _packed
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests run only without a GPU")
-
-
-def _cu(lens) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
-
-
-def _packed(q_lens, k_lens, seed: int, hq: int = 4, hkv: int = 2, d: int = 32):
-    g = torch.Generator().manual_seed(seed)
-    mk = lambda n, h: torch.randn(n, h, d, generator=g).half()  # noqa: E731
-    return mk(sum(q_lens), hq), mk(sum(k_lens), hkv), mk(sum(k_lens), hkv)
 
 
 def _host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k):

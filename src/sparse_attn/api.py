@@ -11,9 +11,9 @@ import torch
 from . import patterns, reference
 from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
-from .patterns._common import check_int
 from .patterns.basic import mark_causal
 from .plan_cache import PlanCache
+from .sliding_window import check_window, window_layout, window_pattern
 from .validation import (capturing, check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv,
                          check_qkv, check_scale, needs_grad)
 
@@ -185,9 +185,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     if pv_threshold is not None:
         pv_threshold = _check_pv_threshold(pv_threshold, q, k, v, quant)
     if window is not None:
-        window = _check_window(window, causal, layout if adaptive is None else layout or "adaptive", "layout")
+        window = check_window(window, causal, layout if adaptive is None else layout or "adaptive", "layout")
         if quant is not None or not _use_kernels(q) or needs_grad(q, k, v):  # these run a layout
-            layout = _window_layout(window, q.shape[2], k.shape[2], q.device)
+            layout = window_layout(window, q.shape[2], k.shape[2], q.device)
     if isinstance(layout, str) or adaptive is not None:
         from .predict.adaptive import predicted_layout
         layout = predicted_layout(layout, q, k, causal=causal, scale=scale, options=adaptive)
@@ -304,7 +304,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     check_flags(return_lse=return_lse, smooth_k=smooth_k)
     _check_unused_granularity(quant, quant_granularity)
     check_packed_qkv(q, k, v, "varlen_attention")
-    window = _check_window(window, causal, layouts if pattern is None else pattern,
+    window = check_window(window, causal, layouts if pattern is None else pattern,
                            "layouts" if pattern is None else "pattern")
     device_plan = _varlen_device_plan(q, k, v, layouts, pattern, quant)
     q_lens = varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device, device_plan)
@@ -319,7 +319,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return varlen_device_plan_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                      scale=scale, return_lse=return_lse, window=window)
     if window is not None:  # the host plans it as patterns.local, one cached function per window
-        pattern = _window_pattern(window)
+        pattern = window_pattern(window)
     varlen.check_layout_args(layouts, pattern, len(q_lens))  # before the plan cache hashes them
     plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device,
                         exact=needs_grad(q, k, v))
@@ -340,53 +340,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                plan.kv_lens, scale=scale, return_lse=return_lse)
 
 
-def _check_window(window, causal: bool, given, given_name: str) -> int | None:
-    """attention's / varlen_attention's ``window`` as an int >= 1 (or None), refused by name where it has no
-    meaning: without ``causal``, or beside ``given`` (the call's ``given_name``: layout, layouts, pattern)."""
-    if window is None:
-        return None
-    if isinstance(window, bool):
-        raise TypeError(f"window must be an int (keys), got {window!r}")
-    window = check_int("window", window, 1)
-    if not causal:
-        raise ValueError(f"window={window} is a causal sliding window (query at position p sees keys "
-                         f"p - {window} < j <= p): pass causal=True, or for a two-sided window a layout "
-                         f"patterns.local(q_len, {window}, kv_len=kv_len, causal=False)")
-    if given is not None:
-        shown = f"={given!r}" if isinstance(given, str) else "="
-        into = "it" if given_name == "layout" else "them"
-        raise ValueError(f"window={window} with {given_name}{shown}: build the window into {into} (your layout & "
-                         f"patterns.local(q_len, {window}, kv_len=kv_len)), or drop window=")
-    return window
-
-
-_WINDOW_LAYOUTS = PlanCache(16)  # (window, lq, lk, device) -> patterns.local, for attention(window=) calls that run a layout
-
-
-def _window_layout(window: int, lq: int, lk: int, device) -> BlockLayout:
-    """``patterns.local(lq, window, kv_len=lk)`` on ``device``, cached per shape (a training loop's calls
-    repeat it). Not built while torch.compile traces (its block counting is data-dependent)."""
-    key = (window, lq, lk, str(device))
-    layout = _WINDOW_LAYOUTS.find(key)
-    if layout is None and torch.compiler.is_compiling():
-        raise RuntimeError(f"sparse_attn: attention(window={window}) with gradients (or quant=, or on the CPU) runs "
-                           f"patterns.local's layout, built on first use per shape (Lq={lq}, Lk={lk}), which cannot be "
-                           f"traced; pass layout=sparse_attn.prepare(patterns.local({lq}, {window}, kv_len={lk}, "
-                           "device=...), causal=True) with causal=True instead of window=")
-    return layout if layout is not None else _WINDOW_LAYOUTS.get(
-        key, lambda: patterns.local(lq, window, kv_len=lk, device=device))
-
-
-@functools.lru_cache(maxsize=16)
-def _window_pattern(window: int):
-    """``pattern=`` for varlen_attention's ``window`` on the host plan: one function object per window, so
-    the plan cache (keyed by the pattern's identity) finds it again."""
-    return lambda q_len, kv_len: patterns.local(q_len, window, kv_len=kv_len)
-
-
 def _varlen_device_plan(q, k, v, layouts, pattern, quant) -> bool:
-    """Whether a varlen call runs the kernels' device plan (launch.forward ``device_plan``): dense or causal
-    (no layouts, pattern or quant) on the kernels, forward-only, eager or inside a CUDA graph capture (not
+    """Whether a varlen call runs the kernels' device plan (launch.forward ``device_plan``): dense, causal or a
+    causal window (no layouts, pattern or quant) on the kernels, forward-only, eager or inside a CUDA graph capture (not
     while torch.compile traces: the custom op takes a schedule). The kernels then plan every row from the
     offsets on the GPU: no plan is built, cached or copied, and the call captures (README, "CUDA graphs").
     Calls that need gradients keep the host's exact plan, whose transpose the backward reads."""

@@ -29,8 +29,10 @@ def _packed(q_lens, k_lens, hq, hkv, d, dtype, seed, spare: int = 0):
     return mk(sum(q_lens), hq), mk(sum(k_lens) + spare, hkv), mk(sum(k_lens) + spare, hkv)
 
 
-def _per_sequence_oracle(out, q, k, v, q_lens, k_lens, causal):
-    """Each sequence's rows of ``out`` against the same-dtype reference and the fp64 oracle (rule 3)."""
+def _per_sequence_oracle(out, q, k, v, q_lens, k_lens, causal, window=None):
+    """Each sequence's rows of ``out`` against the same-dtype reference and the fp64 oracle (rule 3); with
+    ``window``, under patterns.local's layout of the sequence."""
+    from sparse_attn import patterns
     cq, ck = _cu(q_lens, "cpu").tolist(), _cu(k_lens, "cpu").tolist()
     for b in range(len(q_lens)):
         if q_lens[b] == 0 or k_lens[b] == 0:
@@ -38,8 +40,9 @@ def _per_sequence_oracle(out, q, k, v, q_lens, k_lens, causal):
         qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
         ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1)[None] for t in (k, v))
         got = out[cq[b]:cq[b + 1]].transpose(0, 1)[None]
-        assert_close_to_oracle(got, reference_attention(qs, ks, vs, causal=causal),
-                               oracle_attention(qs, ks, vs, causal=causal))
+        layout = None if window is None else patterns.local(q_lens[b], window, kv_len=k_lens[b], device=q.device)
+        assert_close_to_oracle(got, reference_attention(qs, ks, vs, layout, causal=causal),
+                               oracle_attention(qs, ks, vs, layout, causal=causal))
 
 
 CASES = [  # (q_lens, k_lens, hq, hkv, d): decoding, GQA packed rows, chunked prefill, odd and empty sequences
@@ -77,12 +80,13 @@ def test_varlen_attention_runs_the_device_plan_without_grad_and_the_host_plan_wi
     assert len(api._VARLEN_PLANS) == 1 and torch.equal(out, out_g)
 
 
-def test_a_captured_decoding_step_follows_new_lengths_on_replay():
-    """Capture one varlen decoding step (8 sequences, GQA, causal, max_seqlen_k fixed) on buffers with room
-    for every cache, then replay it with the caches grown a token, then shrunk, regrown and emptied at
-    random (the offsets rewritten in place, q refilled): each replay equals an eager call on the step's
-    tensors bit for bit (the same kernels and split), the outputs are poisoned before every replay, and
-    the last one is checked against the fp64 oracle."""
+@pytest.mark.parametrize("window", [None, 512])
+def test_a_captured_decoding_step_follows_new_lengths_on_replay(window):
+    """Capture one varlen decoding step (8 sequences, GQA, causal or a causal window, max_seqlen_k fixed) on
+    buffers with room for every cache, then replay it with the caches grown a token, then shrunk, regrown and
+    emptied at random (the offsets rewritten in place, q refilled): each replay equals an eager call on the
+    step's tensors bit for bit (the same kernels and split), the outputs are poisoned before every replay,
+    and the last one is checked against the fp64 oracle."""
     n_seqs, cap, hq, hkv, d = 8, 4200, 32, 8, 128
     rnd = random.Random(1)
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -93,7 +97,8 @@ def test_a_captured_decoding_step_follows_new_lengths_on_replay():
     cu_k = _cu(lens)
 
     def call(kk, vv, offsets):
-        return sparse_attn.varlen_attention(q, kk, vv, cu_q, offsets, 1, cap, causal=True, return_lse=True)
+        return sparse_attn.varlen_attention(q, kk, vv, cu_q, offsets, 1, cap, causal=True, window=window,
+                                            return_lse=True)
 
     t = sum(lens)
     # eager warm-up calls want offsets that end at the tensors' length; the capture takes the whole buffers
@@ -109,7 +114,7 @@ def test_a_captured_decoding_step_follows_new_lengths_on_replay():
         t = sum(lens)
         want = call(k[:t], v[:t], _cu(lens))
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), trial
-    _per_sequence_oracle(out, q, k, v, [1] * n_seqs, lens, True)
+    _per_sequence_oracle(out, q, k, v, [1] * n_seqs, lens, True, window)
 
 
 def test_a_captured_prefill_chunk_follows_new_lengths_on_replay():
@@ -172,7 +177,6 @@ def test_the_window_device_plan_gives_the_host_plan_s_bits(dtype, case, monkeypa
     """DEVICE_PLAN 3 (varlen_attention(causal=True, window=W) without gradients) against patterns.local's host
     plan, bit for bit with the key walk unsplit (the host plan sizes its split by its own longest row), and
     against the fp64 oracle per sequence with the automatic split."""
-    from sparse_attn import patterns
     from sparse_attn.ops.block_sparse import launch
     q_lens, k_lens, hq, hkv, d, window = WINDOW_CASES[case]
     q, k, v = _packed(q_lens, k_lens, hq, hkv, d, dtype, seed=20 + case)
@@ -183,46 +187,7 @@ def test_the_window_device_plan_gives_the_host_plan_s_bits(dtype, case, monkeypa
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     monkeypatch.setattr(launch, "FWD_KV_SPLIT", "auto")
     out = sparse_attn.varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, causal=True, window=window)
-    cq, ck = _cu(q_lens, "cpu").tolist(), _cu(k_lens, "cpu").tolist()
-    for b in range(len(q_lens)):
-        if q_lens[b] == 0 or k_lens[b] == 0:
-            continue
-        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
-        ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1)[None] for t in (k, v))
-        layout = patterns.local(q_lens[b], window, kv_len=k_lens[b], device="cuda")
-        assert_close_to_oracle(out[cq[b]:cq[b + 1]].transpose(0, 1)[None], reference_attention(qs, ks, vs, layout),
-                               oracle_attention(qs, ks, vs, layout))
-
-
-def test_a_captured_window_decoding_step_follows_new_lengths_on_replay():
-    """A captured varlen decoding step with a 512-key window (8 sequences, GQA): replays on grown, shrunk and
-    emptied caches equal eager calls bit for bit, outputs poisoned before each replay."""
-    n_seqs, cap, hq, hkv, d = 8, 3000, 32, 8, 128
-    rnd = random.Random(4)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q = torch.randn(n_seqs, hq, d, device="cuda", generator=g).bfloat16()
-    k, v = (torch.randn(n_seqs * cap, hkv, d, device="cuda", generator=g).bfloat16() for _ in range(2))
-    cu_q = _cu([1] * n_seqs)
-    lens = [rnd.randint(1, cap - 1) for _ in range(n_seqs)]
-    cu_k = _cu(lens)
-
-    def call(kk, vv, offsets):
-        return sparse_attn.varlen_attention(q, kk, vv, cu_q, offsets, 1, cap, causal=True, window=512,
-                                            return_lse=True)
-
-    t = sum(lens)
-    graph, (out, lse) = capture_graph(lambda: call(k, v, cu_k), warm_up=lambda: call(k[:t], v[:t], cu_k))
-    for trial in range(4):
-        lens = [n + 1 for n in lens] if trial == 0 else [rnd.randint(0 if trial == 3 else 1, cap)
-                                                         for _ in range(n_seqs)]
-        cu_k.copy_(_cu(lens))
-        q.copy_(torch.randn(q.shape, device="cuda", generator=g))
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        t = sum(lens)
-        want = call(k[:t], v[:t], _cu(lens))
-        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), trial
+    _per_sequence_oracle(out, q, k, v, q_lens, k_lens, True, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -433,8 +433,9 @@ def _dense_counts(q_lens: tuple, k_lens: tuple, bq: int, bk: int, run_causal: bo
 def _causal_window(spec: PatternSpec, model_window: int | None, causal: bool) -> int | None:
     """The one causal sliding window (in keys, as patterns.local's) that a causal layer's pattern and the
     model's window amount to, on 128-token blocks: ``local`` (its window, or the model's where smaller), or
-    dense / causal under the model's window. varlen_attention(window=) runs it per sequence without a layout
-    (patterns.local's blocks and masks, so what layout_for_lengths would build); None for anything else."""
+    dense / causal under the model's window. attention(window=) / varlen_attention(window=) run it (per
+    sequence) without a layout, with patterns.local's blocks and masks, so what layout_for_lengths would
+    build; None for anything else."""
     if not causal or not isinstance(spec.pattern, str):
         return None
     name, opts = spec.pattern.strip(), spec.options
