@@ -415,7 +415,7 @@ def fwd_kernel(
     offset = k_len - q_len
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
     if DEVICE_PLAN:
-        tl.static_assert(CONTIGUOUS, "a device plan's rows are runs from key block 0")
+        tl.static_assert(CONTIGUOUS, "a device plan's rows are runs of key blocks")
         tl.static_assert(N_TERMS == (DEVICE_PLAN != 1), "N_TERMS: the host plan's (0 dense, else 1)")
         if DEVICE_PLAN == 3:  # the run starts at key block b_lo; the unmasked part of it at u_lo
             count, n_full, b_lo, u_lo = _device_window_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, WINDOW,
