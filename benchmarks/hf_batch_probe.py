@@ -9,6 +9,7 @@ Cases, each against transformers' sdpa on the same model and inputs, medians of 
   chunk at a time (no [L, L] tensor), sdpa materialises the [1, 1, L, L] mask;
 * ``prefill``: a left-padded batch of 8 prompts (4096 tokens down to 512), one forward;
 * ``decode``: greedy generate() of 64 tokens from that batch (the cache's real keys are gathered every step);
+  ``ms_per_token`` is the whole call, prefill included, over 64 (hf_decode_ab.py takes the prefill off);
 * ``train``: forward + backward of one packed row (4 sequences, 16K tokens), local-1024 and dense.
 """
 from __future__ import annotations
