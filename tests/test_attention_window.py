@@ -82,3 +82,18 @@ def test_a_window_is_refused_where_it_means_nothing():
         sparse_attn.attention(q, k, v, "adaptive", causal=True, window=4)
     with pytest.raises(ValueError, match="window must be >= 1, got 0"):
         sparse_attn.attention(q, k, v, causal=True, window=0)
+
+
+def test_8_bit_calls_with_a_window_run_patterns_local():
+    """quant= runs a layout: with window= it is patterns.local's, for attention and varlen_attention alike (CPU)."""
+    q, k, v = _qkv(40, 70, 9)
+    layout = patterns.local(40, 24, kv_len=70)
+    got = sparse_attn.attention(q, k, v, causal=True, window=24, quant="int8")
+    assert torch.equal(got, sparse_attn.attention(q, k, v, layout, causal=True, quant="int8"))
+    pq, pk, pv = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # one sequence, packed [T, H, D]
+    cu_q, cu_k = torch.tensor([0, 40], dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32)
+    got = sparse_attn.varlen_attention(pq, pk, pv, cu_q, cu_k, 40, 70, causal=True, window=24, quant="int8")
+    want = sparse_attn.varlen_attention(pq, pk, pv, cu_q, cu_k, 40, 70, causal=True, quant="int8",
+                                        pattern=lambda lq, lk: patterns.local(lq, 24, kv_len=lk))
+    assert torch.equal(got, want)
+    assert not torch.equal(got, sparse_attn.varlen_attention(pq, pk, pv, cu_q, cu_k, 40, 70, causal=True, quant="int8"))
