@@ -97,3 +97,20 @@ def test_8_bit_calls_with_a_window_run_patterns_local():
                                         pattern=lambda lq, lk: patterns.local(lq, 24, kv_len=lk))
     assert torch.equal(got, want)
     assert not torch.equal(got, sparse_attn.varlen_attention(pq, pk, pv, cu_q, cu_k, 40, 70, causal=True, quant="int8"))
+
+
+def test_a_window_call_compiles_once_its_layout_is_built(monkeypatch):
+    """On the CPU the call runs patterns.local's layout: torch.compile(fullgraph=True) traces it once an eager
+    call at those lengths built it, and refuses by name before that (the layout cannot be built while tracing)."""
+    monkeypatch.setattr(sliding_window, "_WINDOW_LAYOUTS", api.PlanCache(8))
+    torch._dynamo.reset()
+    q, k, v = (t.float() for t in _qkv(40, 56, 11))
+
+    def fn(q, k, v):
+        return sparse_attn.attention(q, k, v, causal=True, window=8)
+
+    with pytest.raises(Exception, match=r"attention\(window=8\) .* cannot be traced"):
+        torch.compile(fn, fullgraph=True)(q, k, v)
+    eager = fn(q, k, v)
+    torch._dynamo.reset()
+    assert torch.allclose(torch.compile(fn, fullgraph=True)(q, k, v), eager, atol=1e-6)
