@@ -21,8 +21,9 @@ def _qkv(lq, lk, seed, dtype=torch.float16, hq=4, hkv=2, d=32):
             *(torch.randn(2, hkv, lk, d, generator=g).to(dtype) for _ in range(2)))
 
 
-def _oracle(q, k, v, window):
-    """fp64 attention under ``p - window < j <= p``, p = i + Lk - Lq; rows without a key give 0."""
+def window_oracle(q, k, v, window):
+    """fp64 attention of ``[B, Hq, Lq, D]`` / ``[B, Hkv, Lk, D]`` inputs under ``p - window < j <= p``,
+    p = i + Lk - Lq, as (out, lse); rows without a key give 0 and LSE -inf."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -31,8 +32,13 @@ def _oracle(q, k, v, window):
     j = torch.arange(lk)[None, :]
     allowed = (j <= p) & (j > p - window)
     s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))
-    w = torch.softmax(s, -1).nan_to_num(0.0)
-    return w @ v
+    lse = torch.logsumexp(s, -1)
+    w = torch.where(allowed, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    return w @ v, lse
+
+
+def _oracle(q, k, v, window):
+    return window_oracle(q, k, v, window)[0]
 
 
 def test_the_cpu_call_is_the_window_s_attention():

@@ -14,6 +14,7 @@ import torch
 import sparse_attn
 from sparse_attn import patterns, varlen
 from sparse_attn.ops.block_sparse import launch, varlen_attention_op, varlen_device_plan_op
+from test_attention_window import window_oracle
 from test_device_plan import _cu, _packed
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -29,25 +30,14 @@ def _host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k):
 
 
 def _oracle(q, k, v, q_lens, k_lens, window):
-    """fp64 attention of each sequence alone under ``p - window < j <= p``, p = i + k_len - q_len; rows
-    without a key give 0 and LSE -inf."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
+    """test_attention_window's fp64 oracle on each packed sequence alone: (out [Tq, Hq, D], lse [Hq, Tq])."""
     outs, lses = [], []
     cq, ck = _cu(q_lens).tolist(), _cu(k_lens).tolist()
-    for i, (nq, nk) in enumerate(zip(q_lens, k_lens)):
-        qs = q[cq[i]:cq[i + 1]].transpose(0, 1)
-        ks = k[ck[i]:ck[i + 1]].transpose(0, 1).repeat_interleave(group, 0)
-        vs = v[ck[i]:ck[i + 1]].transpose(0, 1).repeat_interleave(group, 0)
-        p = torch.arange(nq)[:, None] + nk - nq
-        j = torch.arange(nk)[None, :]
-        allowed = (j <= p) & (j > p - window)
-        s = (qs @ ks.transpose(1, 2)) * q.shape[-1] ** -0.5
-        s = s.masked_fill(~allowed, float("-inf"))
-        lse = torch.logsumexp(s, -1)
-        w = torch.where(allowed, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-        outs.append((w @ vs).transpose(0, 1))
-        lses.append(lse)
+    for i in range(len(q_lens)):
+        qs, ks, vs = (t[c[i]:c[i + 1]].transpose(0, 1)[None] for t, c in ((q, cq), (k, ck), (v, ck)))
+        out, lse = window_oracle(qs, ks, vs, window)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, -1)
 
 

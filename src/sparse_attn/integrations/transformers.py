@@ -371,7 +371,6 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
             "(per_layer=...), or decode without a cache (use_cache=False)")
     packing = _packing_for(attention_mask, query, key, kwargs)
     spec, lq, lk = cfg.spec_for(layer_idx), query.shape[2], key.shape[2]
-    run_window = _causal_window(spec, window, causal)
     if packing is not None:
         out, stats = _packed_forward(cfg, layer_idx, query, key, value, packing, causal, window, scaling)
     elif spec.is_dense and _reach(window, lq, lk, causal) is None:
@@ -380,10 +379,10 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
         run_causal = causal or spec.pattern.strip() == "causal"
         out = _api.attention(query, key, value, causal=run_causal, scale=scaling).transpose(1, 2).contiguous()
         stats = _dense_stats(spec, (lq,), (lk,), (lq, lk), run_causal, causal)
-    elif run_window is not None:  # one causal sliding window: attention plans it itself too
+    elif (run_window := _causal_window(spec, window, causal)) is not None:  # one window: planned by attention too
         out = _api.attention(query, key, value, causal=True, window=run_window, scale=scaling)
         out = out.transpose(1, 2).contiguous()
-        stats = _window_stats(spec, (lq,), (lk,), run_window, window)
+        stats = _window_stats(spec, (lq,), (lk,), (lq, lk), run_window, window)
     else:
         layout, stats = cfg.layout_for(layer_idx, query, key, window, scaling, causal)
         out = _api.attention(query, key, value, layout, causal=causal, scale=scaling).transpose(1, 2).contiguous()
@@ -411,7 +410,12 @@ def _dense_stats(spec: PatternSpec, q_lens: tuple, k_lens: tuple, padded: tuple,
     """LayerStats of a dense / causal call over sequences of ``q_lens`` / ``k_lens`` tokens in a call of
     ``padded`` (q_len, kv_len), counted without building layouts."""
     bq, bk = spec.options.get("block_q", 128), spec.options.get("block_k", 128)
-    visited, grid, baseline = _dense_counts(q_lens, k_lens, bq, bk, run_causal, causal)
+    return _counted_stats(spec, padded, *_dense_counts(q_lens, k_lens, bq, bk, run_causal, causal))
+
+
+def _counted_stats(spec: PatternSpec, padded: tuple, visited: int, grid: int, baseline: int) -> LayerStats:
+    """LayerStats of a call of ``padded`` (q_len, kv_len) from its block counts: ``visited`` of the ``grid``'s
+    blocks, against the ``baseline`` blocks of the attention it replaces."""
     return LayerStats(spec.describe(), *padded, 1.0 - visited / grid if grid else 0.0,
                       1.0 - visited / baseline if baseline else 0.0, visited)
 
@@ -449,14 +453,12 @@ def _causal_window(spec: PatternSpec, model_window: int | None, causal: bool) ->
     return None
 
 
-def _window_stats(spec: PatternSpec, q_lens: tuple, k_lens: tuple, run_window: int, model_window: int | None,
-                  padded: tuple | None = None) -> LayerStats:
-    """LayerStats of a causal sliding-window call over sequences of ``q_lens`` / ``k_lens`` tokens, counted
-    without layouts; ``padded``: the call's (q_len, kv_len) when they are not one sequence's."""
-    visited, grid, baseline = _window_counts(q_lens, k_lens, run_window, int(model_window) if model_window else None)
-    q_len, kv_len = padded or (q_lens[0], k_lens[0])
-    return LayerStats(spec.describe(), q_len, kv_len, 1.0 - visited / grid if grid else 0.0,
-                      1.0 - visited / baseline if baseline else 0.0, visited)
+def _window_stats(spec: PatternSpec, q_lens: tuple, k_lens: tuple, padded: tuple, run_window: int,
+                  model_window: int | None) -> LayerStats:
+    """LayerStats of a causal sliding-window call over sequences of ``q_lens`` / ``k_lens`` tokens in a call of
+    ``padded`` (q_len, kv_len), counted without building layouts."""
+    return _counted_stats(spec, padded, *_window_counts(q_lens, k_lens, run_window,
+                                                         int(model_window) if model_window else None))
 
 
 @functools.lru_cache(maxsize=64)
@@ -536,8 +538,8 @@ def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing
     if run_window is not None:  # one causal sliding window: varlen plans it too (in the kernel, forward-only)
         out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
                                     causal=True, window=run_window, scale=scaling)
-        return packing.unpack(out), _window_stats(spec, packing.q_lens, packing.k_lens, run_window, window,
-                                                  (packing.q_len, packing.kv_len))
+        return packing.unpack(out), _window_stats(spec, packing.q_lens, packing.k_lens,
+                                                  (packing.q_len, packing.kv_len), run_window, window)
     cq, ck = packing.cu_q.tolist(), packing.cu_k.tolist()  # CPU tensors: no sync
     per_seq = []
     for i, (nq, nk) in enumerate(zip(packing.q_lens, packing.k_lens)):
@@ -553,9 +555,7 @@ def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing
     visited = sum(st.blocks for _, st in per_seq)
     grid = sum(lay._grid_blocks() for lay, _ in per_seq)
     baseline = sum(cfg.baseline_blocks(lay, causal, window) for lay, _ in per_seq)
-    stats = LayerStats(spec.describe(), lq, lk, 1.0 - visited / grid if grid else 0.0,
-                       1.0 - visited / baseline if baseline else 0.0, visited)
-    return packing.unpack(out), stats
+    return packing.unpack(out), _counted_stats(spec, (lq, lk), visited, grid, baseline)
 
 
 _WARNED: set = set()
