@@ -21,16 +21,16 @@ def _qkv(lq, lk, seed, dtype=torch.float16, hq=4, hkv=2, d=32):
             *(torch.randn(2, hkv, lk, d, generator=g).to(dtype) for _ in range(2)))
 
 
-def window_oracle(q, k, v, window):
-    """fp64 attention of ``[B, Hq, Lq, D]`` / ``[B, Hkv, Lk, D]`` inputs under ``p - window < j <= p``,
-    p = i + Lk - Lq, as (out, lse); rows without a key give 0 and LSE -inf."""
+def window_oracle(q, k, v, window, num_sink=0):
+    """fp64 attention of ``[B, Hq, Lq, D]`` / ``[B, Hkv, Lk, D]`` inputs under ``p - window < j <= p`` or
+    ``j < num_sink, j <= p``, p = i + Lk - Lq, as (out, lse); rows without a key give 0 and LSE -inf."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     lq, lk = q.shape[2], k.shape[2]
     p = torch.arange(lq)[:, None] + lk - lq
     j = torch.arange(lk)[None, :]
-    allowed = (j <= p) & (j > p - window)
+    allowed = (j <= p) & ((j > p - window) | (j < num_sink))
     s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, -1)
     w = torch.where(allowed, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), 0.0)
@@ -120,3 +120,52 @@ def test_a_window_call_compiles_once_its_layout_is_built(monkeypatch):
     eager = fn(q, k, v)
     torch._dynamo.reset()
     assert torch.allclose(torch.compile(fn, fullgraph=True)(q, k, v), eager, atol=1e-6)
+
+
+SINK_SHAPES = [(1, 300, 100, 70), (130, 300, 1, 129), (257, 130, 64, 1), (200, 200, 129, 500)]  # + num_sink
+
+
+def test_the_cpu_call_with_sinks_is_their_attention():
+    """num_sink adds the first keys to every later query's window: patterns.streaming's layout, the oracle."""
+    for lq, lk, window, num_sink in SINK_SHAPES:
+        q, k, v = (t.float() for t in _qkv(lq, lk, lq + lk + num_sink))
+        got = sparse_attn.attention(q, k, v, causal=True, window=window, num_sink=num_sink)
+        want = window_oracle(q, k, v, window, num_sink)[0]
+        assert torch.allclose(got.double(), want, atol=1e-5), (lq, lk, window, num_sink)
+        same = sparse_attn.attention(q, k, v, patterns.streaming(lq, window, num_sink, kv_len=lk), causal=True)
+        assert torch.equal(got, same), (lq, lk, window, num_sink)
+    q, k, v = (t.float() for t in _qkv(1, 300, 0))
+    assert not torch.allclose(sparse_attn.attention(q, k, v, causal=True, window=100, num_sink=70),
+                              sparse_attn.attention(q, k, v, causal=True, window=100), atol=1e-2)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter tests run only without a GPU")
+def test_the_kernels_plan_sinks_without_a_layout(monkeypatch):
+    """As on CUDA: forward-only calls with sinks build no layout and give the bits of patterns.streaming's host
+    plan; return_layout returns the layout the call ran (before, a window call with return_layout ran causal
+    attention without the window)."""
+    from sparse_attn.ops.block_sparse import attention_op
+    monkeypatch.setattr(api, "_use_kernels", lambda t: True)
+    monkeypatch.setattr(api, "_DEFAULT_LAYOUTS", {})
+    monkeypatch.setattr(sliding_window, "_WINDOW_LAYOUTS", api.PlanCache(8))
+    for lq, lk, window, num_sink in SINK_SHAPES:
+        q, k, v = _qkv(lq, lk, 5 * lq + lk)
+        got = sparse_attn.attention(q, k, v, causal=True, window=window, num_sink=num_sink, return_lse=True)
+        assert api._DEFAULT_LAYOUTS == {} and len(sliding_window._WINDOW_LAYOUTS) == 0
+        want = attention_op(q, k, v, patterns.streaming(lq, window, num_sink, kv_len=lk), return_lse=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lq, lk, window, num_sink)
+    lq, lk, window = 130, 300, 100
+    q, k, v = _qkv(lq, lk, 8)
+    for num_sink in (0, 70):
+        out, layout = sparse_attn.attention(q, k, v, causal=True, window=window, num_sink=num_sink,
+                                            return_layout=True)
+        assert torch.equal(layout.to_token_mask(), patterns.streaming(lq, window, num_sink, kv_len=lk).to_token_mask())
+        assert torch.equal(out, sparse_attn.attention(q, k, v, causal=True, window=window, num_sink=num_sink))
+
+
+def test_sinks_are_refused_without_a_window():
+    q, k, v = (t.float() for t in _qkv(4, 9, 0))
+    with pytest.raises(ValueError, match="num_sink=2 are the attention sinks of a sliding window .*: pass window="):
+        sparse_attn.attention(q, k, v, causal=True, num_sink=2)
+    with pytest.raises(ValueError, match="num_sink must be >= 0, got -3"):
+        sparse_attn.attention(q, k, v, causal=True, window=2, num_sink=-3)

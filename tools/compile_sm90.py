@@ -35,7 +35,7 @@ def signature(fn, consts):
         elif name in ("sm_scale", "pv_log2"):
             sig[name] = "fp32"
         elif name.startswith("stride") or name in ("H", "G", "HKV", "L", "Lq", "Lk", "SEQ_STEP", "TUNE_CLASS", "N_SM", "WAVE_NS",
-                                                        "N_SPLIT", "T_Q", "T_K", "WINDOW"):
+                                                        "N_SPLIT", "T_Q", "T_K", "WINDOW", "SINKS"):
             sig[name] = "i32"
         elif name in POINTERS_I32:
             sig[name] = "*i32"

@@ -13,7 +13,7 @@ from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
 from .patterns.basic import mark_causal
 from .plan_cache import PlanCache
-from .sliding_window import check_window, window_layout, window_pattern
+from .sliding_window import check_num_sink, check_window, window_layout, window_pattern
 from .validation import (capturing, check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv,
                          check_qkv, check_scale, needs_grad)
 
@@ -133,7 +133,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
               causal: bool = False, scale: float | None = None, return_lse: bool = False,
               quant: str | None = None, quant_granularity: str = "per_warp", smooth_k: bool = True,
               adaptive: dict | None = None, return_layout: bool = False, pv_threshold: float | None = None,
-              window: int | None = None):
+              window: int | None = None, num_sink: int = 0):
     """Block-sparse attention.
 
     Args:
@@ -173,6 +173,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             layout built, nothing to warm up for torch.compile or CUDA graphs); calls with gradients, 8-bit
             calls and the CPU run ``patterns.local(Lq, window, kv_len=Lk)`` (cached per shape; under
             torch.compile with gradients pass that layout, prepared, instead).
+        num_sink: with ``window``, attention sinks (StreamingLLM): query i also sees keys ``j < num_sink``,
+            ``j <= p``. Planned like the window alone; the calls that run a layout run
+            ``patterns.streaming(Lq, window, num_sink, kv_len=Lk)``.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that may see no key
@@ -184,10 +187,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     _check_unused_granularity(quant, quant_granularity)
     if pv_threshold is not None:
         pv_threshold = _check_pv_threshold(pv_threshold, q, k, v, quant)
+    num_sink = check_num_sink(num_sink, window)
     if window is not None:
         window = check_window(window, causal, layout if adaptive is None else layout or "adaptive", "layout")
-        if quant is not None or not _use_kernels(q) or needs_grad(q, k, v):  # these run a layout
-            layout = window_layout(window, q.shape[2], k.shape[2], q.device)
+        # these run a layout; return_layout returns the one that ran (the device plan's blocks, as a layout)
+        if quant is not None or not _use_kernels(q) or needs_grad(q, k, v) or return_layout:
+            layout = window_layout(window, q.shape[2], k.shape[2], q.device, num_sink)
     if isinstance(layout, str) or adaptive is not None:
         from .predict.adaptive import predicted_layout
         layout = predicted_layout(layout, q, k, causal=causal, scale=scale, options=adaptive)
@@ -210,7 +215,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     grad = needs_grad(q, k, v)
     if layout is None and not grad:  # the kernel plans the default layout's (or the window's) rows itself
         return device_plan_attention_op(q, k, v, causal, scale=scale, return_lse=return_lse,
-                                        pv_threshold=pv_threshold or 0.0, window=window)
+                                        pv_threshold=pv_threshold or 0.0, window=window, num_sink=num_sink)
     kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device, exact=grad)
     return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse, pv_threshold=pv_threshold or 0.0)
 
@@ -257,7 +262,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                      layouts=None, pattern=None, causal: bool = False, scale: float | None = None,
                      return_lse: bool = False, quant: str | None = None, quant_granularity: str = "per_warp",
-                     smooth_k: bool = True, window: int | None = None):
+                     smooth_k: bool = True, window: int | None = None, num_sink: int = 0):
     """Block-sparse attention over packed variable-length sequences.
 
     Args:
@@ -282,6 +287,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             ``p = i + kv_len - q_len`` sees ``p - window < j <= p``, self included: ``patterns.local``, or
             FlashAttention's ``window_size=(window - 1, 0)``). Not with ``layouts`` / ``pattern`` (build the
             window into them). Forward-only CUDA calls plan it in the kernel like dense / causal (below).
+        num_sink: with ``window``, attention sinks per sequence: query i also sees the sequence's keys
+            ``j < num_sink``, ``j <= p`` (``patterns.streaming``). Planned like the window alone.
         quant, quant_granularity, smooth_k: 8-bit attention as in :func:`attention`; each packed
             sequence is quantized as if it were called alone (its own scale groups, K mean and V
             channel scales), so its result does not depend on what else is packed with it.
@@ -304,6 +311,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     check_flags(return_lse=return_lse, smooth_k=smooth_k)
     _check_unused_granularity(quant, quant_granularity)
     check_packed_qkv(q, k, v, "varlen_attention")
+    num_sink = check_num_sink(num_sink, window)
     window = check_window(window, causal, layouts if pattern is None else pattern,
                            "layouts" if pattern is None else "pattern")
     device_plan = _varlen_device_plan(q, k, v, layouts, pattern, quant)
@@ -317,9 +325,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         from .ops.block_sparse import varlen_device_plan_op
         cu_seqlens_q, cu_seqlens_k = varlen.offsets_on(q.device, cu_seqlens_q, cu_seqlens_k)  # given on the CPU
         return varlen_device_plan_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                     scale=scale, return_lse=return_lse, window=window)
-    if window is not None:  # the host plans it as patterns.local, one cached function per window
-        pattern = window_pattern(window)
+                                     scale=scale, return_lse=return_lse, window=window, num_sink=num_sink)
+    if window is not None:  # the host plans it as patterns.local / streaming, one cached function per window
+        pattern = window_pattern(window, num_sink)
     varlen.check_layout_args(layouts, pattern, len(q_lens))  # before the plan cache hashes them
     plan = _varlen_plan(q_lens, k_lens, layouts, pattern, causal, q.shape[1], max_seqlen_q, max_seqlen_k, q.device,
                         exact=needs_grad(q, k, v))

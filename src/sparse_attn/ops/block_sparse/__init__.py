@@ -146,39 +146,42 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
 
 
 def _device_plan_forward(q, k, v, causal: bool, cu_q, cu_k, max_q: int, max_k: int, scale, return_lse: bool,
-                         pv_threshold: float = 0.0, window: int | None = None):
-    """Dense, bottom-right causal or (``window``, with causal) causal sliding-window forward whose rows the
-    kernel plans itself (launch.forward ``device_plan``; 128 x 128 blocks, the bits of the default layout's,
-    or patterns.local's, host plan). An int32 stand-in (the offsets, or one
-    int) rides in the schedule's and term table's places, never read: the custom op takes tensors there,
-    and the autotune key, which holds their dtypes, is then the host plan's."""
+                         pv_threshold: float = 0.0, window: int | None = None, num_sink: int = 0):
+    """Dense, bottom-right causal or (``window``, with causal) causal sliding-window forward (with ``num_sink``
+    attention sinks) whose rows the kernel plans itself (launch.forward ``device_plan``; 128 x 128 blocks, the
+    bits of the default layout's, or patterns.local's / patterns.streaming's, host plan). An int32 stand-in
+    (the offsets, or one int) rides in the schedule's and term table's places, never read: the custom op
+    takes tensors there, and the autotune key, which holds their dtypes, is then the host plan's."""
     q, k, v, scale = _kernel_call_inputs(q, k, v, scale)
     cu_q, cu_k = _offsets(cu_q), _offsets(cu_k)
     stand_in = cu_q if cu_q is not None else torch.empty(1, dtype=torch.int32, device=q.device)
     schedule = (stand_in,) * 5 + (True, None, None, None, None, False, stand_in, 1 if causal else 0)
     plan = 3 if window else 2 if causal else 1
     out, lse = forward_op(q, k, v, *schedule, cu_q, cu_k, 128, 128, scale, max_q, max_k,
-                          pv_threshold=float(pv_threshold), device_plan=plan, window=int(window or 0))
+                          pv_threshold=float(pv_threshold), device_plan=plan, window=int(window or 0),
+                          sinks=int(num_sink))
     return (out, lse) if return_lse else out
 
 
 def device_plan_attention_op(q, k, v, causal: bool, *, scale: float | None = None, return_lse: bool = False,
-                             pv_threshold: float = 0.0, window: int | None = None):
-    """Dense, bottom-right causal or (``window``) causal sliding-window attention on validated ``[B, H, L, D]``
-    inputs, forward only (nothing requires grad), its rows planned by the kernel from Lq / Lk
+                             pv_threshold: float = 0.0, window: int | None = None, num_sink: int = 0):
+    """Dense, bottom-right causal or (``window``, ``num_sink``) causal sliding-window attention on validated
+    ``[B, H, L, D]`` inputs, forward only (nothing requires grad), its rows planned by the kernel from Lq / Lk
     (_device_plan_forward): no layout is built or looked up, so the call needs no eager warm-up before
     torch.compile or CUDA graph capture, and a growing cache costs what a fixed one does."""
     return _device_plan_forward(q, k, v, causal, None, None, q.shape[2], k.shape[2], scale, return_lse, pv_threshold,
-                                window=window)
+                                window=window, num_sink=num_sink)
 
 
 def varlen_device_plan_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, *,
-                          scale: float | None = None, return_lse: bool = False, window: int | None = None):
-    """Dense, causal or causal sliding-window (``window`` keys) attention on validated packed ``[T, H, D]``
-    inputs, forward only, its rows planned by the kernels from ``cu_q`` / ``cu_k`` on q's device
+                          scale: float | None = None, return_lse: bool = False, window: int | None = None,
+                          num_sink: int = 0):
+    """Dense, causal or causal sliding-window (``window`` keys, ``num_sink`` sinks) attention on validated packed
+    ``[T, H, D]`` inputs, forward only, its rows planned by the kernels from ``cu_q`` / ``cu_k`` on q's device
     (_device_plan_forward): nothing reads the offsets on the host, so the call can be captured in a CUDA
     graph and replayed on other lengths up to ``max_q`` / ``max_k``."""
-    return _device_plan_forward(q, k, v, causal, cu_q, cu_k, max_q, max_k, scale, return_lse, window=window)
+    return _device_plan_forward(q, k, v, causal, cu_q, cu_k, max_q, max_k, scale, return_lse, window=window,
+                                num_sink=num_sink)
 
 
 def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,

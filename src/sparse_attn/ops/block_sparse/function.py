@@ -24,10 +24,10 @@ from . import launch
 
 def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
               t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
-              seq_step, cu_dk, dk_rows, pv_threshold, device_plan=0, window=0):
+              seq_step, cu_dk, dk_rows, pv_threshold, device_plan=0, window=0, sinks=0):
     return launch.forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms,
                           cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold=pv_threshold,
-                          device_plan=device_plan, window=window)
+                          device_plan=device_plan, window=window, sinks=sinks)
 
 
 @torch.library.custom_op("sparse_attn::block_sparse_fwd", mutates_args=())
@@ -38,21 +38,21 @@ def block_sparse_fwd(q: Tensor, k: Tensor, v: Tensor, counts: Tensor, n_full: Te
                      cu_q: Optional[Tensor], cu_k: Optional[Tensor], block_q: int, block_k: int, sm_scale: float,
                      max_q: int, max_k: int, seq_step: int = 1, cu_dk: Optional[Tensor] = None,
                      dk_rows: Optional[Tensor] = None, pv_threshold: float = 0.0,
-                     device_plan: int = 0, window: int = 0) -> tuple[Tensor, Tensor]:
+                     device_plan: int = 0, window: int = 0, sinks: int = 0) -> tuple[Tensor, Tensor]:
     """Forward; the ``t_*`` tensors (and ``cu_dk`` / ``dk_rows``, see launch.backward) only ride
     along for backward. ``seq_step`` 2: ``cu_q`` / ``cu_k`` are (start, end) pairs per sequence.
     ``pv_threshold`` > 0 skips negligible tiles (launch.forward); forward only. ``device_plan`` 1 / 2 / 3
-    (dense / causal / causal window of ``window`` keys, forward only): the kernel plans its rows, the
-    schedule tensors are stand-ins (launch.forward)."""
+    (dense / causal / causal window of ``window`` keys after ``sinks`` sink keys, forward only): the kernel
+    plans its rows, the schedule tensors are stand-ins (launch.forward)."""
     return _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full,
                      t_indices, t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale,
-                     max_q, max_k, seq_step, cu_dk, dk_rows, pv_threshold, device_plan, window)
+                     max_q, max_k, seq_step, cu_dk, dk_rows, pv_threshold, device_plan, window, sinks)
 
 
 @block_sparse_fwd.register_fake
 def _(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
       t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step=1, cu_dk=None,
-      dk_rows=None, pv_threshold=0.0, device_plan=0, window=0):
+      dk_rows=None, pv_threshold=0.0, device_plan=0, window=0, sinks=0):
     if cu_q is not None:
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     else:
@@ -92,7 +92,7 @@ def _(do, q, k, v, *args):
 def _setup_context(ctx, inputs, output):
     (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
      t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows,
-     pv_threshold, device_plan, window) = inputs
+     pv_threshold, device_plan, window, sinks) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                           t_mask_ids, terms, cu_q, cu_k, cu_dk, dk_rows)
@@ -118,7 +118,7 @@ def _backward(ctx, do, dlse, bwd=block_sparse_bwd):
     dq, dk, dv = bwd(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices,
                      t_mask_ids, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
                      cu_dk, dk_rows, contiguous, t_contiguous, dlse)
-    return (dq, dk, dv) + (None,) * 26
+    return (dq, dk, dv) + (None,) * 27
 
 
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -146,12 +146,12 @@ class _EagerForward(torch.autograd.Function):
 
 def forward_op(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
                t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k,
-               seq_step=1, cu_dk=None, dk_rows=None, pv_threshold=0.0, device_plan=0, window=0):
+               seq_step=1, cu_dk=None, dk_rows=None, pv_threshold=0.0, device_plan=0, window=0, sinks=0):
     """The forward op (arguments as :func:`block_sparse_fwd`) -> ``(out, lse)``, differentiable in
     q, k, v: the custom op while torch.compile traces, :class:`_EagerForward` otherwise."""
     args = (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
             t_mask_ids, t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step,
-            cu_dk, dk_rows, pv_threshold, device_plan, window)
+            cu_dk, dk_rows, pv_threshold, device_plan, window, sinks)
     if torch.compiler.is_compiling():
         return block_sparse_fwd(*args)
     if not needs_grad(q, k, v):

@@ -130,27 +130,38 @@ def _device_row(q_len, k_len, qb, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
-def _device_window_row(q_len, k_len, qb, window, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+def _device_window_row(q_len, k_len, qb, window, sinks, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
     """A bottom-right causal sliding window's row (DEVICE_PLAN 3: query at position p sees keys
-    p - window < j <= p, as patterns.local) from the sequence's lengths, as the host plan of
-    ``patterns.local`` layouts schedules it: (kept blocks, unmasked blocks, first kept block, first
-    unmasked block). The kept blocks are one run of key blocks from the first kept one; the unmasked
-    ones a run inside it, walked first; the masked slots after them hold the run's blocks before and
-    after the unmasked run, in ascending order (a cut last block, k_len not a multiple of BLOCK_K,
-    among them). Without an unmasked block the first unmasked block is returned as the run's end, so
-    that every masked slot s holds block first_kept + s. Query block qb holds a row."""
+    p - window < j <= p, and with ``sinks`` > 0 also j < sinks, j <= p: patterns.local, or patterns.streaming's
+    attention sinks) from the sequence's lengths, as the host plan of those layouts schedules it. Returns
+    (kept blocks, unmasked blocks, f1, u2, e1, k2, c_hi): the unmasked blocks are the runs [0, f1) (sink blocks)
+    and [u2, c_hi) (the window's), walked first in that order; the masked ones, walked after them in
+    ascending order, are [f1, e1), [k2, u2) and [c_hi, kept run's end) (the window's blocks before and after its
+    unmasked run; the cut last block, k_len not a multiple of BLOCK_K, is masked). Without sinks f1 = e1 = 0
+    and the kept blocks are one run from k2. Query block qb holds a row."""
     offset = k_len - q_len
     p_first = qb * BLOCK_Q + offset
     p_last = tl.minimum((qb + 1) * BLOCK_Q, q_len) - 1 + offset
-    # the keys some row sees, [max(p_first - window + 1, 0), p_last]: consecutive rows' windows overlap
+    # the keys some row sees: [max(p_first - window + 1, 0), p_last] (consecutive rows' windows overlap) and
+    # the sinks [0, min(sinks, p_last + 1))
     b_hi = tl.where(p_last >= 0, tl.maximum(p_last, 0) // BLOCK_K + 1, 0)
     b_lo = tl.minimum(tl.maximum(p_first - window + 1, 0) // BLOCK_K, b_hi)
-    # every row sees every key of block b: b * BLOCK_K > p_last - window and (b + 1) * BLOCK_K - 1 <= p_first,
-    # and the block is not cut by the sequence's end
-    u_lo = tl.maximum((tl.maximum(p_last - window + 1, 0) + BLOCK_K - 1) // BLOCK_K, b_lo)
-    u_hi = tl.minimum(tl.maximum(p_first + 1, 0) // BLOCK_K, k_len // BLOCK_K)
-    n_full = tl.maximum(u_hi - u_lo, 0)
-    return b_hi - b_lo, n_full, b_lo, tl.where(n_full > 0, u_lo, b_hi)
+    s_hi = (tl.minimum(sinks, tl.maximum(p_last + 1, 0)) + BLOCK_K - 1) // BLOCK_K
+    # every row sees every key of block b iff (b + 1) * BLOCK_K - 1 <= p_first (b < c_hi; a cut block never)
+    # and the block misses the keys the last row sees neither as sink nor in its window, [sinks, p_last - window]
+    c_hi = tl.minimum(tl.maximum(p_first + 1, 0) // BLOCK_K, k_len // BLOCK_K)
+    f1 = tl.minimum(sinks // BLOCK_K, c_hi)
+    gap = sinks <= p_last - window
+    u2 = tl.maximum(tl.where(gap, (tl.maximum(p_last - window + 1, 0) + BLOCK_K - 1) // BLOCK_K, 0), f1)
+    n_full = f1 + tl.maximum(c_hi - u2, 0)
+    # the kept runs [0, s_hi) and [b_lo, b_hi), as [0, e1) and [k2, b_hi): one run [0, b_hi) when they touch
+    merged = s_hi >= b_lo
+    e1 = tl.where(merged, f1, s_hi)
+    k2 = tl.where(merged, f1, b_lo)
+    empty = u2 >= c_hi  # no window run: its masked slots all come after k2
+    u2 = tl.where(empty, b_hi, u2)
+    c_hi = tl.where(empty, b_hi, c_hi)
+    return e1 + b_hi - k2, n_full, f1, u2, e1, k2, c_hi
 
 
 @triton.jit
@@ -363,7 +374,7 @@ def fwd_kernel(
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS, N_SPLIT, stride_os, stride_ls, T_Q, T_K, WINDOW,
+    H, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM, WAVE_NS, N_SPLIT, stride_os, stride_ls, T_Q, T_K, WINDOW, SINKS,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     N_TERMS: tl.constexpr, CONTIGUOUS: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -398,12 +409,13 @@ def fwd_kernel(
     (H) are kv heads and one tile holds the q_len rows of each of the G query heads that share one,
     so the K/V tiles are read once for the G heads (one layout row: every query in the first block).
     DEVICE_PLAN (launch.forward's ``device_plan``: 1 dense, 2 bottom-right causal, 3 bottom-right causal
-    sliding window of WINDOW keys; 128 x 128 blocks): no schedule or term table is read; each row's plan
-    comes from its sequence's lengths (_device_row, _device_window_row) and the causal edge is the compare
-    key <= position (and key > position - WINDOW), which is what the causal term of the host's plan
-    (varlen.stack_dense_or_causal) or the window term of patterns.local allows: the same blocks in the same
-    order and the same masks, so the same bits. N_TERMS is the host plan's (0 dense, else 1) only so that
-    both share an autotune key, and so a config. Packed offsets are cut to T_Q / T_K tokens
+    sliding window of WINDOW keys, with SINKS > 0 attention sinks too; 128 x 128 blocks): no schedule or term
+    table is read; each row's plan comes from its sequence's lengths (_device_row, _device_window_row) and the
+    causal edge is the compare key <= position (and key > position - WINDOW or key < SINKS), which is what the
+    causal term of the host's plan (varlen.stack_dense_or_causal) or the terms of patterns.local /
+    patterns.streaming allow: the same blocks in the same order and the same masks, so the same bits. N_TERMS
+    is the host plan's (0 dense, 1 causal or window, 2 with sinks) only so that both share an autotune key,
+    and so a config. Packed offsets are cut to T_Q / T_K tokens
     (_clamped_bounds): the host may not have read them."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
@@ -416,10 +428,10 @@ def fwd_kernel(
     SUB: tl.constexpr = BLOCK_K // BLOCK_N
     if DEVICE_PLAN:
         tl.static_assert(CONTIGUOUS, "a device plan's rows are runs of key blocks")
-        tl.static_assert(N_TERMS == (DEVICE_PLAN != 1), "N_TERMS: the host plan's (0 dense, else 1)")
-        if DEVICE_PLAN == 3:  # the run starts at key block b_lo; the unmasked part of it at u_lo
-            count, n_full, b_lo, u_lo = _device_window_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, WINDOW,
-                                                           BLOCK_Q, BLOCK_K)
+        tl.static_assert((N_TERMS == 0) == (DEVICE_PLAN == 1), "N_TERMS: the host plan's (0 dense, else 1 or 2)")
+        if DEVICE_PLAN == 3:  # unmasked runs [0, f1) and [u2, c_hi); masked [f1, e1), [k2, u2), [c_hi, ...)
+            count, n_full, f1, u2, e1, k2, c_hi = _device_window_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q,
+                                                                     WINDOW, SINKS, BLOCK_Q, BLOCK_K)
         else:
             count, n_full = _device_row(q_len, k_len, (i_m * BLOCK_M) // BLOCK_Q, BLOCK_Q, BLOCK_K, DEVICE_PLAN == 2)
     else:
@@ -508,8 +520,8 @@ def fwd_kernel(
     # contiguous rows (H100: random layouts +10-21%, benchmarks/NOTES.md v4).
     n_it = hi1 - lo1
     if CONTIGUOUS:
-        if DEVICE_PLAN == 3:
-            run0 = u_lo * BLOCK_K + lo1 * BLOCK_N
+        if DEVICE_PLAN == 3:  # slot s < f1 holds block s, the rest u2 - f1 + s (start_n below)
+            run0 = lo1 * BLOCK_N
         elif DEVICE_PLAN:
             run0 = lo1 * BLOCK_N
         else:
@@ -525,6 +537,8 @@ def fwd_kernel(
         j = _rotated(it, rot, n_it, WAVE)  # the walk's step, wrapped from its start slot
         if CONTIGUOUS:
             start_n = run0 + j * BLOCK_N
+            if DEVICE_PLAN == 3:
+                start_n += tl.where((lo1 + j) // SUB < f1, 0, u2 - f1) * BLOCK_K
         else:
             j += lo1
             start_n = tl.load(INDICES + p_row + j // SUB) * BLOCK_K + (j % SUB) * BLOCK_N
@@ -537,8 +551,11 @@ def fwd_kernel(
     # phase 2: blocks with an element mask or crossing the sequence end
     for it in tl.range(lo2, hi2, num_stages=NUM_STAGES):
         slot = it // SUB
-        if DEVICE_PLAN == 3:  # slot s >= n_full: block b_lo + s - n_full before the unmasked run, b_lo + s after it
-            start_n = (b_lo - tl.where(slot - n_full < u_lo - b_lo, n_full, 0)) * BLOCK_K + it * BLOCK_N
+        if DEVICE_PLAN == 3:  # masked slot n_full + m: the m-th block of [f1, e1), [k2, u2), [c_hi, ...)
+            m = slot - n_full
+            m_a = e1 - f1
+            m_b = m_a + u2 - k2
+            start_n = (tl.where(m < m_a, f1, tl.where(m < m_b, k2 - m_a, c_hi - m_b)) - n_full) * BLOCK_K + it * BLOCK_N
         elif DEVICE_PLAN:  # slot s holds key block s
             start_n = it * BLOCK_N
         else:
@@ -551,8 +568,9 @@ def fwd_kernel(
         b_s = tl.where((o_n < k_len)[None, :], b_s, float("-inf"))  # [BM, BN]
         if DEVICE_PLAN == 2:  # the causal edge; on a cut last block before it the compare holds everywhere
             b_s = tl.where(pos_q >= o_n[None, :], b_s, float("-inf"))
-        elif DEVICE_PLAN == 3:  # the window's two edges
-            b_s = tl.where((pos_q >= o_n[None, :]) & (pos_q - WINDOW < o_n[None, :]), b_s, float("-inf"))
+        elif DEVICE_PLAN == 3:  # the window's two edges, and the sinks before the window
+            b_s = tl.where((pos_q >= o_n[None, :]) & ((pos_q - WINDOW < o_n[None, :]) | (o_n[None, :] < SINKS)), b_s,
+                           float("-inf"))
         elif N_TERMS > 0:
             mid = tl.load(MASK_IDS + p_row + slot)
             if mid >= 0:

@@ -578,7 +578,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int, seq_step: int = 1,
             scales: tuple | None = None, quant: int = 0, out_dtype: torch.dtype | None = None,
             pv_threshold: float = 0.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            k_scale_span: int = 0, device_plan: int = 0, window: int = 0):
+            k_scale_span: int = 0, device_plan: int = 0, window: int = 0, sinks: int = 0):
     """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen). The layout arrives as its
     schedule (sparse_attn.ops.block_sparse.schedule): unmasked blocks first, then masked.
     ``out`` / ``lse``: write there instead (views of any strides, shaped as the results; callers
@@ -591,22 +591,23 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     ``k_scale_span``: the 8-bit K scales are constant over aligned runs of this many keys (0: per key);
     where a kernel tile fits in one run, its scale joins the per-row factor (kernels._scores).
     ``device_plan`` 1 (dense), 2 (bottom-right causal) or 3 (bottom-right causal sliding window of ``window``
-    keys, as patterns.local), 16-bit inputs on 128 x 128 blocks: the kernel plans each row from its sequence's
+    keys, as patterns.local; with ``sinks`` > 0 also the first ``sinks`` keys, as patterns.streaming), 16-bit
+    inputs on 128 x 128 blocks: the kernel plans each row from its sequence's
     lengths (kernels.fwd_kernel DEVICE_PLAN), so nothing here depends on the lengths' values: ``counts`` is an
     int32 stand-in for the schedule and the term table (never read), the other schedule tensors and ``terms``
     are ignored, as are ``contiguous`` and ``n_terms``."""
     varlen = cu_q is not None
     if device_plan:
         if (device_plan not in (1, 2, 3) or quant or (block_q, block_k) != (128, 128)
-                or (device_plan == 3) != (window >= 1)):
-            raise ValueError(f"a device plan is dense (1), causal (2) or a causal window of at least one key (3) on "
-                             f"16-bit inputs and 128 x 128 blocks, got device_plan={device_plan}, window={window}, "
-                             f"quant={quant}, blocks {block_q} x {block_k}")
+                or (device_plan == 3) != (window >= 1) or sinks < 0 or (sinks and device_plan != 3)):
+            raise ValueError(f"a device plan is dense (1), causal (2) or a causal window of at least one key (3, with "
+                             f"sinks >= 0) on 16-bit inputs and 128 x 128 blocks, got device_plan={device_plan}, "
+                             f"window={window}, sinks={sinks}, quant={quant}, blocks {block_q} x {block_k}")
         # never read (DEVICE_PLAN): int32 tensors stand in for the schedule and the term table, and n_terms is
         # the host plan's, so that the autotune key (which holds N_TERMS and the tensors' dtypes) is the host
         # plan's: one pick, so the same config and bits for calls with gradients (host plan) and without
         n_full = full_start = indices = mask_ids = terms = counts
-        contiguous, n_terms = True, int(device_plan != 1)
+        contiguous, n_terms = True, 0 if device_plan == 1 else 2 if sinks else 1
     v_trans = quant == 2
     if varlen:
         T, H, D = q.shape
@@ -633,8 +634,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     rows, split = grid_rows(B, H)
     if device_plan:  # one row set for every sequence and head, at most the longest sequence's key blocks
         layout_heads, max_count, layout_strides = 1, _cdiv(Lk, block_k), (0, 0, 0, 0, 0)
-        if device_plan == 3:  # a query block's windows span window + block_q - 1 keys, unaligned
-            max_count = min(max_count, _cdiv(window + block_q - 1, block_k) + 1)
+        if device_plan == 3:  # a query block's windows span window + block_q - 1 keys, unaligned, after the sinks
+            max_count = min(max_count, _cdiv(window + block_q - 1, block_k) + 1 + _cdiv(sinks, block_k))
     else:
         layout_heads, max_count, layout_strides = counts.shape[1], indices.shape[-1], _layout_strides(counts, indices)
     t_q, t_k = (q.shape[0], k.shape[0]) if varlen else (Lq, Lk)
@@ -648,7 +649,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             *l_strides_, *layout_strides,
             *_scale_strides(q_scale, varlen), *_scale_strides(k_scale, varlen), *_channel_scale_strides(v_scale),
             heads, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), wave_ns, n_parts,
-            *part_strides, t_q, t_k, window, HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k, N_TERMS=n_terms,
+            *part_strides, t_q, t_k, window, sinks, HEAD_DIM=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_K=block_k,
+            N_TERMS=n_terms,
             CONTIGUOUS=contiguous, IS_VARLEN=varlen, QUANT=quant, PV_SKIP=pv_threshold > 0,
             K_SCALE_SPAN=k_scale_span, WAVE=wave, SPLIT_GRID=split_grid, DEVICE_PLAN=device_plan, **meta)
 
