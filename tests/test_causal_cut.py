@@ -90,8 +90,9 @@ def test_causal_block_count(lq, lk, bq, bk):
 
 
 def test_local_block_count():
-    """The closed form (used for the device plan's stats) against the layout it stands for, on random shapes:
-    windows of one key to longer than the keys, Lq above and below Lk, odd block shapes."""
+    """The closed forms (used for the device plan's stats) against the layouts they stand for, on random shapes:
+    windows of one key to longer than the keys, sinks of one key to more than the keys, Lq above and below Lk,
+    odd block shapes."""
     import random
     rnd = random.Random(0)
     for _ in range(300):
@@ -100,3 +101,7 @@ def test_local_block_count():
             [16, 32, 128, 256])
         want = P.local(lq, window, kv_len=lk, block_q=bq, block_k=bk).num_blocks
         assert P.local_block_count(lq, window, lk, block_q=bq, block_k=bk) == want, (lq, lk, window, bq, bk)
+        sinks = rnd.choice([1, 15, 16, 17, 127, 128, 129, 500, 3000])
+        want = P.streaming(lq, window, sinks, kv_len=lk, block_q=bq, block_k=bk).num_blocks
+        got = P.streaming_block_count(lq, window, sinks, lk, block_q=bq, block_k=bk)
+        assert got == want, (lq, lk, window, sinks, bq, bk)

@@ -521,7 +521,8 @@ def test_pattern_placing_keys_by_position_is_refused_once_a_sliding_cache_drops_
     """A sliding-window cache keeps the last W keys, so on a decoding step key 0 of the call is token 21, not 0:
     streaming's sinks (tokens 0..3) landed on the oldest cached keys, and the step's logits came out 1.6 off the
     last row of a forward over the whole sequence, silently. Patterns placed relative to the diagonal (local,
-    dense) stay exact; the others are refused once the cache has dropped keys (and still run before that)."""
+    dense) stay exact; the others are refused once the cache has dropped keys (and still run before that). (Streaming
+    with a window at least the model's is the model's window alone and runs: test_transformers_window.py.)"""
     model = tiny_mistral(window=20)
     x = ids(length=41)
     with torch.no_grad():

@@ -361,7 +361,9 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
         check_mask(attention_mask, query.shape[2], key.shape[2], causal, window)
     layer_idx = _layer_index(module)
     offset = _key_offset(attention_mask)
-    if offset and cfg.spec_for(layer_idx).keys_by_position:
+    run_window = _causal_window(cfg.spec_for(layer_idx), window, causal)
+    # (a streaming pattern under a model window no wider than its own is that window alone: no sinks to place)
+    if offset and cfg.spec_for(layer_idx).keys_by_position and (run_window is None or run_window[1]):
         lk = key.shape[2]
         raise NotImplementedError(
             f"sparse_attn: layer {layer_idx}'s pattern {cfg.spec_for(layer_idx).describe()} places keys by position "
@@ -379,8 +381,9 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
         run_causal = causal or spec.pattern.strip() == "causal"
         out = _api.attention(query, key, value, causal=run_causal, scale=scaling).transpose(1, 2).contiguous()
         stats = _dense_stats(spec, (lq,), (lk,), (lq, lk), run_causal, causal)
-    elif (run_window := _causal_window(spec, window, causal)) is not None:  # one window: planned by attention too
-        out = _api.attention(query, key, value, causal=True, window=run_window, scale=scaling)
+    elif run_window is not None:  # one causal sliding window: planned by attention too
+        out = _api.attention(query, key, value, causal=True, window=run_window[0], num_sink=run_window[1],
+                             scale=scaling)
         out = out.transpose(1, 2).contiguous()
         stats = _window_stats(spec, (lq,), (lk,), (lq, lk), run_window, window)
     else:
@@ -434,12 +437,13 @@ def _dense_counts(q_lens: tuple, k_lens: tuple, bq: int, bk: int, run_causal: bo
     return visited, grid, baseline
 
 
-def _causal_window(spec: PatternSpec, model_window: int | None, causal: bool) -> int | None:
-    """The one causal sliding window (in keys, as patterns.local's) that a causal layer's pattern and the
-    model's window amount to, on 128-token blocks: ``local`` (its window, or the model's where smaller), or
-    dense / causal under the model's window. attention(window=) / varlen_attention(window=) run it (per
-    sequence) without a layout, with patterns.local's blocks and masks, so what layout_for_lengths would
-    build; None for anything else."""
+def _causal_window(spec: PatternSpec, model_window: int | None, causal: bool) -> tuple | None:
+    """The one causal sliding window, as ``(window, num_sink)`` (patterns.local's / patterns.streaming's keys), that
+    a causal layer's pattern and the model's window amount to, on 128-token blocks: ``local`` (its window, or the
+    model's where smaller), ``streaming`` (its window and sinks; under a model window no wider than its own, the
+    model's window alone, which holds whatever sinks it reaches), or dense / causal under the model's window.
+    attention(window=, num_sink=) / varlen_attention(window=, num_sink=) run it (per sequence) without a layout,
+    with those patterns' blocks and masks, so what layout_for_lengths would build; None for anything else."""
     if not causal or not isinstance(spec.pattern, str):
         return None
     name, opts = spec.pattern.strip(), spec.options
@@ -447,28 +451,37 @@ def _causal_window(spec: PatternSpec, model_window: int | None, causal: bool) ->
         return None
     model_window = int(model_window) if model_window else None
     if name in ("dense", "causal"):
-        return model_window
-    if name == "local" and opts.get("causal", True) is True and not opts.get("window_right"):
-        return min(int(opts["window"]), model_window or int(opts["window"]))
+        return None if model_window is None else (model_window, 0)
+    if opts.get("causal", True) is not True:
+        return None
+    if name == "local" and not opts.get("window_right"):
+        return min(int(opts["window"]), model_window or int(opts["window"])), 0
+    if name == "streaming":
+        window, num_sink = int(opts["window"]), int(opts.get("num_sink", 0))
+        if model_window is None:
+            return window, num_sink
+        if model_window <= window:  # p - model_window < j already puts j inside the pattern's window
+            return model_window, 0
     return None
 
 
-def _window_stats(spec: PatternSpec, q_lens: tuple, k_lens: tuple, padded: tuple, run_window: int,
+def _window_stats(spec: PatternSpec, q_lens: tuple, k_lens: tuple, padded: tuple, run_window: tuple,
                   model_window: int | None) -> LayerStats:
-    """LayerStats of a causal sliding-window call over sequences of ``q_lens`` / ``k_lens`` tokens in a call of
-    ``padded`` (q_len, kv_len), counted without building layouts."""
+    """LayerStats of a causal sliding-window call (``run_window``: _causal_window's (window, num_sink)) over
+    sequences of ``q_lens`` / ``k_lens`` tokens in a call of ``padded`` (q_len, kv_len), counted without building
+    layouts."""
     return _counted_stats(spec, padded, *_window_counts(q_lens, k_lens, run_window,
                                                          int(model_window) if model_window else None))
 
 
 @functools.lru_cache(maxsize=64)
-def _window_counts(q_lens: tuple, k_lens: tuple, run_window: int, model_window: int | None) -> tuple:
+def _window_counts(q_lens: tuple, k_lens: tuple, run_window: tuple, model_window: int | None) -> tuple:
     """(blocks visited, blocks in the grids, blocks of the attention replaced: the model's window, else
     causal) over the sequences on 128-token blocks, as _dense_counts: once a forward."""
     from .. import patterns
     visited = grid = baseline = 0
     for nq, nk in zip(q_lens, k_lens):
-        visited += patterns.local_block_count(nq, run_window, nk)
+        visited += patterns.streaming_block_count(nq, *run_window, nk)
         grid += ((nq + 127) // 128) * ((nk + 127) // 128)
         baseline += (_window_blocks(nq, nk, model_window, 128, 128, True) if model_window
                      else patterns.causal_block_count(nq, nk))
@@ -535,9 +548,9 @@ def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing
         return packing.unpack(out), _dense_stats(spec, packing.q_lens, packing.k_lens, (packing.q_len, packing.kv_len),
                                                  run_causal, causal)
     run_window = _causal_window(spec, window, causal)
-    if run_window is not None:  # one causal sliding window: varlen plans it too (in the kernel, forward-only)
+    if run_window is not None:  # one causal sliding window (and sinks): varlen plans it too (in the kernel)
         out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
-                                    causal=True, window=run_window, scale=scaling)
+                                    causal=True, window=run_window[0], num_sink=run_window[1], scale=scaling)
         return packing.unpack(out), _window_stats(spec, packing.q_lens, packing.k_lens,
                                                   (packing.q_len, packing.kv_len), run_window, window)
     cq, ck = packing.cu_q.tolist(), packing.cu_k.tolist()  # CPU tensors: no sync

@@ -16,10 +16,10 @@ from .csr import from_csr, to_csr
 from .documents import block_diagonal
 from .flex import from_flex, to_flex
 from .random_blocks import random
-from .sliding import local, local_block_count, streaming
+from .sliding import local, local_block_count, streaming, streaming_block_count
 from .strided_blocks import dilated, strided
 from .topk_blocks import topk
 
-__all__ = ["dense", "causal", "causal_block_count", "causal_cut", "local", "local_block_count", "streaming", "block_diagonal", "strided", "dilated", "random", "bigbird",
+__all__ = ["dense", "causal", "causal_block_count", "causal_cut", "local", "local_block_count", "streaming", "streaming_block_count", "block_diagonal", "strided", "dilated", "random", "bigbird",
            "from_block_index", "to_block_index", "from_block_mask", "to_csr", "from_csr", "topk", "from_flex",
            "to_flex"]

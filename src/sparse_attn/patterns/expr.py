@@ -74,7 +74,7 @@ def unused_options(exprs, options: dict) -> list[str]:
     return sorted(k for k, v in options.items() if v is not None and k not in taken)
 
 
-NOT_BUILDERS = {"causal_cut", "causal_block_count", "local_block_count", "to_flex", "from_block_index", "from_block_mask", "from_csr", "to_csr", "to_block_index",
+NOT_BUILDERS = {"causal_cut", "causal_block_count", "local_block_count", "streaming_block_count", "to_flex", "from_block_index", "from_block_mask", "from_csr", "to_csr", "to_block_index",
                 "from_flex", "topk"}
 
 

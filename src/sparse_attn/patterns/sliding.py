@@ -44,19 +44,30 @@ def local(seq_len: int, window: int, kv_len: int | None = None, *, causal: bool 
 
 def local_block_count(seq_len: int, window: int, kv_len: int | None = None, *, block_q: int = 128,
                       block_k: int = 128) -> int:
-    """``local(seq_len, window, kv_len, block_q=, block_k=).num_blocks`` (causal) in O(Qb) integer steps,
-    without building the layout: per query block, the key blocks from the one holding its first row's
-    earliest key through its last row's position (consecutive rows' windows overlap, so every block in
-    between holds an allowed key). The kernels' device plan walks the same blocks (kernels._device_window_row)."""
+    """``local(seq_len, window, kv_len, block_q=, block_k=).num_blocks`` (causal) without building the layout:
+    :func:`streaming_block_count` without sinks."""
+    return streaming_block_count(seq_len, window, 0, kv_len, block_q=block_q, block_k=block_k)
+
+
+def streaming_block_count(seq_len: int, window: int, num_sink: int, kv_len: int | None = None, *,
+                          block_q: int = 128, block_k: int = 128) -> int:
+    """``streaming(seq_len, window, num_sink, kv_len, block_q=, block_k=).num_blocks`` (causal) in O(Qb) integer
+    steps, without building the layout: per query block, the key blocks from the one holding its first row's
+    earliest key through its last row's position (consecutive rows' windows overlap, so every block in between
+    holds an allowed key), and the sink blocks before those up to the last row's position. The kernels' device
+    plan walks the same blocks (kernels._device_window_row)."""
     q_len, kv_len = lengths(seq_len, kv_len)
     check_int("window", window, 1)
+    num_sink = check_int("num_sink", num_sink, 0)
     nq, _ = grid(q_len, kv_len, block_q, block_k)
     total = 0
     for qb in range(nq):
         p_first = qb * block_q + kv_len - q_len
         p_last = min((qb + 1) * block_q, q_len) - 1 + kv_len - q_len
         if p_last >= 0:  # p_last < kv_len always: the last query sits at the last key
-            total += p_last // block_k + 1 - max(p_first - window + 1, 0) // block_k
+            b_lo = max(p_first - window + 1, 0) // block_k
+            sink_blocks = (min(num_sink, p_last + 1) + block_k - 1) // block_k
+            total += p_last // block_k + 1 - b_lo + min(sink_blocks, b_lo)
     return total
 
 
