@@ -29,9 +29,17 @@ def _packed(q_lens, k_lens, hq, hkv, d, dtype, seed, spare: int = 0):
     return mk(sum(q_lens), hq), mk(sum(k_lens) + spare, hkv), mk(sum(k_lens) + spare, hkv)
 
 
-def _per_sequence_oracle(out, q, k, v, q_lens, k_lens, causal, window=None):
+def _window_pattern(window: int, num_sink: int = 0):
+    """The host's layout of a window call: patterns.local, or patterns.streaming with sinks."""
+    from sparse_attn import patterns
+    if num_sink:
+        return lambda lq, lk, device=None: patterns.streaming(lq, window, num_sink, kv_len=lk, device=device)
+    return lambda lq, lk, device=None: patterns.local(lq, window, kv_len=lk, device=device)
+
+
+def _per_sequence_oracle(out, q, k, v, q_lens, k_lens, causal, window=None, num_sink=0):
     """Each sequence's rows of ``out`` against the same-dtype reference and the fp64 oracle (rule 3); with
-    ``window``, under patterns.local's layout of the sequence."""
+    ``window``, under patterns.local's (with sinks patterns.streaming's) layout of the sequence."""
     from sparse_attn import patterns
     cq, ck = _cu(q_lens, "cpu").tolist(), _cu(k_lens, "cpu").tolist()
     for b in range(len(q_lens)):
@@ -40,7 +48,7 @@ def _per_sequence_oracle(out, q, k, v, q_lens, k_lens, causal, window=None):
         qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
         ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1)[None] for t in (k, v))
         got = out[cq[b]:cq[b + 1]].transpose(0, 1)[None]
-        layout = None if window is None else patterns.local(q_lens[b], window, kv_len=k_lens[b], device=q.device)
+        layout = None if window is None else _window_pattern(window, num_sink)(q_lens[b], k_lens[b], q.device)
         assert_close_to_oracle(got, reference_attention(qs, ks, vs, layout, causal=causal),
                                oracle_attention(qs, ks, vs, layout, causal=causal))
 
@@ -80,13 +88,13 @@ def test_varlen_attention_runs_the_device_plan_without_grad_and_the_host_plan_wi
     assert len(api._VARLEN_PLANS) == 1 and torch.equal(out, out_g)
 
 
-@pytest.mark.parametrize("window", [None, 512])
-def test_a_captured_decoding_step_follows_new_lengths_on_replay(window):
-    """Capture one varlen decoding step (8 sequences, GQA, causal or a causal window, max_seqlen_k fixed) on
-    buffers with room for every cache, then replay it with the caches grown a token, then shrunk, regrown and
-    emptied at random (the offsets rewritten in place, q refilled): each replay equals an eager call on the
-    step's tensors bit for bit (the same kernels and split), the outputs are poisoned before every replay,
-    and the last one is checked against the fp64 oracle."""
+@pytest.mark.parametrize("window,num_sink", [(None, 0), (512, 0), (512, 64)])
+def test_a_captured_decoding_step_follows_new_lengths_on_replay(window, num_sink):
+    """Capture one varlen decoding step (8 sequences, GQA, causal or a causal window, sinks or not, max_seqlen_k
+    fixed) on buffers with room for every cache, then replay it with the caches grown a token, then shrunk,
+    regrown and emptied at random (the offsets rewritten in place, q refilled): each replay equals an eager call
+    on the step's tensors bit for bit (the same kernels and split), the outputs are poisoned before every
+    replay, and the last one is checked against the fp64 oracle."""
     n_seqs, cap, hq, hkv, d = 8, 4200, 32, 8, 128
     rnd = random.Random(1)
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -98,7 +106,7 @@ def test_a_captured_decoding_step_follows_new_lengths_on_replay(window):
 
     def call(kk, vv, offsets):
         return sparse_attn.varlen_attention(q, kk, vv, cu_q, offsets, 1, cap, causal=True, window=window,
-                                            return_lse=True)
+                                            num_sink=num_sink, return_lse=True)
 
     t = sum(lens)
     # eager warm-up calls want offsets that end at the tensors' length; the capture takes the whole buffers
@@ -114,7 +122,7 @@ def test_a_captured_decoding_step_follows_new_lengths_on_replay(window):
         t = sum(lens)
         want = call(k[:t], v[:t], _cu(lens))
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), trial
-    _per_sequence_oracle(out, q, k, v, [1] * n_seqs, lens, True, window)
+    _per_sequence_oracle(out, q, k, v, [1] * n_seqs, lens, True, window, num_sink)
 
 
 def test_a_captured_prefill_chunk_follows_new_lengths_on_replay():
@@ -162,10 +170,12 @@ WINDOW_CASES = [  # (q_lens, k_lens, hq, hkv, d, window): decoding rows, a chunk
 ]
 
 
-def _window_host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k):
-    """The same call on the host's plan of patterns.local layouts (what a call that needs gradients runs)."""
-    from sparse_attn import patterns, varlen
-    per_seq = varlen.build_layouts(q_lens, k_lens, None, lambda lq, lk: patterns.local(lq, window, kv_len=lk), True)
+def _window_host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k, num_sink=0):
+    """The same call on the host's plan of patterns.local (streaming) layouts (what a call that needs gradients
+    runs)."""
+    from sparse_attn import varlen
+    build = _window_pattern(window, num_sink)
+    per_seq = varlen.build_layouts(q_lens, k_lens, None, lambda lq, lk: build(lq, lk), True)
     stacked = varlen.stack([lay.to(q.device) for lay in per_seq], max_q, max_k, q.shape[1])
     return varlen_attention_op(q, k, v, stacked, _cu(q_lens), _cu(k_lens), max_q, max_k, tuple(k_lens),
                                return_lse=True)
@@ -173,36 +183,40 @@ def _window_host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", range(len(WINDOW_CASES)))
-def test_the_window_device_plan_gives_the_host_plan_s_bits(dtype, case, monkeypatch):
-    """DEVICE_PLAN 3 (varlen_attention(causal=True, window=W) without gradients) against patterns.local's host
-    plan, bit for bit with the key walk unsplit (the host plan sizes its split by its own longest row), and
-    against the fp64 oracle per sequence with the automatic split."""
+@pytest.mark.parametrize("num_sink", [0, 100])
+def test_the_window_device_plan_gives_the_host_plan_s_bits(dtype, case, num_sink, monkeypatch):
+    """DEVICE_PLAN 3 (varlen_attention(causal=True, window=W[, num_sink=S]) without gradients) against
+    patterns.local's (streaming's) host plan, bit for bit with the key walk unsplit (the host plan sizes its
+    split by its own longest row), and against the fp64 oracle per sequence with the automatic split."""
     from sparse_attn.ops.block_sparse import launch
     q_lens, k_lens, hq, hkv, d, window = WINDOW_CASES[case]
     q, k, v = _packed(q_lens, k_lens, hq, hkv, d, dtype, seed=20 + case)
     max_q, max_k = max(q_lens), max(k_lens) + 5
     monkeypatch.setattr(launch, "FWD_KV_SPLIT", "1")
-    got = varlen_device_plan_op(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, True, return_lse=True, window=window)
-    want = _window_host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k)
+    got = varlen_device_plan_op(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, True, return_lse=True, window=window,
+                                num_sink=num_sink)
+    want = _window_host_plan(q, k, v, q_lens, k_lens, window, max_q, max_k, num_sink)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     monkeypatch.setattr(launch, "FWD_KV_SPLIT", "auto")
-    out = sparse_attn.varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, causal=True, window=window)
-    _per_sequence_oracle(out, q, k, v, q_lens, k_lens, True, window)
+    out = sparse_attn.varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), max_q, max_k, causal=True, window=window,
+                                       num_sink=num_sink)
+    _per_sequence_oracle(out, q, k, v, q_lens, k_lens, True, window, num_sink)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lq,lk,window,hkv", [(1, 20001, 4096, 8), (4, 3000, 1, 32), (700, 700, 256, 8),
                                                (1000, 2500, 1024, 4), (300, 129, 100, 32)])
-def test_attention_s_window_without_a_layout_gives_patterns_local_s_bits(dtype, lq, lk, window, hkv):
-    """attention(causal=True, window=W) without gradients plans the window in the kernel; bit for bit the same
-    call on patterns.local's layout, and within the same-dtype reference's error of the fp64 oracle."""
-    from sparse_attn import patterns
+@pytest.mark.parametrize("num_sink", [0, 300])
+def test_attention_s_window_without_a_layout_gives_patterns_local_s_bits(dtype, lq, lk, window, hkv, num_sink):
+    """attention(causal=True, window=W[, num_sink=S]) without gradients plans the window in the kernel; bit for
+    bit the same call on patterns.local's (streaming's) layout, and within the same-dtype reference's error of
+    the fp64 oracle."""
     from sparse_attn.ops.block_sparse import attention_op
     g = torch.Generator(device="cuda").manual_seed(lq + lk)
     q = torch.randn(2, 32, lq, 128, device="cuda", generator=g).to(dtype)
     k, v = (torch.randn(2, hkv, lk, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
-    got = sparse_attn.attention(q, k, v, causal=True, window=window, return_lse=True)
-    layout = patterns.local(lq, window, kv_len=lk, device="cuda")
+    got = sparse_attn.attention(q, k, v, causal=True, window=window, num_sink=num_sink, return_lse=True)
+    layout = _window_pattern(window, num_sink)(lq, lk, "cuda")
     want = attention_op(q, k, v, layout, return_lse=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert_close_to_oracle(got[0], reference_attention(q, k, v, layout), oracle_attention(q, k, v, layout))
