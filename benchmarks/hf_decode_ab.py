@@ -1,7 +1,10 @@
-"""Batched greedy decoding through the transformers integration, dense against local, alternated in one process,
-and where a decoding step's host time goes (cProfile, top functions by own time).
+"""Batched greedy decoding through the transformers integration, dense against local (or streaming), alternated in
+one process, and where a decoding step's host time goes (cProfile, top functions by own time).
 
-    python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--rounds 3] [--prompts padded|one]
+    python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--num-sink 64] [--rounds 3]
+        [--prompts padded|one] [--no-profile]
+
+``--num-sink S`` runs ``streaming`` (window + S sinks) instead of ``local``.
 
 The model and prompts of hf_batch_probe.py (random 4-layer Llama, bf16, CUDA): ``padded``, 8 left-padded prompts of
 512-4096 tokens (varlen calls), or ``one``, the 4096-token prompt alone (attention() calls); each generate() makes
@@ -39,13 +42,19 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", choices=("padded", "one"), default="padded")
+    ap.add_argument("--num-sink", type=int, default=0)
+    ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
     x, mask = padded_inputs()
     if args.prompts == "one":  # the longest prompt, no padding
         x, mask = x[:1], mask[:1]
     models = {}
-    for name, cfg in (("dense", SparseAttnConfig("dense")), (f"local-{args.window}",
-                                                               SparseAttnConfig("local", {"window": args.window}))):
+    if args.num_sink:
+        banded = (f"streaming-{args.window}-{args.num_sink}",
+                  SparseAttnConfig("streaming", {"window": args.window, "num_sink": args.num_sink}))
+    else:
+        banded = (f"local-{args.window}", SparseAttnConfig("local", {"window": args.window}))
+    for name, cfg in (("dense", SparseAttnConfig("dense")), banded):
         models[name] = _model("sparse_attn")
         enable(models[name], cfg)
     models["sdpa"] = _model("sdpa")
@@ -59,7 +68,7 @@ def main() -> None:
                 times[name]["generate"].append(_ms(lambda m=m: gen(m)))
                 times[name]["prefill"].append(_ms(lambda m=m: m(x, attention_mask=mask, use_cache=True)))
         profiles = {}
-        for name, m in models.items():
+        for name, m in ({} if args.no_profile else models).items():
             pr = cProfile.Profile()
             pr.enable()
             gen(m)
@@ -76,8 +85,9 @@ def main() -> None:
     for name, text in profiles.items():
         print(f"===== {name}\n" + "\n".join(text.splitlines()[:45]))
     with open(args.out, "w") as f:
-        json.dump({**make_header("cuda", "hf-decode-ab", transformers=transformers.__version__,
-                                 prompts=args.prompts), "rows": rows, "profiles": profiles}, f, indent=1)
+        header = make_header("cuda", "hf-decode-ab", transformers=transformers.__version__, prompts=args.prompts,
+                             window=args.window, num_sink=args.num_sink)
+        json.dump({**header, "rows": rows, "profiles": profiles}, f, indent=1)
 
 
 if __name__ == "__main__":
