@@ -413,10 +413,11 @@ def fwd_kernel(
     table is read; each row's plan comes from its sequence's lengths (_device_row, _device_window_row) and the
     causal edge is the compare key <= position (and key > position - WINDOW or key < SINKS), which is what the
     causal term of the host's plan (varlen.stack_dense_or_causal) or the terms of patterns.local /
-    patterns.streaming allow: the same blocks in the same order and the same masks, so the same bits. N_TERMS
-    is the host plan's (0 dense, 1 causal or window, 2 with sinks) only so that both share an autotune key,
-    and so a config. Packed offsets are cut to T_Q / T_K tokens
-    (_clamped_bounds): the host may not have read them."""
+    patterns.streaming allow: the same blocks in the same order and the same masks, so the same bits. (Rows
+    with whole sink blocks have two unmasked runs, which the host walks as indexed rows: a padded call's wave
+    order and tile pick may then differ, and so the last bits; benchmarks/NOTES.md.) N_TERMS is the host plan's
+    (0 dense, 1 causal or window, 2 with sinks) only so that both share an autotune key, and so a config.
+    Packed offsets are cut to T_Q / T_K tokens (_clamped_bounds): the host may not have read them."""
     i_m, i_b, i_h, i_hk, q0, q_len, k0, k_len, p_cnt, p_row = _query_tile(
         CU_Q, CU_K, H, G, Lq, Lk, SEQ_STEP, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
         BLOCK_Q, BLOCK_M, IS_VARLEN, SPLIT_GRID, REVERSE, N_SPLIT, KV_SPLIT)
@@ -520,9 +521,7 @@ def fwd_kernel(
     # contiguous rows (H100: random layouts +10-21%, benchmarks/NOTES.md v4).
     n_it = hi1 - lo1
     if CONTIGUOUS:
-        if DEVICE_PLAN == 3:  # slot s < f1 holds block s, the rest u2 - f1 + s (start_n below)
-            run0 = lo1 * BLOCK_N
-        elif DEVICE_PLAN:
+        if DEVICE_PLAN:  # slot s holds block s (a window's: below f1, else u2 - f1 + s, added below)
             run0 = lo1 * BLOCK_N
         else:
             run0 = tl.load(FULL_START + p_cnt) * BLOCK_K + lo1 * BLOCK_N

@@ -592,10 +592,10 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     where a kernel tile fits in one run, its scale joins the per-row factor (kernels._scores).
     ``device_plan`` 1 (dense), 2 (bottom-right causal) or 3 (bottom-right causal sliding window of ``window``
     keys, as patterns.local; with ``sinks`` > 0 also the first ``sinks`` keys, as patterns.streaming), 16-bit
-    inputs on 128 x 128 blocks: the kernel plans each row from its sequence's
-    lengths (kernels.fwd_kernel DEVICE_PLAN), so nothing here depends on the lengths' values: ``counts`` is an
-    int32 stand-in for the schedule and the term table (never read), the other schedule tensors and ``terms``
-    are ignored, as are ``contiguous`` and ``n_terms``."""
+    inputs on 128 x 128 blocks: the kernel plans each row from its sequence's lengths (kernels.fwd_kernel
+    DEVICE_PLAN), so nothing here depends on the lengths' values: ``counts`` is an int32 stand-in for the
+    schedule and the term table (never read), the other schedule tensors and ``terms`` are ignored, as are
+    ``contiguous`` and ``n_terms``."""
     varlen = cu_q is not None
     if device_plan:
         if (device_plan not in (1, 2, 3) or quant or (block_q, block_k) != (128, 128)
