@@ -1,7 +1,8 @@
 """Padded batches whose layer pattern is one causal sliding window (``local`` or ``streaming`` on 128-token blocks,
-or dense under the model's own window) run as one varlen_attention(window=[, num_sink=]) call, which needs no per-sequence layout (on CUDA
-forward-only: planned in the kernel). Each row must still get what it gets alone, and the layer stats must
-count the blocks its layouts would have. Tiny random models, no download; the reference is each row alone."""
+or dense under the model's own window) run as one varlen_attention(window=[, num_sink=]) call, which needs no
+per-sequence layout (on CUDA forward-only: planned in the kernel). Each row must still get what it gets alone,
+and the layer stats must count the blocks its layouts would have. Tiny random models, no download; the reference
+is each row alone."""
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -151,7 +152,7 @@ def test_unpadded_window_and_dense_layers_run_without_layouts(pattern, kwargs, b
         stats = cfg.stats[1]
         results.append((pre.logits, step, (stats.blocks, stats.sparsity, stats.causal_sparsity), list(calls)))
     (pre, step, stats, calls_ours), (pre_ref, step_ref, stats_ref, calls_ref) = results
-    assert all(n == 3 and kw.get("window") == kwargs.get("window") and kw.get("num_sink", 0) == kwargs.get("num_sink", 0)
+    assert all(n == 3 and (kw.get("window"), kw.get("num_sink", 0)) == (kwargs.get("window"), kwargs.get("num_sink", 0))
                for n, kw in calls_ours)  # no layout argument
     assert all(n == 4 for n, _ in calls_ref)
     torch.testing.assert_close(pre, pre_ref, atol=2e-5, rtol=2e-5)
