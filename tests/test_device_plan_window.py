@@ -88,33 +88,37 @@ def test_the_window_is_the_definition_s_attention_split_or_not(monkeypatch):
             assert torch.allclose(lse.double()[finite], want_lse[finite], atol=1e-3), (split, q_lens, k_lens, window)
 
 
-def test_varlen_attention_s_window_on_every_path(monkeypatch):
-    """The public call: on the CPU (reference, patterns.local per sequence), with gradients (the host plan;
-    the gradients against the oracle's) and, as on CUDA, forward-only on the kernels' device plan."""
-    q_lens, k_lens, window = [3, 130, 0], [300, 130, 4], 100
-    q, k, v = _packed(q_lens, k_lens, 5)
+def _check_every_path(monkeypatch, q_lens, k_lens, window, num_sink, seed, grad_seed):
+    """The public call on the CPU (reference on the host's layouts per sequence), as on CUDA forward-only on the
+    kernels' device plan (no plan built), and with gradients (the host plan; gradients against the oracle's)."""
+    q, k, v = _packed(q_lens, k_lens, seed)
     cu_q, cu_k = _cu(q_lens), _cu(k_lens)
-    want, want_lse = _oracle(q, k, v, q_lens, k_lens, window)
-    out, lse = sparse_attn.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 130, 300, causal=True,
-                                            window=window, return_lse=True)
+    want, want_lse = _oracle(q, k, v, q_lens, k_lens, window, num_sink)
+    call = lambda q, k, v, **kw: sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens),  # noqa: E731
+                                                              causal=True, window=window, num_sink=num_sink, **kw)
+    out, lse = call(q.float(), k.float(), v.float(), return_lse=True)
     assert torch.allclose(out.double(), want, atol=1e-4) and torch.equal(torch.isfinite(lse), torch.isfinite(want_lse))
     from sparse_attn import api
     monkeypatch.setattr(api, "_use_kernels", lambda t: True)
     monkeypatch.setattr(api, "_plans_on_host", lambda device: True)
     monkeypatch.setattr(api, "_VARLEN_PLANS", api.PlanCache(16))
-    got = sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 130, 300, causal=True, window=window)
+    assert torch.allclose(call(q, k, v).double(), want, atol=2e-3)
     assert len(api._VARLEN_PLANS) == 0  # planned in the kernel
-    assert torch.allclose(got.double(), want, atol=2e-3)
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
-    out = sparse_attn.varlen_attention(*leaves, cu_q, cu_k, 130, 300, causal=True, window=window)
+    out = call(*leaves)
     assert len(api._VARLEN_PLANS) == 1  # the host's plan, which the backward reads
-    g = torch.Generator().manual_seed(3)
-    dout = torch.randn(out.shape, generator=g)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed))
     (out * dout).sum().backward()
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    (_oracle(*ref_leaves, q_lens, k_lens, window)[0] * dout.double()).sum().backward()
+    (_oracle(*ref_leaves, q_lens, k_lens, window, num_sink)[0] * dout.double()).sum().backward()
     for got_leaf, ref_leaf in zip(leaves, ref_leaves):
         assert torch.allclose(got_leaf.grad.double(), ref_leaf.grad, atol=2e-3)
+
+
+def test_varlen_attention_s_window_on_every_path(monkeypatch):
+    """The public call: on the CPU (reference, patterns.local per sequence), with gradients (the host plan;
+    the gradients against the oracle's) and, as on CUDA, forward-only on the kernels' device plan."""
+    _check_every_path(monkeypatch, [3, 130, 0], [300, 130, 4], 100, 0, seed=5, grad_seed=3)
 
 
 def test_a_window_is_refused_where_it_means_nothing():
@@ -192,28 +196,9 @@ def test_varlen_attention_s_sinks_on_every_path(monkeypatch):
     kernels' device plan, each against the oracle; the sinks change the result."""
     q_lens, k_lens, window, num_sink = [3, 130, 0], [300, 260, 4], 100, 70
     q, k, v = _packed(q_lens, k_lens, 6)
-    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
-    want, want_lse = _oracle(q, k, v, q_lens, k_lens, window, num_sink)
-    assert not torch.allclose(want, _oracle(q, k, v, q_lens, k_lens, window)[0], atol=1e-2)
-    call = lambda q, k, v, **kw: sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 130, 300, causal=True,  # noqa: E731
-                                                              window=window, num_sink=num_sink, **kw)
-    out, lse = call(q.float(), k.float(), v.float(), return_lse=True)
-    assert torch.allclose(out.double(), want, atol=1e-4) and torch.equal(torch.isfinite(lse), torch.isfinite(want_lse))
-    from sparse_attn import api
-    monkeypatch.setattr(api, "_use_kernels", lambda t: True)
-    monkeypatch.setattr(api, "_plans_on_host", lambda device: True)
-    monkeypatch.setattr(api, "_VARLEN_PLANS", api.PlanCache(16))
-    assert torch.allclose(call(q, k, v).double(), want, atol=2e-3)
-    assert len(api._VARLEN_PLANS) == 0  # planned in the kernel
-    leaves = [t.float().requires_grad_() for t in (q, k, v)]
-    out = call(*leaves)
-    assert len(api._VARLEN_PLANS) == 1  # the host's plan, which the backward reads
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-    (out * dout).sum().backward()
-    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    (_oracle(*ref_leaves, q_lens, k_lens, window, num_sink)[0] * dout.double()).sum().backward()
-    for got_leaf, ref_leaf in zip(leaves, ref_leaves):
-        assert torch.allclose(got_leaf.grad.double(), ref_leaf.grad, atol=2e-3)
+    assert not torch.allclose(_oracle(q, k, v, q_lens, k_lens, window, num_sink)[0],
+                              _oracle(q, k, v, q_lens, k_lens, window)[0], atol=1e-2)
+    _check_every_path(monkeypatch, q_lens, k_lens, window, num_sink, seed=6, grad_seed=4)
 
 
 def test_sinks_are_refused_without_a_window():

@@ -374,7 +374,7 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     packing = _packing_for(attention_mask, query, key, kwargs)
     spec, lq, lk = cfg.spec_for(layer_idx), query.shape[2], key.shape[2]
     if packing is not None:
-        out, stats = _packed_forward(cfg, layer_idx, query, key, value, packing, causal, window, scaling)
+        out, stats = _packed_forward(cfg, layer_idx, query, key, value, packing, causal, window, run_window, scaling)
     elif spec.is_dense and _reach(window, lq, lk, causal) is None:
         # dense / causal without a layout: forward-only calls plan it in the kernel (a decoding step's
         # lengths are new every step), training calls build attention()'s default layout
@@ -529,10 +529,11 @@ def _mask_packing(mask: torch.Tensor, lq: int, lk: int) -> _unpad.Packing | None
 
 
 def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing: _unpad.Packing, causal: bool,
-                    window, scaling):
+                    window, run_window: tuple | None, scaling):
     """One varlen_attention call over the batch's real sequences (``packing``), each with the layer's
-    pattern and window built for its own lengths; ``[B, Lq, Hq, Dv]`` with zeros at padded queries, and
-    the call's LayerStats summed over the sequences."""
+    pattern and window built for its own lengths (``run_window``: the layer's _causal_window, run without
+    layouts); ``[B, Lq, Hq, Dv]`` with zeros at padded queries, and the call's LayerStats summed over the
+    sequences."""
     spec = cfg.spec_for(layer_idx)
     batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
     if not packing.q_lens:  # every row is padding
@@ -547,7 +548,6 @@ def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing
                                     causal=run_causal, scale=scaling)
         return packing.unpack(out), _dense_stats(spec, packing.q_lens, packing.k_lens, (packing.q_len, packing.kv_len),
                                                  run_causal, causal)
-    run_window = _causal_window(spec, window, causal)
     if run_window is not None:  # one causal sliding window (and sinks): varlen plans it too (in the kernel)
         out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
                                     causal=True, window=run_window[0], num_sink=run_window[1], scale=scaling)
