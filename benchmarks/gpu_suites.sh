@@ -31,7 +31,8 @@ case "${1:-a}" in
        tests/test_eval_model.py ;;
   b) suites b tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_grouped_gpu.py \
        tests/gpu/test_cuda_graphs_gpu.py \
-       tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py tests/gpu/test_transformers_padding_gpu.py ;;
+       tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py tests/gpu/test_transformers_padding_gpu.py \
+       tests/gpu/test_padded_in_place_gpu.py ;;
   fuzz)
     start=${2:?a first seed, e.g. 58000}
     for i in 0 1 2 3 4 5; do

@@ -185,8 +185,9 @@ def test_from_padding_places_queries_bottom_right():
     p = _unpad.from_padding(mask, 4)
     assert (p.q_lens, p.k_lens) == ((4, 2, 4), (7, 8, 10))
     assert p.cu_q.tolist() == [0, 4, 6, 10] and p.cu_k.tolist() == [0, 7, 15, 25]
-    assert p.q_rows.tolist() == [0] * 4 + [1] * 2 + [2] * 4 and p.q_pos.tolist() == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3]
-    assert p.k_pos.tolist() == list(range(3, 10)) + list(range(8)) + list(range(10))
+    q_rows, q_pos = p.token_ranges(False, "cpu")
+    assert q_rows.tolist() == [0] * 4 + [1] * 2 + [2] * 4 and q_pos.tolist() == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3]
+    assert p.token_ranges(True, "cpu")[1].tolist() == list(range(3, 10)) + list(range(8)) + list(range(10))
     assert _unpad.from_padding(torch.ones(2, 5), 5) is None
     x = torch.randn(3, 2, 4, 8)
     packed = p.pack(x, keys=False)

@@ -22,10 +22,10 @@ class Packing:
     """Where a ``[B, Lq]`` query / ``[B, Lk]`` key batch's real sequences lie, one entry per sequence
     kept (rows without a real query are left out; their outputs are zeros).
 
-    ``q_rows`` / ``q_pos`` (int64 ``[Tq]`` on the batch's device): each packed query token's batch row and
-    position, in packed order; None when the packed queries are the whole batch in order (packed
-    sequences, no padding). The same for keys. ``cu_q`` / ``cu_k``: int32 ``[S + 1]`` offsets on the CPU
-    (varlen_attention reads CPU offsets without a sync)."""
+    ``cu_q`` / ``cu_k``: int32 ``[S + 1]`` offsets on the CPU (varlen_attention reads CPU offsets without a
+    sync). A padded batch (``rows`` not None) also names each sequence's batch row and the positions of its
+    first query (among the call's ``q_len`` queries) and first key (among its ``kv_len`` keys); a packed batch
+    (``rows`` None) is the whole batch in order."""
 
     batch: int
     q_len: int
@@ -34,10 +34,12 @@ class Packing:
     k_lens: tuple[int, ...]
     cu_q: torch.Tensor
     cu_k: torch.Tensor
-    q_rows: torch.Tensor | None = None
-    q_pos: torch.Tensor | None = None
-    k_rows: torch.Tensor | None = None
-    k_pos: torch.Tensor | None = None
+    rows: tuple[int, ...] | None = None
+    q_starts: tuple[int, ...] = ()
+    k_starts: tuple[int, ...] = ()
+    # what was built from the above on a device, once for every layer of the forward (the Packing is the
+    # forward's: _packing_for finds it again for each layer)
+    _built: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def max_q(self) -> int:
@@ -47,20 +49,118 @@ class Packing:
     def max_k(self) -> int:
         return max(self.k_lens, default=0)
 
+    def _once(self, key: tuple, build):
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
+
+    def token_ranges(self, keys: bool, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each packed query (``keys``: key) token's batch row and position, int64 ``[T]`` on ``device`` in packed
+        order; None when the packed tokens are the whole batch in order (not padded)."""
+        if self.rows is None:
+            return None
+        starts, lens = (self.k_starts, self.k_lens) if keys else (self.q_starts, self.q_lens)
+        return self._once(("ranges", keys, str(device)), lambda: _ranges(list(self.rows), list(starts), list(lens),
+                                                                          device))
+
     def pack(self, t: torch.Tensor, keys: bool) -> torch.Tensor:
         """``[B, H, L, D]`` -> packed ``[T, H, D]`` (the sequences' tokens, back to back; one copy)."""
-        rows, pos = (self.k_rows, self.k_pos) if keys else (self.q_rows, self.q_pos)
         tokens = t.transpose(1, 2)  # [B, L, H, D], a view
-        if rows is None:
+        ranges = self.token_ranges(keys, t.device)
+        if ranges is None:
             return tokens.reshape(-1, *tokens.shape[2:]).contiguous()
-        return tokens[rows, pos]
+        return tokens[ranges]
 
     def unpack(self, out: torch.Tensor) -> torch.Tensor:
         """Packed output ``[Tq, H, Dv]`` -> ``[B, Lq, H, Dv]``, zeros at the queries no sequence holds."""
-        if self.q_rows is None:
+        ranges = self.token_ranges(False, out.device)
+        if ranges is None:
             return out.view(self.batch, self.q_len, *out.shape[1:])
         full = out.new_zeros(self.batch, self.q_len, *out.shape[1:])
-        return full.index_put((self.q_rows, self.q_pos), out)
+        return full.index_put(ranges, out)
+
+    def pairs_on(self, device, q_row_tokens: int, k_row_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's (first, one past the last) query and key token, int32 ``[2 S]`` on ``device`` (the
+        kernels' SEQ_STEP 2 bounds), in token spaces where batch row ``b``'s position ``i`` is token
+        ``b * row_tokens + i`` (:func:`token_view`). Padded batches only; one copy for every layer."""
+        def build():
+            q_pairs, k_pairs = [], []
+            for row, qs, nq, ks, nk in zip(self.rows, self.q_starts, self.q_lens, self.k_starts, self.k_lens):
+                q0, k0 = row * q_row_tokens + qs, row * k_row_tokens + ks
+                q_pairs += (q0, q0 + nq)
+                k_pairs += (k0, k0 + nk)
+            from ..varlen import _to_device_aligned  # one pinned copy (not offsets_on's cache: these are built once)
+            return tuple(_to_device_aligned([torch.tensor(q_pairs, dtype=torch.int32),
+                                             torch.tensor(k_pairs, dtype=torch.int32)], device))
+        return self._once(("pairs", str(device), q_row_tokens, k_row_tokens), build)
+
+    def free_queries_on(self, device) -> torch.Tensor | None:
+        """bool ``[B * Lq, 1, 1]`` on ``device``, True at the queries no sequence holds (padding; a padded batch's
+        rows as its ``[B, Lq]`` tokens); None when every query is a sequence's."""
+        if self.rows is None or sum(self.q_lens) == self.batch * self.q_len:
+            return None
+
+        def build():
+            free = torch.ones(self.batch * self.q_len, 1, 1, dtype=torch.bool)
+            for row, qs, nq in zip(self.rows, self.q_starts, self.q_lens):
+                free[row * self.q_len + qs:row * self.q_len + qs + nq] = False
+            return free.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else \
+                free.to(device)
+        return self._once(("free", str(device)), build)
+
+
+def token_view(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """``[B, H, L, D]`` (unit stride in D) as tokens ``[T, H, D]``, without a copy: row ``b``'s position ``i`` is
+    token ``b * r + i``, where ``r`` is the batch stride in token strides. Returns (the view, ``r``), or None
+    where the strides do not allow it (the batch stride not a multiple of the token stride), or where token
+    indices would pass int32. A KV cache ``[B, Hkv, L, D]`` gives ``r = Hkv * L`` (its rows' tokens, heads
+    apart, interleave: the view's T covers them all, the kernels read only the pairs' ranges); a query
+    ``[B, Lq, H, D]`` in memory gives ``r = Lq``."""
+    B, H, L, D = t.shape
+    sb, sh, sl, sd = t.stride()
+    if L == 1:  # one token a row (a decoding step's query): its stride is free, so the batch stride numbers rows
+        sl = sb if B > 1 else 1
+    if sd != 1 or sl <= 0 or B == 0 or L == 0:
+        return None
+    r = L if B == 1 else sb // sl
+    if B > 1 and (sb % sl or r < L):
+        return None
+    tokens = (B - 1) * r + L
+    if tokens >= 2 ** 31:
+        return None
+    return t.as_strided((tokens, H, D), (sl, sh, 1)), r
+
+
+def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
+             window: int | None = None, num_sink: int = 0, scale: float | None = None) -> torch.Tensor | None:
+    """A padded batch's dense, causal or causal-window attention read and written where the batch lies: no
+    gathers of its real tokens and no scatter of the output (what :meth:`Packing.pack` / :meth:`Packing.unpack`
+    cost each layer). query ``[B, Hq, Lq, D]``, key / value ``[B, Hkv, Lk, D]`` -> ``[B, Lq, Hq, D]``, zeros at
+    the queries no sequence holds; each sequence as :func:`sparse_attn.varlen_attention` runs it on its packed
+    tokens (the kernels' device plan over (start, end) token pairs). None where that plan does not run (the
+    CPU, gradients, a torch.compile trace, 8-bit): the caller packs then. A query or key / value that
+    :func:`token_view` cannot place is copied once to ``[B, L, H, D]``."""
+    from .. import api
+    from ..ops.block_sparse import varlen_device_plan_op
+    from ..validation import check_packed_qkv
+    if packing.rows is None or not api._varlen_device_plan(query, key, value, None, None, None):
+        return None
+    batch, lq = query.shape[0], query.shape[2]
+    q_view = token_view(query)
+    if q_view is None or q_view[1] != lq:  # the output shares the queries' token numbers: [B * Lq, Hq, D]
+        q_view = token_view(query.transpose(1, 2).contiguous().transpose(1, 2))
+    kv = token_view(key), token_view(value)
+    if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:  # one set of key pairs for both
+        kv = tuple(token_view(t.transpose(1, 2).contiguous().transpose(1, 2)) for t in (key, value))
+    (q, q_row), (k, k_row), (v, _) = q_view, *kv
+    check_packed_qkv(q, k, v, "a padded batch")
+    q_pairs, k_pairs = packing.pairs_on(query.device, q_row, k_row)
+    out = varlen_device_plan_op(q, k, v, q_pairs, k_pairs, packing.max_q, packing.max_k, causal, scale=scale,
+                                window=window, num_sink=num_sink, seq_step=2)
+    free = packing.free_queries_on(query.device)
+    if free is not None:  # the kernels write only the pairs' queries
+        out.masked_fill_(free, 0.0)
+    return out.view(batch, lq, *out.shape[1:])
 
 
 def _offsets(lens) -> torch.Tensor:
@@ -115,10 +215,8 @@ def from_padding(mask: torch.Tensor, q_len: int, q_end: int | None = None) -> Pa
             q_lens.append(e - qs)
             k_starts.append(s)
             k_lens.append(e - s)
-    q_rows, q_pos = _ranges(rows, q_starts, q_lens, real.device)
-    k_rows, k_pos = _ranges(rows, k_starts, k_lens, real.device)
     return Packing(batch, q_len, kv_len, tuple(q_lens), tuple(k_lens), _offsets(q_lens), _offsets(k_lens),
-                   q_rows, q_pos, k_rows, k_pos)
+                   tuple(rows), tuple(q_starts), tuple(k_starts))
 
 
 def from_segments(bounds: list[list[int]], length: int) -> Packing:

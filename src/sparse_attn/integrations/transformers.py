@@ -508,7 +508,7 @@ def _packing_for(mask, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> 
         raise ValueError(f"sparse_attn: cu_seq_lens_q / cu_seq_lens_k name sequences packed in one row, but the batch "
                          f"has {query.shape[0]} rows")
     given = _OFFSET_PACKINGS.get(cu_q, (id(cu_k), lq, lk), lambda: _unpad.from_offsets(cu_q, cu_k, lq, lk))
-    if packing is not None and (packing.q_rows is not None or (packing.q_lens, packing.k_lens) !=
+    if packing is not None and (packing.rows is not None or (packing.q_lens, packing.k_lens) !=
                                 (given.q_lens, given.k_lens)):
         raise ValueError(f"sparse_attn: cu_seq_lens_q / cu_seq_lens_k name sequences of {list(given.q_lens)} query "
                          f"tokens, but the attention mask (padding / position_ids) gives {list(packing.q_lens)}")
@@ -539,20 +539,27 @@ def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing
     if not packing.q_lens:  # every row is padding
         out = query.new_zeros(batch, lq, query.shape[1], value.shape[-1])
         return out, LayerStats(spec.describe(), lq, lk, 1.0, 1.0, 0)
-    q, k, v = packing.pack(query, False), packing.pack(key, True), packing.pack(value, True)
+    planned = None  # dense / causal (causal, window, num_sink) or one causal window: planned without layouts
     if spec.is_dense and _reach(window, lq, lk, causal) is None:
-        # dense / causal: varlen plans it itself (on CUDA without gradients, in the kernel), so no layout is
-        # built: a decoding step's sequences have new lengths every step
-        run_causal = causal or spec.pattern.strip() == "causal"  # "causal" is causal on a bidirectional module too
-        out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
-                                    causal=run_causal, scale=scaling)
-        return packing.unpack(out), _dense_stats(spec, packing.q_lens, packing.k_lens, (packing.q_len, packing.kv_len),
-                                                 run_causal, causal)
-    if run_window is not None:  # one causal sliding window (and sinks): varlen plans it too (in the kernel)
-        out = _api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
-                                    causal=True, window=run_window[0], num_sink=run_window[1], scale=scaling)
-        return packing.unpack(out), _window_stats(spec, packing.q_lens, packing.k_lens,
-                                                  (packing.q_len, packing.kv_len), run_window, window)
+        planned = causal or spec.pattern.strip() == "causal", None, 0  # "causal" is causal on a bidirectional module too
+    elif run_window is not None:
+        planned = True, *run_window
+    if planned is not None:
+        # varlen plans these itself (on CUDA without gradients, in the kernel), so no layout is built: a decoding
+        # step's sequences have new lengths every step; a padded batch is then read and written in place
+        run_causal, run_w, run_sinks = planned
+        out = _unpad.in_place(packing, query, key, value, causal=run_causal, window=run_w, num_sink=run_sinks,
+                              scale=scaling)
+        if out is None:
+            q, k, v = packing.pack(query, False), packing.pack(key, True), packing.pack(value, True)
+            out = packing.unpack(_api.varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q,
+                                                       packing.max_k, causal=run_causal, window=run_w,
+                                                       num_sink=run_sinks, scale=scaling))
+        shape = (packing.q_len, packing.kv_len)
+        if run_w is None:
+            return out, _dense_stats(spec, packing.q_lens, packing.k_lens, shape, run_causal, causal)
+        return out, _window_stats(spec, packing.q_lens, packing.k_lens, shape, run_window, window)
+    q, k, v = packing.pack(query, False), packing.pack(key, True), packing.pack(value, True)
     cq, ck = packing.cu_q.tolist(), packing.cu_k.tolist()  # CPU tensors: no sync
     per_seq = []
     for i, (nq, nk) in enumerate(zip(packing.q_lens, packing.k_lens)):

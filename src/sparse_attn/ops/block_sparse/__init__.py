@@ -146,7 +146,7 @@ def varlen_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, m
 
 
 def _device_plan_forward(q, k, v, causal: bool, cu_q, cu_k, max_q: int, max_k: int, scale, return_lse: bool,
-                         pv_threshold: float = 0.0, window: int | None = None, num_sink: int = 0):
+                         pv_threshold: float = 0.0, window: int | None = None, num_sink: int = 0, seq_step: int = 1):
     """Dense, bottom-right causal or (``window``, with causal) causal sliding-window forward (with ``num_sink``
     attention sinks) whose rows the kernel plans itself (launch.forward ``device_plan``; 128 x 128 blocks, the
     bits of the default layout's, or patterns.local's / patterns.streaming's, host plan). An int32 stand-in
@@ -157,7 +157,7 @@ def _device_plan_forward(q, k, v, causal: bool, cu_q, cu_k, max_q: int, max_k: i
     stand_in = cu_q if cu_q is not None else torch.empty(1, dtype=torch.int32, device=q.device)
     schedule = (stand_in,) * 5 + (True, None, None, None, None, False, stand_in, 1 if causal else 0)
     plan = 3 if window else 2 if causal else 1
-    out, lse = forward_op(q, k, v, *schedule, cu_q, cu_k, 128, 128, scale, max_q, max_k,
+    out, lse = forward_op(q, k, v, *schedule, cu_q, cu_k, 128, 128, scale, max_q, max_k, seq_step,
                           pv_threshold=float(pv_threshold), device_plan=plan, window=int(window or 0),
                           sinks=int(num_sink))
     return (out, lse) if return_lse else out
@@ -175,13 +175,15 @@ def device_plan_attention_op(q, k, v, causal: bool, *, scale: float | None = Non
 
 def varlen_device_plan_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, *,
                           scale: float | None = None, return_lse: bool = False, window: int | None = None,
-                          num_sink: int = 0):
+                          num_sink: int = 0, seq_step: int = 1):
     """Dense, causal or causal sliding-window (``window`` keys, ``num_sink`` sinks) attention on validated packed
     ``[T, H, D]`` inputs, forward only, its rows planned by the kernels from ``cu_q`` / ``cu_k`` on q's device
     (_device_plan_forward): nothing reads the offsets on the host, so the call can be captured in a CUDA
-    graph and replayed on other lengths up to ``max_q`` / ``max_k``."""
+    graph and replayed on other lengths up to ``max_q`` / ``max_k``. ``seq_step`` 2: ``cu_q`` / ``cu_k`` are
+    (start, end) token pairs ``[2 S]`` instead (a padded batch read in place, integrations._unpad.token_view):
+    query tokens outside every pair are not written."""
     return _device_plan_forward(q, k, v, causal, cu_q, cu_k, max_q, max_k, scale, return_lse, window=window,
-                                num_sink=num_sink)
+                                num_sink=num_sink, seq_step=seq_step)
 
 
 def grouped_attention_op(q, k, v, stacked: BlockLayout, cu_q, cu_k, max_q: int, max_k: int, kv_lens, *,

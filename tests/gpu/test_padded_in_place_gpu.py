@@ -1,0 +1,102 @@
+"""A padded batch read and written in place on the GPU (integrations._unpad.in_place): bit for bit the packed
+call (gathered tokens, one varlen call, scattered output) on bf16 / fp16 batches the size of a decoding
+step's (split-KV parts and their merge included) and of a prefill (padded queries: zeros), and close to the
+fp64 oracle row by row. Fresh random inputs each case; the packed call's output is poisoned first."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn.integrations import _unpad
+from sparse_attn.testing import naive_masked_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def _batch(lengths, width, lq, seed, dtype, hq=32, hkv=8, d=128, q_blhd=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch = len(lengths)
+    mask = torch.zeros(batch, width, dtype=torch.bool, device="cuda")
+    for b, n in enumerate(lengths):
+        mask[b, width - n:] = True
+    mk = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 3).to(dtype)  # noqa: E731
+    query = mk(batch, lq, hq, d).transpose(1, 2) if q_blhd else mk(batch, hq, lq, d)
+    return _unpad.from_padding(mask, lq), query, mk(batch, hkv, width, d), mk(batch, hkv, width, d)
+
+
+def _rule(lq: int, lk: int, causal: bool, window, num_sink: int) -> torch.Tensor:
+    """[lq, lk] True where query i (position p = i + lk - lq) sees key j: causal, its window and the sinks."""
+    p = torch.arange(lq, device="cuda")[:, None] + lk - lq
+    j = torch.arange(lk, device="cuda")[None, :]
+    allowed = j <= p if causal else torch.ones(lq, lk, dtype=torch.bool, device="cuda")
+    if window:
+        allowed &= (j > p - window) | (j < num_sink)
+    return allowed
+
+
+CASES = [  # (lengths, width, lq, causal, window, num_sink)
+    ([4096, 512, 3000, 1, 2049, 4096, 77, 1500], 4096, 1, True, None, 0),  # a decoding step: split-KV parts
+    ([4096, 512, 3000, 1, 2049, 4096, 77, 1500], 4096, 1, True, 1024, 64),
+    ([700, 0, 1000, 129], 1000, 1000, True, None, 0),  # a prefill with a row of padding only
+    ([700, 5, 1000, 129], 1000, 1000, True, 300, 0),
+    ([700, 5, 1000, 129], 1000, 1000, True, 300, 200),
+    ([333, 1000], 1000, 1000, False, None, 0),  # a padded encoder batch
+    ([17, 64, 9], 64, 4, True, None, 0),  # a few queries a row (speculative decoding's shape)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_in_place_gives_the_packed_call_s_bits(case, dtype):
+    lengths, width, lq, causal, window, num_sink = CASES[case]
+    p, query, key, value = _batch(lengths, width, lq, case, dtype, q_blhd=case % 2 == 0)
+    kw = dict(causal=causal, window=window, num_sink=num_sink)
+    got = _unpad.in_place(p, query, key, value, **kw)
+    q, k, v = p.pack(query, False), p.pack(key, True), p.pack(value, True)
+    want = torch.full_like(q, float("nan"))
+    want.copy_(sparse_attn.varlen_attention(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, **kw))
+    want = p.unpack(want)
+    assert torch.equal(got, want), CASES[case]
+    for b, n in enumerate(lengths):  # each real row against the oracle, the padded ones zeros
+        first_q = max(lq - n, 0) if n else lq
+        assert bool((got[b, :first_q] == 0).all())
+        if first_q == lq:
+            continue
+        sl = slice(width - n, width)
+        allowed = _rule(lq - first_q, n, causal, window, num_sink)
+        row = naive_masked_attention(query[b:b + 1, :, first_q:], key[b:b + 1, :, sl], value[b:b + 1, :, sl], allowed)
+        err = (got[b, first_q:].transpose(0, 1).double() - row[0]).abs().max().item()
+        assert err < 2e-2, (CASES[case], b, err)
+
+
+def test_a_padded_decoding_loop_copies_its_pairs_once_a_step():
+    """Every layer of a step reuses the step's pairs (built once by the step's Packing)."""
+    p, query, key, value = _batch([300, 1000, 17], 1000, 1, 0, torch.bfloat16)
+    first = [t.data_ptr() for t in p.pairs_on(query.device, 1, key.shape[1] * key.shape[2])]
+    for _ in range(4):
+        _unpad.in_place(p, query, key, value, causal=True)
+    again = [t.data_ptr() for t in p.pairs_on(query.device, 1, key.shape[1] * key.shape[2])]
+    assert first == again and len(p._built) == 1
+
+
+def test_random_padded_batches_match_the_packed_call():
+    rnd = random.Random(5)
+    for trial in range(12):
+        width = rnd.choice([1, 127, 128, 129, 640, 2000])
+        lq = rnd.choice([1, 1, 3, width])
+        lengths = [rnd.choice([0, 1, width // 3, width]) for _ in range(rnd.randint(1, 6))]
+        causal = rnd.random() < 0.8
+        window = rnd.choice([None, 1, 100, 700]) if causal else None
+        num_sink = rnd.choice([0, 4, 300]) if window else 0
+        p, query, key, value = _batch(lengths, width, lq, 100 + trial, torch.bfloat16, hq=8, hkv=rnd.choice([1, 8]),
+                                      d=rnd.choice([64, 128]))
+        if p is None or not p.q_lens:  # no padding at all, or nothing real
+            continue
+        kw = dict(causal=causal, window=window, num_sink=num_sink)
+        got = _unpad.in_place(p, query, key, value, **kw)
+        want = p.unpack(sparse_attn.varlen_attention(p.pack(query, False), p.pack(key, True), p.pack(value, True),
+                                                     p.cu_q, p.cu_k, p.max_q, p.max_k, **kw))
+        assert torch.equal(got, want), (lengths, width, lq, kw)
