@@ -135,7 +135,8 @@ def test_in_place_copies_what_it_cannot_place_and_refuses_nothing_silently(monke
     result is the same."""
     monkeypatch.setattr(api, "_use_kernels", lambda t: True)
     p, query, key, value = _padded_batch([3, 9], 9, 1, 7)
-    odd_key = torch.empty(4096, dtype=torch.half).as_strided(key.shape, (2 * 9 * 32 + 16, 9 * 32, 32, 1))  # batch stride not a multiple of 32
+    # a batch stride that is no multiple of the token stride (32)
+    odd_key = torch.empty(4096, dtype=torch.half).as_strided(key.shape, (2 * 9 * 32 + 16, 9 * 32, 32, 1))
     odd_key.copy_(key)
     assert _unpad.token_view(odd_key) is None
     got = _unpad.in_place(p, query, odd_key, value, causal=True)

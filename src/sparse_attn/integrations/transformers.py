@@ -541,7 +541,8 @@ def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing
         return out, LayerStats(spec.describe(), lq, lk, 1.0, 1.0, 0)
     planned = None  # dense / causal (causal, window, num_sink) or one causal window: planned without layouts
     if spec.is_dense and _reach(window, lq, lk, causal) is None:
-        planned = causal or spec.pattern.strip() == "causal", None, 0  # "causal" is causal on a bidirectional module too
+        # ("causal" is causal on a bidirectional module too)
+        planned = causal or spec.pattern.strip() == "causal", None, 0
     elif run_window is not None:
         planned = True, *run_window
     if planned is not None:
