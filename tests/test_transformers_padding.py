@@ -315,6 +315,31 @@ def test_static_cache_generation_matches_the_dynamic_cache(pattern, kwargs):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pattern,kwargs", [("dense", {}), ("streaming", {"window": 8, "num_sink": 2})])
+def test_compiled_static_cache_generation_matches_eager(pattern, kwargs):
+    """On CUDA, generate(cache_implementation="static") compiles the decoding step by itself. Traced, the
+    attention function's host-side state (the last mask's Packing, a static cache's query end) froze into
+    the graph and a left-padded batch's logits came out 0.44 off (the compile forced here on the CPU, with
+    Dynamo's eager backend: the trace alone shows it); the attention and mask functions now run eagerly
+    inside a compiled model, and its logits are the uncompiled ones."""
+    from transformers import CompileConfig
+    model = tiny_llama(layers=2)
+    enable(model, SparseAttnConfig(pattern, kwargs))
+    x, mask = left_padded([30, 21, 9], 30)
+    gen = {"attention_mask": mask, "max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False,
+           "cache_implementation": "static", "output_logits": True, "return_dict_in_generate": True}
+    compile_config = CompileConfig(backend="eager")
+    compile_config._compile_all_devices = True  # transformers compiles by itself only on accelerators
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model.generate(x, disable_compile=True, **gen)
+        compiled = model.generate(x, compile_config=compile_config, **gen)
+    assert hasattr(model, "_compiled_call")  # the step was compiled
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for a, b in zip(compiled.logits, eager.logits):
+        assert torch.equal(a, b)
+
+
 def test_masks_made_in_inference_mode_are_checked():
     """Tensors made under torch.inference_mode have no version counter: check_mask read it to remember the
     last plain mask and failed (RuntimeError) on a plain 4-D causal mask; it now checks such masks each time,

@@ -339,6 +339,18 @@ UNSUPPORTED_KWARGS = {
 }
 
 
+
+def _eager_under_compile(fn):
+    """Run ``fn`` eagerly when torch.compile traces its caller (a graph break around it). The attention and
+    mask functions keep host-side state a trace would freeze: the last mask's Packing found again by object
+    identity and version counter, a static cache's query end registered by the mask object, the padding
+    read with a sync. Traced, those became constants of the graph: ``generate(cache_implementation="static")``,
+    which compiles the decoding step on CUDA by itself, gave other tokens than without compiling (a tiny
+    Llama on the CPU with the compile forced). Eager calls are unaffected."""
+    return functools.wraps(fn)(torch.compiler.disable(fn, recursive=True))
+
+
+@_eager_under_compile
 def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
@@ -644,6 +656,7 @@ def _check_materialised(mask: torch.Tensor, lq: int, lk: int, causal: bool, wind
     return True
 
 
+@_eager_under_compile
 def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                      mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                      **kwargs) -> torch.Tensor | None:
