@@ -319,9 +319,9 @@ def test_static_cache_generation_matches_the_dynamic_cache(pattern, kwargs):
 def test_compiled_static_cache_generation_matches_eager(pattern, kwargs):
     """On CUDA, generate(cache_implementation="static") compiles the decoding step by itself. Traced, the
     attention function's host-side state (the last mask's Packing, a static cache's query end) froze into
-    the graph and a left-padded batch's logits came out 0.44 off (the compile forced here on the CPU, with
-    Dynamo's eager backend: the trace alone shows it); the attention and mask functions now run eagerly
-    inside a compiled model, and its logits are the uncompiled ones."""
+    the graph: with the attention function traced, a left-padded batch's logits came out 0.44 off (the
+    compile forced here on the CPU, with Dynamo's eager backend: the trace alone shows it). The attention
+    and mask functions now run eagerly inside a compiled model, and its logits are the uncompiled ones."""
     from transformers import CompileConfig
     model = tiny_llama(layers=2)
     enable(model, SparseAttnConfig(pattern, kwargs))
