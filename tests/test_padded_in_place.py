@@ -14,6 +14,7 @@ import torch
 import sparse_attn
 from sparse_attn import api, varlen
 from sparse_attn.integrations import _unpad
+from sparse_attn.plan_cache import LastOne
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="interpreter tests run only without a GPU")
@@ -66,7 +67,7 @@ def test_offsets_are_copied_once_while_the_same_tensors_come_back(monkeypatch):
     calls = []
     real = varlen._to_device_aligned
     monkeypatch.setattr(varlen, "_to_device_aligned", lambda ts, d: calls.append(1) or real(ts, d))
-    monkeypatch.setattr(varlen, "_LAST_COPY", varlen._LastCopy())
+    monkeypatch.setattr(varlen, "_LAST_COPY", LastOne())
     cu_q, cu_k = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32)
     first = varlen.offsets_on("meta", cu_q, cu_k)
     again = varlen.offsets_on("meta", cu_q, cu_k)

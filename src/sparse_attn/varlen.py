@@ -6,13 +6,13 @@ bottom-right aligned per sequence); the kernels see them stacked along the batch
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Sequence
 
 import torch
 
 from . import patterns
 from .layout import BlockLayout, LayoutError, _Coo, as_int
+from .plan_cache import LastOne
 from .validation import capturing, check_not_capturing
 
 PatternFn = Callable[[int, int], BlockLayout]
@@ -237,38 +237,22 @@ def offsets_on(device, *cus: torch.Tensor) -> list[torch.Tensor]:
     step, not one a layer)."""
     device = torch.device(device)
     host = [cu for cu in cus if cu.device != device]
-    copies = iter(_LAST_COPY.get(host, device) if host else ())
+    copies = iter(_copied(host, device) if host else ())
     return [next(copies) if cu.device != device else cu for cu in cus]
 
 
-class _LastCopy:
-    """The device copy of the last host tensors :func:`offsets_on` moved, found again while the same objects
-    come back unmodified (their version counters) to the same device and stream. Never stored or hit while a
-    CUDA graph captures (a copy recorded in a capture has not run when an eager call would read it) or while
-    torch.compile traces; inference tensors (no version counter) are copied every time."""
-
-    def __init__(self):
-        self._entry: tuple | None = None  # (weakrefs, signature, copies)
-
-    def get(self, host: list, device: torch.device) -> list:
-        if capturing(device) or torch.compiler.is_compiling():
-            return _to_device_aligned(host, device)
-        try:
-            versions = tuple(t._version for t in host)
-        except RuntimeError:  # an inference tensor
-            return _to_device_aligned(host, device)
-        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-        sig = (versions, str(device), stream)
-        entry = self._entry
-        if (entry is not None and entry[1] == sig and len(entry[0]) == len(host)
-                and all(ref() is t for ref, t in zip(entry[0], host))):
-            return entry[2]
-        copies = _to_device_aligned(host, device)
-        self._entry = (tuple(weakref.ref(t) for t in host), sig, copies)
-        return copies
+def _copied(host: list, device: torch.device) -> list:
+    """offsets_on's copy, reused for the same device and stream; never stored or hit while a CUDA graph
+    captures (a copy recorded in a capture has not run when an eager call would read it) or while torch.compile
+    traces."""
+    if capturing(device) or torch.compiler.is_compiling():
+        return _to_device_aligned(host, device)
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    return _LAST_COPY.get(tuple(host), (str(device), stream), lambda: _to_device_aligned(host, device))
 
 
-_LAST_COPY = _LastCopy()
+# the device copy of the last CPU offsets offsets_on moved (plan_cache.LastOne: the same objects, unmodified)
+_LAST_COPY = LastOne()
 
 
 def _to_device_aligned(tensors, device) -> list[torch.Tensor]:

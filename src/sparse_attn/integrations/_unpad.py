@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import weakref
 
 import torch
 
@@ -265,23 +264,3 @@ def token_spans(bounds: list[list[int]], length: int, device) -> tuple[torch.Ten
             first[r, s:e] = s
             end[r, s:e] = e
     return first.to(device), end.to(device)
-
-
-class LastOne:
-    """The value built for the last key object seen (a mask, an offsets tensor), while that same object,
-    unchanged in place, comes back: every layer of a forward gets the same mask, so it is read once a
-    forward, not once a layer. Inference tensors have no version counter: never remembered."""
-
-    def __init__(self):
-        self._entry: tuple | None = None  # (weakref to the object, signature, value)
-
-    def get(self, obj: torch.Tensor, signature: tuple, build):
-        try:
-            sig = signature + (obj._version,)
-        except RuntimeError:
-            return build()
-        if self._entry is not None and self._entry[0]() is obj and self._entry[1] == sig:
-            return self._entry[2]
-        value = build()
-        self._entry = (weakref.ref(obj), sig, value)
-        return value

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from .. import api as _api
+from ..plan_cache import LastOne
 from . import _unpad
 from ._patterns import LayoutCache, PatternSpec, adaptive_layout, causal_blocks
 
@@ -500,8 +501,8 @@ def _window_counts(q_lens: tuple, k_lens: tuple, run_window: tuple, model_window
     return visited, grid, baseline
 
 
-_MASK_PACKINGS = _unpad.LastOne()     # the last mask's sequences (every layer of a forward gets the same mask)
-_OFFSET_PACKINGS = _unpad.LastOne()   # the last cu_seq_lens_q's
+_MASK_PACKINGS = LastOne()     # the last mask's sequences (every layer of a forward gets the same mask)
+_OFFSET_PACKINGS = LastOne()   # the last cu_seq_lens_q's
 
 
 def _packing_for(mask, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> _unpad.Packing | None:
@@ -600,7 +601,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-_CHECKED = _unpad.LastOne()  # the last mask found plain: not re-checked in every layer
+_CHECKED = LastOne()  # the last mask found plain: not re-checked in every layer
 
 
 def _band_rule(p: torch.Tensor, j: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
