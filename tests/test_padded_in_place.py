@@ -119,7 +119,7 @@ def test_in_place_gives_the_packed_call_s_bits(monkeypatch, case):
     window = rnd.choice([3, 100, 150]) if causal and case % 2 else None
     num_sink = rnd.choice([0, 2, 129]) if window else 0
     p, query, key, value = _padded_batch(lengths, width, lq, case, q_blhd=case % 3 != 2)
-    kw = dict(causal=causal, window=window, num_sink=num_sink)
+    kw = {"causal": causal, "window": window, "num_sink": num_sink}
     got = _unpad.in_place(p, query, key, value, **kw)
     want = _packed_call(p, query, key, value, **kw)
     assert got is not None and got.shape == want.shape

@@ -1,5 +1,6 @@
-"""A small LRU cache for per-shape plans (varlen and grouped attention build theirs once per batch
-signature, so a training loop does not rebuild them every step)."""
+"""Small caches: an LRU for per-shape plans (varlen and grouped attention build theirs once per batch
+signature, so a training loop does not rebuild them every step), and :class:`LastOne` for what every layer of
+a forward would otherwise rebuild from the same tensors."""
 from __future__ import annotations
 
 import collections

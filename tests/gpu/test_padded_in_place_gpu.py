@@ -54,7 +54,7 @@ CASES = [  # (lengths, width, lq, causal, window, num_sink)
 def test_in_place_gives_the_packed_call_s_bits(case, dtype):
     lengths, width, lq, causal, window, num_sink = CASES[case]
     p, query, key, value = _batch(lengths, width, lq, case, dtype, q_blhd=case % 2 == 0)
-    kw = dict(causal=causal, window=window, num_sink=num_sink)
+    kw = {"causal": causal, "window": window, "num_sink": num_sink}
     poison = torch.full((4, *query.shape), float("nan"), device="cuda", dtype=dtype)
     del poison  # the caching allocator hands this NaN-filled memory to the call's outputs and split parts
     got = _unpad.in_place(p, query, key, value, **kw)
@@ -100,7 +100,7 @@ def test_random_padded_batches_match_the_packed_call():
                                       q_blhd=rnd.random() < 0.7)
         if p is None or not p.q_lens:  # no padding at all, or nothing real
             continue
-        kw = dict(causal=causal, window=window, num_sink=num_sink)
+        kw = {"causal": causal, "window": window, "num_sink": num_sink}
         got = _unpad.in_place(p, query, key, value, **kw)
         want = p.unpack(sparse_attn.varlen_attention(p.pack(query, False), p.pack(key, True), p.pack(value, True),
                                                      p.cu_q, p.cu_k, p.max_q, p.max_k, **kw))

@@ -88,7 +88,8 @@ class Packing:
                 q0, k0 = row * q_row_tokens + qs, row * k_row_tokens + ks
                 q_pairs += (q0, q0 + nq)
                 k_pairs += (k0, k0 + nk)
-            from ..varlen import _to_device_aligned  # one pinned copy (not offsets_on's cache: these are built once)
+            from ..varlen import _to_device_aligned
+            # one pinned copy (not offsets_on's cache: these are built once a forward already)
             return tuple(_to_device_aligned([torch.tensor(q_pairs, dtype=torch.int32),
                                              torch.tensor(k_pairs, dtype=torch.int32)], device))
         return self._once(("pairs", str(device), q_row_tokens, k_row_tokens), build)

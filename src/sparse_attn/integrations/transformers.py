@@ -340,7 +340,6 @@ UNSUPPORTED_KWARGS = {
 }
 
 
-
 def _eager_under_compile(fn):
     """Run ``fn`` eagerly when torch.compile traces its caller (a graph break around it). The attention and
     mask functions keep host-side state a trace would freeze: the last mask's Packing found again by object
