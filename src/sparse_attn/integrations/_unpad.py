@@ -131,6 +131,12 @@ def token_view(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return t.as_strided((tokens, H, D), (sl, sh, 1)), r
 
 
+def _copied_token_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`token_view` of a copy of ``t`` in ``[B, L, H, D]`` memory (``r = L``), for a tensor it cannot place
+    as it is."""
+    return token_view(t.transpose(1, 2).contiguous().transpose(1, 2))
+
+
 def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
              window: int | None = None, num_sink: int = 0, scale: float | None = None) -> torch.Tensor | None:
     """A padded batch's dense, causal or causal-window attention read and written where the batch lies: no
@@ -138,7 +144,7 @@ def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: to
     cost each layer). query ``[B, Hq, Lq, D]``, key / value ``[B, Hkv, Lk, D]`` -> ``[B, Lq, Hq, D]``, zeros at
     the queries no sequence holds; each sequence as :func:`sparse_attn.varlen_attention` runs it on its packed
     tokens (the kernels' device plan over (start, end) token pairs). None where that plan does not run (the
-    CPU, gradients, a torch.compile trace, 8-bit): the caller packs then. A query or key / value that
+    CPU, gradients, a torch.compile trace): the caller packs then. A query or key / value that
     :func:`token_view` cannot place is copied once to ``[B, L, H, D]``."""
     from .. import api
     from ..ops.block_sparse import varlen_device_plan_op
@@ -148,10 +154,10 @@ def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: to
     batch, lq = query.shape[0], query.shape[2]
     q_view = token_view(query)
     if q_view is None or q_view[1] != lq:  # the output shares the queries' token numbers: [B * Lq, Hq, D]
-        q_view = token_view(query.transpose(1, 2).contiguous().transpose(1, 2))
+        q_view = _copied_token_view(query)
     kv = token_view(key), token_view(value)
     if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:  # one set of key pairs for both
-        kv = tuple(token_view(t.transpose(1, 2).contiguous().transpose(1, 2)) for t in (key, value))
+        kv = _copied_token_view(key), _copied_token_view(value)
     (q, q_row), (k, k_row), (v, _) = q_view, *kv
     check_packed_qkv(q, k, v, "a padded batch")
     q_pairs, k_pairs = packing.pairs_on(query.device, q_row, k_row)
