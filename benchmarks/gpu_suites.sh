@@ -3,6 +3,7 @@
 # 520 s on 8 workers of an H100, too close to the 600 s a call may run), and extra fuzz seeds.
 #   bash benchmarks/gpu_suites.sh a          # kernels + fuzz suites, and the gpu-marked tests beside CPU ones
 #   bash benchmarks/gpu_suites.sh b          # 8-bit, integration, grouped, CUDA graphs, tools, backward variants
+#   bash benchmarks/gpu_suites.sh c          # transformers on the GPU (padding, in place, compiled decoding)
 #   bash benchmarks/gpu_suites.sh fuzz START # six fuzz_more.py workers from seed START (+1000 each), 100 s
 # Carry .whl (sageattention's wheel, for shard b). Summaries land in $OUT (default out/gpu).
 set -u
@@ -31,8 +32,11 @@ case "${1:-a}" in
        tests/test_eval_model.py ;;
   b) suites b tests/gpu/test_sage_gpu.py tests/gpu/test_integration_gpu.py tests/gpu/test_grouped_gpu.py \
        tests/gpu/test_cuda_graphs_gpu.py \
-       tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py tests/gpu/test_transformers_padding_gpu.py \
-       tests/gpu/test_padded_in_place_gpu.py ;;
+       tests/gpu/test_tools_gpu.py tests/gpu/test_backward_variants_gpu.py ;;
+  # transformers on the GPU: padded / packed batches, read in place, compiled static-cache decoding (the three
+  # files took 154 s on 4 workers of an H200, compiles included)
+  c) suites c tests/gpu/test_transformers_padding_gpu.py tests/gpu/test_padded_in_place_gpu.py \
+       tests/gpu/test_traced_integration_gpu.py ;;
   fuzz)
     start=${2:?a first seed, e.g. 58000}
     for i in 0 1 2 3 4 5; do
@@ -40,5 +44,5 @@ case "${1:-a}" in
     done
     wait
     tail -n 2 "$OUT"/fuzz-*.txt ;;
-  *) echo "usage: bash benchmarks/gpu_suites.sh a|b|fuzz START" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_suites.sh a|b|c|fuzz START" >&2; exit 2 ;;
 esac

@@ -2,9 +2,13 @@
 one process, and where a decoding step's host time goes (cProfile, top functions by own time).
 
     python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--num-sink 64] [--rounds 3]
-        [--prompts padded|one] [--no-profile]
+        [--prompts padded|one] [--no-profile] [--cache dynamic|static] [--impls dense,banded,sdpa]
 
-``--num-sink S`` runs ``streaming`` (window + S sinks) instead of ``local``.
+``--num-sink S`` runs ``streaming`` (window + S sinks) instead of ``local``. ``--cache static`` passes
+``cache_implementation="static"``, with which transformers compiles the decoding step by itself on CUDA (inductor,
+reduce-overhead: CUDA graphs; the integration's dense and window layers are traced, integrations._traced), and the
+decoding time is taken as (64 tokens - 1 token) / 63, since a static cache's prefill is not the dynamic-cache forward
+timed otherwise. ``--impls`` picks the models (compiled ones are best timed one a process).
 
 The model and prompts of hf_batch_probe.py (random 4-layer Llama, bf16, CUDA): ``padded``, 8 left-padded prompts of
 512-4096 tokens (varlen calls), or ``one``, the 4096-token prompt alone (attention() calls); each generate() makes
@@ -44,6 +48,11 @@ def main() -> None:
     ap.add_argument("--prompts", choices=("padded", "one"), default="padded")
     ap.add_argument("--num-sink", type=int, default=0)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
+    ap.add_argument("--impls", default="dense,banded,sdpa",
+                    help="which models to build and time, of dense, banded (local / streaming) and sdpa: compiled "
+                         "models in one process interfere (sdpa's static decoding took 2.15 or 3.52 ms a token "
+                         "beside ours), so time each alone")
     args = ap.parse_args()
     x, mask = padded_inputs()
     if args.prompts == "one":  # the longest prompt, no padding
@@ -54,19 +63,29 @@ def main() -> None:
                   SparseAttnConfig("streaming", {"window": args.window, "num_sink": args.num_sink}))
     else:
         banded = (f"local-{args.window}", SparseAttnConfig("local", {"window": args.window}))
-    for name, cfg in (("dense", SparseAttnConfig("dense")), banded):
-        models[name] = _model("sparse_attn")
-        enable(models[name], cfg)
-    models["sdpa"] = _model("sdpa")
-    gen = lambda m: m.generate(x, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    impls = args.impls.split(",")
+    for key, (name, cfg) in (("dense", ("dense", SparseAttnConfig("dense"))), ("banded", banded)):
+        if key in impls:
+            models[name] = _model("sparse_attn")
+            enable(models[name], cfg)
+    if "sdpa" in impls:
+        models["sdpa"] = _model("sdpa")
+    static = {"cache_implementation": "static"} if args.cache == "static" else {}
+    gen = lambda m, n=64: m.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     **static)
     times: dict = {name: {"generate": [], "prefill": []} for name in models}
     with torch.no_grad():
         for m in models.values():
             gen(m)
+            if static:
+                gen(m, 1)
         for _ in range(args.rounds):
             for name, m in models.items():
                 times[name]["generate"].append(_ms(lambda m=m: gen(m)))
-                times[name]["prefill"].append(_ms(lambda m=m: m(x, attention_mask=mask, use_cache=True)))
+                if static:  # one generated token: the prefill alone (its logits give the token)
+                    times[name]["prefill"].append(_ms(lambda m=m: gen(m, 1)))
+                else:
+                    times[name]["prefill"].append(_ms(lambda m=m: m(x, attention_mask=mask, use_cache=True)))
         profiles = {}
         for name, m in ({} if args.no_profile else models).items():
             pr = cProfile.Profile()
@@ -86,7 +105,7 @@ def main() -> None:
         print(f"===== {name}\n" + "\n".join(text.splitlines()[:45]))
     with open(args.out, "w") as f:
         header = make_header("cuda", "hf-decode-ab", transformers=transformers.__version__, prompts=args.prompts,
-                             window=args.window, num_sink=args.num_sink)
+                             window=args.window, num_sink=args.num_sink, cache=args.cache)
         json.dump({**header, "rows": rows, "profiles": profiles}, f, indent=1)
 
 

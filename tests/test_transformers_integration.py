@@ -856,8 +856,9 @@ def test_additive_mask_with_finite_bias_values_is_refused():
 
 def test_mask_interface_on_keys_that_do_not_end_at_the_last_query():
     """A static cache's key buffer runs past the last query (q at 0..7 of 64 key slots): bottom-right causal
-    over the buffer would be wrong, so the slots after the last query come back as padding (the attention
-    function then runs keys 0..7 only; tests/test_transformers_padding.py generates with static caches);
+    over the buffer would be wrong, so the slots after the last query come back marked unwritten (int8 key
+    states: 1 real, -1 unwritten; the attention function then runs keys 0..7 only, queries bottom-right of them;
+    tests/test_transformers_padding.py generates with static caches);
     a sliding-window layer's buffer is refused. Keys ending at the last query give None (sparse_attn applies
     causal itself), and a bidirectional mask has no alignment to keep."""
     from transformers.masking_utils import (
@@ -866,8 +867,9 @@ def test_mask_interface_on_keys_that_do_not_end_at_the_last_query():
         sliding_window_causal_mask_function,
     )
     written = sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=causal_mask_function)
-    assert written.shape == (1, 64) and written[0].tolist() == [True] * 8 + [False] * 56
-    assert sat._unpad.from_padding(written, 8, 8).k_lens == (8,)
+    assert written.shape == (1, 64) and written[0].tolist() == [1] * 8 + [-1] * 56
+    packing = sat._unpad.from_padding(written, 8)
+    assert (packing.k_lens, packing.q_lens, packing.q_starts, packing.kv_len) == ((8,), (8,), (0,), 8)
     with pytest.raises(NotImplementedError, match="full-attention layers only"):
         sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=sliding_window_causal_mask_function(16),
                              local_size=16)

@@ -147,26 +147,93 @@ def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: to
     CPU, gradients, a torch.compile trace): the caller packs then. A query or key / value that
     :func:`token_view` cannot place is copied once to ``[B, L, H, D]``."""
     from .. import api
-    from ..ops.block_sparse import varlen_device_plan_op
-    from ..validation import check_packed_qkv
     if packing.rows is None or not api._varlen_device_plan(query, key, value, None, None, None):
         return None
-    batch, lq = query.shape[0], query.shape[2]
+    views = _token_views(query, key, value)
+    q_pairs, k_pairs = packing.pairs_on(query.device, views[1], views[3])
+    free = packing.free_queries_on(query.device)
+    return _run_pairs(query, views, q_pairs, k_pairs, packing.max_q, packing.max_k, free, causal, window, num_sink,
+                      scale)
+
+
+def in_place_from_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                       causal: bool, window: int | None = None, num_sink: int = 0,
+                       scale: float | None = None) -> torch.Tensor:
+    """:func:`in_place` with the sequences read off ``mask`` (``[B, Lk]``, as :func:`from_padding` takes it) on the
+    device (:func:`row_spans`, then :func:`in_place_spans`): no host read, so the call runs inside a CUDA graph.
+    Kernels only (CUDA, forward-only)."""
+    spans, drop, fill = row_spans(mask, query.shape[2], query.dtype)
+    return in_place_spans(query, key, value, spans, drop, fill, causal=causal, window=window, num_sink=num_sink,
+                          scale=scale)
+
+
+def row_spans(mask: torch.Tensor, lq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded batch's sequences read off ``mask`` (as :func:`from_padding` takes it) with tensor ops on its device,
+    no host read (traced once a compiled step for every layer). Returns ``spans`` int32 ``[B, 5]``: each row's real
+    queries (first, one past the last, among the call's ``lq``), its keys (first, one past the last) and the row
+    index, empty query ranges at rows without a real query; ``drop`` bool ``[B * lq, 1, 1]``, True at the queries no
+    row holds; ``fill`` (``dtype``, same shape) what those get: 0, or NaN in a row whose real tokens are not one
+    run, which from_padding refuses by name (refusing here would need the host to read the mask)."""
+    real = mask > 0
+    batch, width = real.shape
+    pos = torch.arange(width, device=mask.device)
+    first = torch.where(real, pos, width).amin(1)
+    end = torch.where(real, pos + 1, 0).amax(1)
+    count = real.sum(1)
+    q0 = (mask >= 0).sum(1).amax() - lq  # the position of query 0: lq slots before the first unwritten one
+    broken = (count > 0) & (end - first != count)
+    q_first = torch.maximum(first, q0)
+    held = (count > 0) & (end > q_first) & ~broken  # rows whose real queries run
+    rows = torch.arange(batch, device=mask.device)
+    spans = torch.stack([q_first - q0, end - q0, first, end], 1) * held[:, None]
+    spans = torch.cat([spans, rows[:, None]], 1).to(torch.int32)
+    i = torch.arange(lq, device=mask.device)
+    drop = ~((i >= spans[:, :1]) & (i < spans[:, 1:2]))
+    fill = torch.where(broken, float("nan"), 0.0).to(dtype)[:, None].expand(batch, lq)
+    return spans, drop.reshape(batch * lq, 1, 1), fill.reshape(batch * lq, 1, 1)
+
+
+def in_place_spans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: torch.Tensor,
+                   drop: torch.Tensor, fill: torch.Tensor, *, causal: bool, window: int | None = None,
+                   num_sink: int = 0, scale: float | None = None) -> torch.Tensor:
+    """:func:`in_place` over the rows' :func:`row_spans`: two small additions number them in the token views (the
+    pairs), then the kernels' device plan (``max_q`` / ``max_k`` the call's ``Lq`` / ``Lk``), then one select writes
+    ``fill`` at the ``drop`` queries; ``[B, Lq, Hq, Dv]``. A few kernels, no host read."""
+    q, q_row, k, k_row, v = views = _token_views(query, key, value)
+    q_pairs = torch.add(spans[:, 0:2], spans[:, 4:5], alpha=q_row).flatten()
+    k_pairs = torch.add(spans[:, 2:4], spans[:, 4:5], alpha=k_row).flatten()
+    out = _run_pairs(query, views, q_pairs, k_pairs, query.shape[2], key.shape[2], None, causal, window, num_sink,
+                     scale)
+    return torch.where(drop.view(out.shape[0], out.shape[1], 1, 1), fill.view(out.shape[0], out.shape[1], 1, 1), out)
+
+
+def _token_views(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
+    """(q, q_row, k, k_row, v): :func:`token_view` of each, with the query's ``r`` its ``Lq`` (the output shares its
+    token numbers: ``[B * Lq, Hq, D]``) and one ``r`` for key and value (one set of key pairs); a tensor that cannot
+    be placed so is copied first."""
+    from ..validation import check_packed_qkv
     q_view = token_view(query)
-    if q_view is None or q_view[1] != lq:  # the output shares the queries' token numbers: [B * Lq, Hq, D]
+    if q_view is None or q_view[1] != query.shape[2]:
         q_view = _copied_token_view(query)
     kv = token_view(key), token_view(value)
-    if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:  # one set of key pairs for both
+    if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:
         kv = _copied_token_view(key), _copied_token_view(value)
     (q, q_row), (k, k_row), (v, _) = q_view, *kv
     check_packed_qkv(q, k, v, "a padded batch")
-    q_pairs, k_pairs = packing.pairs_on(query.device, q_row, k_row)
-    out = varlen_device_plan_op(q, k, v, q_pairs, k_pairs, packing.max_q, packing.max_k, causal, scale=scale,
-                                window=window, num_sink=num_sink, seq_step=2)
-    free = packing.free_queries_on(query.device)
+    return q, q_row, k, k_row, v
+
+
+def _run_pairs(query: torch.Tensor, views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor, max_q: int, max_k: int,
+               free: torch.Tensor | None, causal: bool, window: int | None, num_sink: int,
+               scale: float | None) -> torch.Tensor:
+    """The device plan over the pairs in the token views, zeros at the ``free`` queries: ``[B, Lq, Hq, Dv]``."""
+    from ..ops.block_sparse import varlen_device_plan_op
+    q, _, k, _, v = views
+    out = varlen_device_plan_op(q, k, v, q_pairs, k_pairs, max_q, max_k, causal, scale=scale, window=window,
+                                num_sink=num_sink, seq_step=2)
     if free is not None:  # the kernels write only the pairs' queries
         out.masked_fill_(free, 0.0)
-    return out.view(batch, lq, *out.shape[1:])
+    return out.view(query.shape[0], query.shape[2], *out.shape[1:])
 
 
 def _offsets(lens) -> torch.Tensor:
@@ -189,22 +256,36 @@ def _ranges(rows: list[int], starts: list[int], lens: list[int], device) -> tupl
     return row[seq], pos
 
 
-def from_padding(mask: torch.Tensor, q_len: int, q_end: int | None = None) -> Packing | None:
-    """The sequences of a padded batch. ``mask``: ``[B, Lk]`` (nonzero: a real token) over the call's
-    keys; the queries are the ``q_len`` key positions before ``q_end`` (default ``Lk``: bottom-right; less
-    in a static cache's buffer, whose later slots are not keys yet). Each row's real tokens must be one
-    contiguous run (left and / or right padding); None when no row has padding. One host read of three
-    numbers a row."""
-    cut = q_end is not None and q_end < mask.shape[1]  # keys past the queries: a static cache's unwritten slots
-    real = mask[:, :q_end].bool() if cut else mask.bool()
-    batch, kv_len = real.shape
-    if kv_len == 0:
+UNWRITTEN = -1  # a key-states entry: a slot of a static cache's buffer at or after the last query's
+
+
+def key_states(padding: torch.Tensor | None, batch: int, kv_length: int, q_end, device) -> torch.Tensor:
+    """The mask interface's int8 ``[B, Lk]`` for keys that run past the last query (a static cache's buffer): 1 a
+    real key, 0 padding, :data:`UNWRITTEN` (-1) the slots from ``q_end`` on (one past the last query among the
+    keys: an int, or a 0-dim tensor while torch.compile traces, which the attention function reads on the device).
+    ``padding``: ``[B, Lk]`` nonzero at real tokens, or None (all real)."""
+    written = torch.arange(kv_length, device=device) < q_end
+    real = written if padding is None else padding.to(device=device, dtype=torch.bool) & written
+    return torch.where(written, real.to(torch.int8), UNWRITTEN).expand(batch, kv_length)
+
+
+def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
+    """The sequences of a padded batch. ``mask``: ``[B, Lk]`` over the call's keys, positive at a real token, zero
+    at padding, and negative at a static cache's slots not written yet (:func:`key_states`), which come after the
+    last query; the queries are the ``q_len`` key positions before the first such slot (else before ``Lk``:
+    bottom-right). Each row's real tokens must be one contiguous run (left and / or right padding); None when
+    no row has padding. One host read of three numbers a row, and one more."""
+    real = mask > 0
+    batch, width = real.shape
+    if width == 0:
         return None
-    pos = torch.arange(kv_len, device=real.device)
-    first = torch.where(real, pos, kv_len).amin(1)
+    pos = torch.arange(width, device=real.device)
+    first = torch.where(real, pos, width).amin(1)
     end = torch.where(real, pos + 1, 0).amax(1)
-    firsts, ends, counts = torch.stack([first, end, real.sum(1)]).tolist()
-    if not cut and all(c == kv_len for c in counts):
+    written = (mask >= 0).sum(1).amax(0, keepdim=True).expand(batch)
+    firsts, ends, counts, q_ends = torch.stack([first, end, real.sum(1), written]).tolist()
+    kv_len = q_ends[0]  # the keys the queries see: a static cache's slots after the last query are no keys yet
+    if kv_len == width and all(c == width for c in counts):
         return None
     q0 = kv_len - q_len  # the position of query 0
     rows, q_starts, q_lens, k_starts, k_lens = [], [], [], [], []

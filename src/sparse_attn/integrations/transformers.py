@@ -51,7 +51,7 @@ import torch
 
 from .. import api as _api
 from ..plan_cache import LastOne
-from . import _unpad
+from . import _traced, _unpad
 from ._patterns import LayoutCache, PatternSpec, adaptive_layout, causal_blocks
 
 NAME = "sparse_attn"
@@ -341,21 +341,34 @@ UNSUPPORTED_KWARGS = {
 
 
 def _eager_under_compile(fn):
-    """Run ``fn`` eagerly when torch.compile traces its caller (a graph break around it). The attention and
+    """Run ``fn`` eagerly when torch.compile traces its caller (a graph break around it). The eager attention and
     mask functions keep host-side state a trace would freeze: the last mask's Packing found again by object
-    identity and version counter, a static cache's query end registered by the mask object, the padding
-    read with a sync. Traced, those became constants of the graph: ``generate(cache_implementation="static")``,
-    which compiles the decoding step on CUDA by itself, gave other tokens than without compiling (a tiny
-    Llama on the CPU with the compile forced). Eager calls are unaffected."""
+    identity and version counter, markers registered by object, the padding read with a sync. Traced, those
+    became constants of the graph: ``generate(cache_implementation="static")``, which compiles the decoding step
+    on CUDA by itself, gave other tokens than without compiling (a tiny Llama on the CPU with the compile
+    forced). The calls that need none of it are traced instead (:mod:`._traced`). Eager calls are unaffected."""
     return functools.wraps(fn)(torch.compiler.disable(fn, recursive=True))
 
 
-@_eager_under_compile
 def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: query ``[B, Hq, Lq, D]``, key/value ``[B, Hkv, Lk, D]``
-    -> (``[B, Lq, Hq, D]``, None)."""
+    -> (``[B, Lq, Hq, D]``, None). While torch.compile traces the model, the calls that need no host-side state
+    are traced (:mod:`._traced`), the rest run eagerly (a graph break)."""
+    if torch.compiler.is_compiling():
+        out = _traced.forward(getattr(module, _ATTR, None) or _DEFAULT_CONFIG, module, query, key, value,
+                              attention_mask, scaling, dropout, kwargs)
+        if out is not None:
+            return out, None
+    return _eager_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+@_eager_under_compile
+def _eager_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                   **kwargs) -> tuple[torch.Tensor, None]:
+    """:func:`sparse_attention_forward`, eagerly."""
     if dropout:
         raise NotImplementedError(f"sparse_attn: attention dropout ({dropout}) is not supported; call model.eval() "
                                   "or set attention_dropout=0")
@@ -535,8 +548,7 @@ def _mask_packing(mask: torch.Tensor, lq: int, lk: int) -> _unpad.Packing | None
         if mask.shape[1] != lk:
             raise NotImplementedError(f"sparse_attn: got a [B, Lk] padding mask of shape {tuple(mask.shape)} for "
                                       f"kv_len={lk}")
-        q_end = next((end for ref, end in _QUERY_ENDS if ref() is mask), None)
-        return _unpad.from_padding(mask, lq, q_end)
+        return _unpad.from_padding(mask, lq)
     return None
 
 
@@ -656,14 +668,28 @@ def _check_materialised(mask: torch.Tensor, lq: int, lk: int, causal: bool, wind
     return True
 
 
-@_eager_under_compile
 def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                      mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                      **kwargs) -> torch.Tensor | None:
     """transformers mask interface for ``"sparse_attn"``: None for the plain causal/bidirectional
-    case (sparse_attn applies causal itself); padding, and a static cache's slots after the last query
-    (full-attention layers; other key ranges that do not end at the last query raise), as a registered
-    ``[B, Lk]`` padding mask (:func:`_padding_marker`); a packed row as a marker (:func:`_packed_marker`).
+    case (sparse_attn applies causal itself); padding as a registered ``[B, Lk]`` padding mask
+    (:func:`_padding_marker`), and a static cache's slots after the last query (full-attention layers; other key
+    ranges that do not end at the last query raise) as int8 key states (:func:`_unpad.key_states`); a packed row
+    as a marker (:func:`_packed_marker`). While torch.compile traces the model, causal and bidirectional masks over
+    keys from token 0 are traced (:func:`._traced.mask`: None or key states), the rest run eagerly."""
+    if torch.compiler.is_compiling():
+        handled, mask = _traced.mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                     attention_mask, kwargs.get("device"))
+        if handled:
+            return mask
+    return _eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
+
+
+@_eager_under_compile
+def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor | None:
+    """:func:`sparse_attn_mask`, eagerly.
     A mask function found (chunk by chunk) to be a sliding-window layer's mask gives a zero-memory marker that :func:`check_mask` accepts only on a call with that causality
     and ``sliding_window``: causal within ``local_size`` keys (``sliding_window = local_size``), or
     bidirectional within ``|i - j| <= local_size`` (ModernBERT's: ``sliding_window = local_size + 1``).
@@ -691,10 +717,10 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
         if bool(padding.all()):
             padding = None
-    if static:  # the unwritten slots are padding too
-        written = torch.arange(kv_length, device=kwargs.get("device") or "cpu") < q_end
-        padding = written.expand(batch_size, -1) if padding is None else padding.bool() & written.to(padding.device)
-        return _padding_marker(padding, q_length, kv_length, None, kv_offset, True, q_end)
+    if static:  # key states: the slots after the last query are not written yet
+        device = padding.device if padding is not None else kwargs.get("device") or "cpu"
+        states = _unpad.key_states(padding, batch_size, kv_length, q_end, device)
+        return _registered(states, (q_length, kv_length, None, int(kv_offset), True))
     if mask_function is None or mask_function in (causal_mask_function, bidirectional_mask_function):
         if padding is None:
             return None
@@ -812,21 +838,19 @@ def _packed_marker(batch_size: int, length: int, mask_function: Callable, window
 
 
 def _padding_marker(padding: torch.Tensor, q_length: int, kv_length: int, window: int | None, kv_offset: int,
-                    causal: bool, q_end: int | None = None) -> torch.Tensor:
+                    causal: bool) -> torch.Tensor:
     """What the mask interface returns for a padded batch whose mask is otherwise plain (causal /
     bidirectional, or a sliding window verified by :func:`_is_band`): the ``[B, kv_length]`` bool padding
     mask of the call's keys, registered with the band like a band marker, so :func:`check_mask` accepts it
-    only on a call with that causality and window. The attention function runs the rows' real tokens.
-    ``q_end``: one past the last query among the keys when it is not ``kv_length`` (a static cache)."""
+    only on a call with that causality and window. The attention function runs the rows' real tokens."""
     padding = padding.clone()  # our own object: the registry's weakref must not see the caller's tensor
-    entry = (weakref.ref(padding), (q_length, kv_length, window, int(kv_offset), bool(causal)))
-    _BANDS[:] = [entry] + [b for b in _BANDS if b[0]() is not None][:3]
-    if q_end is not None:
-        _QUERY_ENDS[:] = [(weakref.ref(padding), q_end)] + [e for e in _QUERY_ENDS if e[0]() is not None][:3]
-    return padding
+    return _registered(padding, (q_length, kv_length, window, int(kv_offset), bool(causal)))
 
 
-_QUERY_ENDS: list = []  # (weakref to a static cache's padding marker, one past its last query among the keys)
+def _registered(marker: torch.Tensor, band: tuple) -> torch.Tensor:
+    """``marker``, registered (weakly, the latest four) with its ``(q_len, kv_len, window, kv_offset, causal)``."""
+    _BANDS[:] = [(weakref.ref(marker), band)] + [b for b in _BANDS if b[0]() is not None][:3]
+    return marker
 
 
 def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | None, device,
@@ -836,9 +860,7 @@ def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | N
     read it as a mask would mask everything, not attend silently), recognised by :func:`check_mask`.
     ``kv_offset``: the token the call's first key is (> 0 once a sliding-window cache dropped keys)."""
     marker = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
-    entry = (weakref.ref(marker), (q_length, kv_length, window, int(kv_offset), bool(causal)))
-    _BANDS[:] = [entry] + [b for b in _BANDS if b[0]() is not None][:3]
-    return marker
+    return _registered(marker, (q_length, kv_length, window, int(kv_offset), bool(causal)))
 
 
 def _band_of(mask) -> tuple | None:
