@@ -31,7 +31,11 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset, ma
          device) -> tuple[bool, Tensor | None]:
     """(handled, what the mask interface returns) for a traced call: handled only for a causal or bidirectional
     mask function over keys from token 0."""
-    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, prepare_padding_mask
+    from transformers.masking_utils import (
+        bidirectional_mask_function,
+        causal_mask_function,
+        prepare_padding_mask,
+    )
     causal = mask_function is None or mask_function is causal_mask_function
     if not (causal or mask_function is bidirectional_mask_function) or isinstance(kv_offset, Tensor) or kv_offset:
         return False, None

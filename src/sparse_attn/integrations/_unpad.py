@@ -199,7 +199,8 @@ def in_place_spans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """:func:`in_place` over the rows' :func:`row_spans`: two small additions number them in the token views (the
     pairs), then the kernels' device plan (``max_q`` / ``max_k`` the call's ``Lq`` / ``Lk``), then one select writes
     ``fill`` at the ``drop`` queries; ``[B, Lq, Hq, Dv]``. A few kernels, no host read."""
-    q, q_row, k, k_row, v = views = _token_views(query, key, value)
+    views = _token_views(query, key, value)
+    q_row, k_row = views[1], views[3]
     q_pairs = torch.add(spans[:, 0:2], spans[:, 4:5], alpha=q_row).flatten()
     k_pairs = torch.add(spans[:, 2:4], spans[:, 4:5], alpha=k_row).flatten()
     out = _run_pairs(query, views, q_pairs, k_pairs, query.shape[2], key.shape[2], None, causal, window, num_sink,
@@ -274,7 +275,7 @@ def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
     at padding, and negative at a static cache's slots not written yet (:func:`key_states`), which come after the
     last query; the queries are the ``q_len`` key positions before the first such slot (else before ``Lk``:
     bottom-right). Each row's real tokens must be one contiguous run (left and / or right padding); None when
-    no row has padding. One host read of three numbers a row, and one more."""
+    no row has padding. One host read of four numbers a row."""
     real = mask > 0
     batch, width = real.shape
     if width == 0:
