@@ -28,14 +28,32 @@ def _batch(lengths, width, lq, seed, dtype, hq=32, hkv=8, d=128, q_blhd=True):
     return _unpad.from_padding(mask, lq), query, mk(batch, hkv, width, d), mk(batch, hkv, width, d)
 
 
-def _rule(lq: int, lk: int, causal: bool, window, num_sink: int) -> torch.Tensor:
+def _rule(lq: int, lk: int, causal: bool, window, num_sink: int, device="cuda") -> torch.Tensor:
     """[lq, lk] True where query i (position p = i + lk - lq) sees key j: causal, its window and the sinks."""
-    p = torch.arange(lq, device="cuda")[:, None] + lk - lq
-    j = torch.arange(lk, device="cuda")[None, :]
-    allowed = j <= p if causal else torch.ones(lq, lk, dtype=torch.bool, device="cuda")
+    p = torch.arange(lq, device=device)[:, None] + lk - lq
+    j = torch.arange(lk, device=device)[None, :]
+    allowed = j <= p if causal else torch.ones(lq, lk, dtype=torch.bool, device=device)
     if window:
         allowed &= (j > p - window) | (j < num_sink)
     return allowed
+
+
+def check_rows(got, query, key, value, lengths, key_end: int, causal: bool, window, num_sink: int, label: str):
+    """Each row of a padded call's output ``got`` [B, Lq, Hq, D]: zeros at its padded queries, and its real queries
+    (the last of the ``Lq``) within twice SDPA's error (same dtype) of the fp64 oracle on its real keys, the
+    ``lengths[b]`` keys before ``key_end``."""
+    lq = query.shape[2]
+    for b, n in enumerate(lengths):
+        first_q = max(lq - n, 0) if n else lq
+        assert bool((got[b, :first_q] == 0).all())
+        if first_q == lq:
+            continue
+        sl = slice(key_end - n, key_end)
+        allowed = _rule(lq - first_q, n, causal, window, num_sink, query.device)
+        qr, kr, vr = query[b:b + 1, :, first_q:], key[b:b + 1, :, sl], value[b:b + 1, :, sl]
+        same_dtype = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=allowed, enable_gqa=True)
+        assert_close_to_oracle(got[b:b + 1, first_q:].transpose(1, 2), same_dtype,
+                               naive_masked_attention(qr, kr, vr, allowed), name=f"{label} row {b}")
 
 
 CASES = [  # (lengths, width, lq, causal, window, num_sink)
@@ -62,17 +80,7 @@ def test_in_place_gives_the_packed_call_s_bits(case, dtype):
     q, k, v = p.pack(query, False), p.pack(key, True), p.pack(value, True)
     want = p.unpack(sparse_attn.varlen_attention(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, **kw))
     assert torch.equal(got, want), CASES[case]
-    for b, n in enumerate(lengths):  # each real row against the oracle, the padded ones zeros
-        first_q = max(lq - n, 0) if n else lq
-        assert bool((got[b, :first_q] == 0).all())
-        if first_q == lq:
-            continue
-        sl = slice(width - n, width)
-        allowed = _rule(lq - first_q, n, causal, window, num_sink)
-        qr, kr, vr = query[b:b + 1, :, first_q:], key[b:b + 1, :, sl], value[b:b + 1, :, sl]
-        same_dtype = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=allowed, enable_gqa=True)
-        assert_close_to_oracle(got[b:b + 1, first_q:].transpose(1, 2), same_dtype,
-                               naive_masked_attention(qr, kr, vr, allowed), name=f"case {case} row {b}")
+    check_rows(got, query, key, value, lengths, width, causal, window, num_sink, f"case {case}")
 
 
 def test_a_padded_decoding_loop_copies_its_pairs_once_a_step():

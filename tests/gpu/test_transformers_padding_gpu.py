@@ -89,14 +89,19 @@ def test_packed_training_step_matches_the_sequences_alone():
         assert cos > 0.999, (name, cos)
 
 
-@pytest.mark.parametrize("pattern,kwargs", [("dense", {}), ("streaming", {"window": 96, "num_sink": 16})])
+@pytest.mark.parametrize("pattern,kwargs", [("dense", {}), ("streaming", {"window": 96, "num_sink": 16}),
+                                            ("local", {"window": 128})])
 @torch.no_grad()
-def test_static_cache_generation_compiles_and_matches_an_uncompiled_forward(pattern, kwargs):
+def test_static_cache_generation_compiles_and_matches_an_uncompiled_forward(monkeypatch, pattern, kwargs):
     """generate(cache_implementation="static") on CUDA compiles the decoding step by itself (inductor,
-    "reduce-overhead"); the attention and mask functions run eagerly inside it. Each step's logits of a
-    left-padded batch against one uncompiled forward over the tokens it generated (teacher forcing: greedy
-    tokens of a random bf16 model part ways on near-ties, 7 of 12 agreed in a first version of this test),
-    each row's cosine above 0.9995."""
+    "reduce-overhead"), with the traced spans_attention op inside (counted through _unpad.in_place_spans,
+    which the warm-up runs call eagerly). Each step's logits of a left-padded batch against one uncompiled
+    forward over the tokens it generated (teacher forcing: greedy tokens of a random bf16 model part ways on
+    near-ties, 7 of 12 agreed in a first version of this test), each row's cosine above 0.9995."""
+    from sparse_attn.integrations import _unpad
+    ran = []
+    real = _unpad.in_place_spans
+    monkeypatch.setattr(_unpad, "in_place_spans", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     torch._dynamo.reset()
     model = _model().eval()
     enable(model, SparseAttnConfig(pattern, kwargs))
@@ -109,7 +114,7 @@ def test_static_cache_generation_compiles_and_matches_an_uncompiled_forward(patt
         x[b, :width - n] = 0
     static = model.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                             output_logits=True, return_dict_in_generate=True, cache_implementation="static")
-    assert hasattr(model, "_compiled_call")  # the step was compiled
+    assert hasattr(model, "_compiled_call") and ran  # the step was compiled, with the traced op
     tokens = static.sequences[:, :-1]
     full_mask = torch.cat([mask, torch.ones_like(mask[:, :new - 1])], 1)
     pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
