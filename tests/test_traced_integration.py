@@ -240,3 +240,23 @@ def test_compiled_static_decoding_on_the_kernels(monkeypatch):
     for a, b in zip(compiled.logits, eager.logits):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=interpreted)])
+def test_a_compiled_padded_forward_traces_whole(monkeypatch, kernels):
+    """torch.compile(model, fullgraph=True) of a left-padded forward without a cache (a prefill, queries = keys):
+    the traced mask gives key states without unwritten slots, and the logits are the eager forward's, on the
+    reference (the host op) and on the interpreted kernels (the spans op; fp16)."""
+    if kernels:
+        monkeypatch.setattr(api, "_use_kernels", lambda t: True)
+    model = tiny_llama(layers=2)
+    if kernels:
+        model = model.half()
+    enable(model, SparseAttnConfig("streaming", {"window": 130, "num_sink": 3}))
+    x, mask = left_padded([140, 9, 1], 140)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x, attention_mask=mask, use_cache=False).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(x, attention_mask=mask, use_cache=False).logits
+    assert torch.isfinite(eager).all()
+    torch.testing.assert_close(compiled, eager, atol=2e-2 if kernels else 1e-5, rtol=0)
