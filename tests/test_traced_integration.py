@@ -107,6 +107,11 @@ def _batch(seed, lq, width, batch=3, hq=4, hkv=2, d=32):
     return query, key, value
 
 
+def _in_place_from_mask(mask, query, key, value, **kw):
+    """What the traced attention function runs on the kernels: row_spans, then in_place_spans (the op's body)."""
+    return _unpad.in_place_spans(query, key, value, *_unpad.row_spans(mask, query.shape[2], query.dtype), **kw)
+
+
 @interpreted
 @pytest.mark.parametrize("case", range(6))
 def test_in_place_from_mask_gives_the_host_plan_s_result(monkeypatch, case):
@@ -125,7 +130,7 @@ def test_in_place_from_mask_gives_the_host_plan_s_result(monkeypatch, case):
     causal = case % 3 != 0
     window = rnd.choice([3, 100]) if causal and case % 2 else None
     kw = {"causal": causal, "window": window, "num_sink": rnd.choice([0, 2]) if window else 0}
-    got = _unpad.in_place_from_mask(states, query, key, value, **kw)
+    got = _in_place_from_mask(states, query, key, value, **kw)
     packing = _unpad.from_padding(states, lq)
     want = _unpad.in_place(packing, query, key, value, **kw) if packing is not None and packing.q_lens else None
     if packing is None:
@@ -142,7 +147,7 @@ def test_a_broken_row_comes_out_nan(monkeypatch):
     monkeypatch.setattr(api, "_use_kernels", lambda t: True)
     query, key, value = _batch(0, 1, 4, batch=2)
     mask = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.int8)
-    out = _unpad.in_place_from_mask(mask, query, key, value, causal=True)
+    out = _in_place_from_mask(mask, query, key, value, causal=True)
     assert out[0].isnan().all() and torch.isfinite(out[1]).all()
     plain = torch.tensor([[0, 1, 1, 1], [0, 0, 1, -1]], dtype=torch.int8)  # opcheck compares outputs: no NaN here
     spans = _unpad.row_spans(plain, 1, query.dtype)

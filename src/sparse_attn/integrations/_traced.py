@@ -69,14 +69,11 @@ def forward(cfg, module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     causal = cfg.causal_for(module, kwargs.get("is_causal"))
     window = kwargs.get("sliding_window")
     spec = cfg.spec_for(t._layer_index(module))
-    if spec.is_dense and t._reach(window, lq, lk, causal) is None:
-        run_causal, run_window, num_sink = causal or spec.pattern.strip() == "causal", 0, 0
-    else:
-        planned = t._causal_window(spec, window, causal)
-        if planned is None:
-            return None
-        run_causal, run_window, num_sink = True, *planned
-    args = run_causal, int(run_window), int(num_sink), None if scaling is None else float(scaling)
+    planned = t._planned(spec, window, t._causal_window(spec, window, causal), lq, lk, causal)
+    if planned is None:
+        return None
+    run_causal, run_window, num_sink = planned
+    args = run_causal, int(run_window or 0), int(num_sink), None if scaling is None else float(scaling)
     if attention_mask is not None and api._use_kernels(query):
         # the rows' spans traced here (the same ops on the same mask in every layer, which the compiler computes
         # once), numbered in the token views inside the op

@@ -156,31 +156,16 @@ def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: to
                       scale)
 
 
-def in_place_from_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                       causal: bool, window: int | None = None, num_sink: int = 0,
-                       scale: float | None = None) -> torch.Tensor:
-    """:func:`in_place` with the sequences read off ``mask`` (``[B, Lk]``, as :func:`from_padding` takes it) on the
-    device (:func:`row_spans`, then :func:`in_place_spans`): no host read, so the call runs inside a CUDA graph.
-    Kernels only (CUDA, forward-only)."""
-    spans, drop, fill = row_spans(mask, query.shape[2], query.dtype)
-    return in_place_spans(query, key, value, spans, drop, fill, causal=causal, window=window, num_sink=num_sink,
-                          scale=scale)
-
-
 def row_spans(mask: torch.Tensor, lq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A padded batch's sequences read off ``mask`` (as :func:`from_padding` takes it) with tensor ops on its device,
     no host read (traced once a compiled step for every layer). Returns ``spans`` int32 ``[B, 5]``: each row's real
     queries (first, one past the last, among the call's ``lq``), its keys (first, one past the last) and the row
-    index, empty query ranges at rows without a real query; ``drop`` bool ``[B * lq, 1, 1]``, True at the queries no
+    index, empty query ranges at rows without a real query (:func:`in_place_spans` runs them); ``drop`` bool ``[B * lq, 1, 1]``, True at the queries no
     row holds; ``fill`` (``dtype``, same shape) what those get: 0, or NaN in a row whose real tokens are not one
     run, which from_padding refuses by name (refusing here would need the host to read the mask)."""
-    real = mask > 0
-    batch, width = real.shape
-    pos = torch.arange(width, device=mask.device)
-    first = torch.where(real, pos, width).amin(1)
-    end = torch.where(real, pos + 1, 0).amax(1)
-    count = real.sum(1)
-    q0 = (mask >= 0).sum(1).amax() - lq  # the position of query 0: lq slots before the first unwritten one
+    batch = mask.shape[0]
+    first, end, count, q_end = _row_bounds(mask)
+    q0 = q_end - lq  # the position of query 0: lq slots before the first unwritten one
     broken = (count > 0) & (end - first != count)
     q_first = torch.maximum(first, q0)
     held = (count > 0) & (end > q_first) & ~broken  # rows whose real queries run
@@ -191,6 +176,16 @@ def row_spans(mask: torch.Tensor, lq: int, dtype: torch.dtype) -> tuple[torch.Te
     drop = ~((i >= spans[:, :1]) & (i < spans[:, 1:2]))
     fill = torch.where(broken, float("nan"), 0.0).to(dtype)[:, None].expand(batch, lq)
     return spans, drop.reshape(batch * lq, 1, 1), fill.reshape(batch * lq, 1, 1)
+
+
+def _row_bounds(mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each row's first real token, one past its last, and its count (int64 ``[B]``), and one past the last written
+    slot (a 0-dim tensor: the key states' first -1, else ``Lk``) of a padding mask as :func:`from_padding` takes it."""
+    real = mask > 0
+    pos = torch.arange(real.shape[1], device=mask.device)
+    first = torch.where(real, pos, real.shape[1]).amin(1)
+    end = torch.where(real, pos + 1, 0).amax(1)
+    return first, end, real.sum(1), (mask >= 0).sum(1).amax()
 
 
 def in_place_spans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: torch.Tensor,
@@ -276,15 +271,11 @@ def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
     last query; the queries are the ``q_len`` key positions before the first such slot (else before ``Lk``:
     bottom-right). Each row's real tokens must be one contiguous run (left and / or right padding); None when
     no row has padding. One host read of four numbers a row."""
-    real = mask > 0
-    batch, width = real.shape
+    batch, width = mask.shape
     if width == 0:
         return None
-    pos = torch.arange(width, device=real.device)
-    first = torch.where(real, pos, width).amin(1)
-    end = torch.where(real, pos + 1, 0).amax(1)
-    written = (mask >= 0).sum(1).amax(0, keepdim=True).expand(batch)
-    firsts, ends, counts, q_ends = torch.stack([first, end, real.sum(1), written]).tolist()
+    first, end, count, q_end = _row_bounds(mask)
+    firsts, ends, counts, q_ends = torch.stack([first, end, count, q_end.expand(batch)]).tolist()
     kv_len = q_ends[0]  # the keys the queries see: a static cache's slots after the last query are no keys yet
     if kv_len == width and all(c == width for c in counts):
         return None

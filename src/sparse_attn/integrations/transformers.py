@@ -552,6 +552,16 @@ def _mask_packing(mask: torch.Tensor, lq: int, lk: int) -> _unpad.Packing | None
     return None
 
 
+def _planned(spec: PatternSpec, window, run_window: tuple | None, lq: int, lk: int, causal: bool) -> tuple | None:
+    """``(causal, window, num_sink)`` of a layer the kernels plan without a layout (dense / causal, or the one causal
+    window ``run_window`` that :func:`_causal_window` found), else None (a layout is needed)."""
+    if spec.is_dense and _reach(window, lq, lk, causal) is None:
+        return causal or spec.pattern.strip() == "causal", None, 0  # ("causal" is causal on a bidirectional module)
+    if run_window is not None:
+        return True, *run_window
+    return None
+
+
 def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing: _unpad.Packing, causal: bool,
                     window, run_window: tuple | None, scaling):
     """One varlen_attention call over the batch's real sequences (``packing``), each with the layer's
@@ -563,12 +573,7 @@ def _packed_forward(cfg: SparseAttnConfig, layer_idx, query, key, value, packing
     if not packing.q_lens:  # every row is padding
         out = query.new_zeros(batch, lq, query.shape[1], value.shape[-1])
         return out, LayerStats(spec.describe(), lq, lk, 1.0, 1.0, 0)
-    planned = None  # dense / causal (causal, window, num_sink) or one causal window: planned without layouts
-    if spec.is_dense and _reach(window, lq, lk, causal) is None:
-        # ("causal" is causal on a bidirectional module too)
-        planned = causal or spec.pattern.strip() == "causal", None, 0
-    elif run_window is not None:
-        planned = True, *run_window
+    planned = _planned(spec, window, run_window, lq, lk, causal)
     if planned is not None:
         # varlen plans these itself (on CUDA without gradients, in the kernel), so no layout is built: a decoding
         # step's sequences have new lengths every step; a padded batch is then read and written in place
