@@ -122,7 +122,10 @@ def main():
                         return varlen_attention_op(q, k[:n0], v[:n0], plan.stacked, cq, cks[0], lq, max_k,
                                                    plan.kv_lens)
                 return call
-            gpu_only = {"sparse_attn": kernels(fast_plan, {}), "before": kernels(slow_plan, BEFORE)}
+            # "one-wave": the split-KV rule before packed calls took two waves (launch.kv_splits ``uneven``)
+            gpu_only = {"sparse_attn": kernels(fast_plan, {}),
+                        "one-wave": kernels(fast_plan, {"KV_SPLIT_LONG_WAVES": 0}),
+                        "before": kernels(slow_plan, BEFORE)}
             try:
                 if S * lq <= FLEX_MAX_QUERIES:
                     gpu_only["flex"] = flex_call(q, k[:n0], v[:n0], q_lens, steps[0])

@@ -198,6 +198,27 @@ def test_auto_policy_splits_only_grids_that_leave_most_sms_idle(monkeypatch):
     assert launch.kv_splits(0, 1024, cpu) == 1       # no query row: an empty grid, nothing to split
 
 
+def test_uneven_rows_take_two_waves_of_long_parts(monkeypatch):
+    """Packed calls (rows of different lengths) split into two waves' worth of parts where each part keeps
+    KV_SPLIT_LONG_MIN_TILES tiles, so a grid the one-wave rule leaves whole (or nearly) gets parts too; equal
+    rows keep the one-wave rule."""
+    launch = _launch()
+    monkeypatch.setattr(launch, "FWD_KV_SPLIT", "auto")
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert launch.kv_splits(64, 129, cpu) == 2                   # 8 rows x 8 kv heads, 16K cache: one wave
+    assert launch.kv_splits(64, 129, cpu, uneven=True) == 4      # two waves of 32-tile parts
+    assert launch.kv_splits(128, 257, cpu) == 1                  # 4 rows x 32 heads: the grid fills the SMs
+    assert launch.kv_splits(128, 257, cpu, uneven=True) == 2
+    assert launch.kv_splits(132, 1024, cpu, uneven=True) == 2
+    assert launch.kv_splits(133, 1024, cpu, uneven=True) == 1    # over one wave already: no split
+    assert launch.kv_splits(64, 127, cpu, uneven=True) == 3      # parts of at least 32 tiles: 127 // 32
+    assert launch.kv_splits(8, 64, cpu, uneven=True) == 8        # short rows: the one-wave count is larger
+    assert launch.kv_splits(1, 4096, cpu, uneven=True) == launch.KV_SPLIT_MAX
+    monkeypatch.setattr(launch, "KV_SPLIT_LONG_WAVES", 0)        # off: the one-wave rule alone
+    assert launch.kv_splits(64, 129, cpu, uneven=True) == 2
+
+
 def test_forced_and_disabled_settings_and_a_clear_error(monkeypatch):
     launch = _launch()
     cpu = torch.device("cpu")

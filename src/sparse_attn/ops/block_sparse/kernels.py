@@ -611,7 +611,7 @@ def split_merge_kernel(O_PART, LSE_PART, O, LSE, N_SPLIT,
     p_l = LSE_PART + i_b.to(tl.int64) * stride_lpb + i_h.to(tl.int64) * stride_lph + o_r
     p_o = (O_PART + i_b.to(tl.int64) * stride_pb + i_h.to(tl.int64) * stride_ph
            + o_r.to(tl.int64)[:, None] * stride_pm + o_d[None, :])
-    # int32 part offsets: launch.kv_splits splits only grids of at most half the SMs' programs, whose
+    # int32 part offsets: launch.kv_splits splits only grids of at most as many programs as SMs, whose
     # parts hold a few million values at most
     b_m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in range(0, N_SPLIT):

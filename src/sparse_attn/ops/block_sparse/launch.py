@@ -74,12 +74,20 @@ FWD_WAVE = os.environ.get("SPARSE_ATTN_FWD_WAVE", "1") != "0"
 FWD_KV_SPLIT = os.environ.get("SPARSE_ATTN_FWD_KV_SPLIT", "auto")
 if FWD_KV_SPLIT != "auto" and not FWD_KV_SPLIT.isdigit():
     raise ValueError(f"SPARSE_ATTN_FWD_KV_SPLIT must be 'auto', '0' or a number of parts, got {FWD_KV_SPLIT!r}")
-# auto: split only where the grid's programs fill at most half the SMs, into at most this many parts,
-# each walking at least KV_SPLIT_MIN_TILES key tiles (its partial output costs one extra fp32 write and read)
+# auto (kv_splits): the larger of two counts, at most KV_SPLIT_MAX parts (each part's output costs one
+# extra fp32 write and read):
+# - one wave: KV_SPLIT_WAVES * SMs // programs parts, each walking at least KV_SPLIT_MIN_TILES key tiles
+#   of the longest row; short rows (B=1, 8K keys) are split this way (two waves lost there: 45 -> 63 us);
+# - packed (varlen) calls only, whose sequences differ in length: two waves of long parts,
+#   KV_SPLIT_LONG_WAVES * SMs // programs parts of at least KV_SPLIT_LONG_MIN_TILES tiles. With one program
+#   a row's part, the SMs of short rows sit idle while the long ones finish; twice the programs balance them
+#   (H200, a padded batch of 8 rows of 2K-16K keys, 8 kv heads: 106 -> 87 us; benchmarks/NOTES.md "Split-KV
+#   for rows of unequal length"). 0 turns it off (probes: the one-wave rule alone).
 KV_SPLIT_MAX = 64
 KV_SPLIT_MIN_TILES = 8
-# programs per SM the auto split aims at (parts = KV_SPLIT_WAVES * SMs // programs)
 KV_SPLIT_WAVES = 1
+KV_SPLIT_LONG_WAVES = 2
+KV_SPLIT_LONG_MIN_TILES = 32
 # up to this many query rows the forward runs split_config's small query tile even unsplit: the
 # autotuned 128-row tile would spend 127 of its 128 rows' products on padding when decoding
 SMALL_Q_ROWS = 64
@@ -656,7 +664,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
 
     reverse = _reverse_rows("fwd")  # checks ROW_ORDER on every call, whichever kernel runs
     plan = None if quant else short_query_plan(
-        B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads, max_count, variant, q.device)
+        B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads, max_count, variant, q.device, varlen)
     if plan is not None:  # few query rows (decoding) or a grid too small for the GPU
         kern = _Fixed(kernels.fwd_kernel, plan.config)
         plan_rows, plan_split = grid_rows(B, plan.heads)  # a split grid: decoding thousands of sequences
@@ -665,7 +673,7 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             run_fwd(kern, grid, out, _qkv_strides(out, varlen), lse, l_strides, 0, False, 1, (0, 0), plan.heads,
                     plan_split, REVERSE=False, KV_SPLIT=False, PACK_GQA=plan.pack)
             return out, lse
-        # (kv_splits splits grids of at most half the SMs' programs: never a split grid, nor a merge grid
+        # (kv_splits splits grids of at most as many programs as SMs: never a split grid, nor a merge grid
         # over CUDA's 65535 on axis 1)
         parts = _SplitParts.new(plan.parts, out, varlen)
         run_fwd(kern, grid, parts.out, parts.o_strides, parts.lse, parts.l_strides, 0, False, plan.parts,
@@ -724,7 +732,7 @@ class ShortQueryPlan(NamedTuple):
 
 
 def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: int, d_pad: int, layout_heads: int,
-                     max_k: int, variant: str, device: torch.device) -> ShortQueryPlan | None:
+                     max_k: int, variant: str, device: torch.device, uneven: bool = False) -> ShortQueryPlan | None:
     """The small-tile forward's plan for a 16-bit call (packed or not; ``lq`` packed: the longest
     sequence's query rows), or None for the autotuned kernel. It
     runs where the call has at most SMALL_Q_ROWS query rows or where kv_splits splits its grid. GQA
@@ -737,7 +745,7 @@ def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: i
     heads = hkv if pack else H
     config = split_config(block_q, block_k, d_pad, group * lq if pack else lq, variant, packed=pack)
     tiles = 1 if pack else _cdiv(lq, config.kwargs["BLOCK_M"])
-    parts = kv_splits(tiles * B * heads, max_k * (block_k // config.kwargs["BLOCK_N"]), device)
+    parts = kv_splits(tiles * B * heads, max_k * (block_k // config.kwargs["BLOCK_N"]), device, uneven)
     if parts == 1 and lq > SMALL_Q_ROWS:
         return None
     return ShortQueryPlan(config, heads, tiles, parts, pack)
@@ -774,17 +782,22 @@ def split_config(block_q: int, block_k: int, d_pad: int, lq: int, variant: str, 
                          num_warps=SPLIT_CONFIG_OVERRIDE.get("num_warps", 4), num_stages=stages)
 
 
-def kv_splits(programs: int, tiles_per_row: int, device: torch.device) -> int:
+def kv_splits(programs: int, tiles_per_row: int, device: torch.device, uneven: bool = False) -> int:
     """How many parts a split-KV forward cuts each query tile's key walk into (FWD_KV_SPLIT), 1 for no
     split. ``programs``: the unsplit grid's (query tiles x batch x heads); ``tiles_per_row``: key tiles of
-    the layout's longest row. "auto": where ``programs`` fill at most half the SMs, as many parts as
-    keep the grid within one wave (SMs // programs), at most KV_SPLIT_MAX and so that each part walks
-    at least KV_SPLIT_MIN_TILES tiles of the longest row. A forced count is capped by the row's tiles."""
+    the layout's longest row; ``uneven``: the rows' lengths differ (packed sequences). "auto": as many
+    parts as keep the grid within one wave (SMs // programs), each walking at least KV_SPLIT_MIN_TILES
+    tiles of the longest row; where ``uneven``, at least as many as make two waves (KV_SPLIT_LONG_WAVES)
+    of parts KV_SPLIT_LONG_MIN_TILES long. At most KV_SPLIT_MAX; a grid that fills the SMs by itself
+    stays unsplit. A forced count is capped by the row's tiles."""
     if FWD_KV_SPLIT == "auto":
-        n_sm = _sm_count(device)
-        if programs == 0 or 2 * programs > n_sm:  # no query row (an empty grid) or a grid that fills the GPU
+        if programs == 0:  # no query row: an empty grid
             return 1
-        return max(1, min(KV_SPLIT_WAVES * n_sm // programs, KV_SPLIT_MAX, tiles_per_row // KV_SPLIT_MIN_TILES))
+        n_sm = _sm_count(device)
+        parts = min(KV_SPLIT_WAVES * n_sm // programs, tiles_per_row // KV_SPLIT_MIN_TILES)
+        if uneven:
+            parts = max(parts, min(KV_SPLIT_LONG_WAVES * n_sm // programs, tiles_per_row // KV_SPLIT_LONG_MIN_TILES))
+        return max(1, min(parts, KV_SPLIT_MAX))
     try:
         forced = int(FWD_KV_SPLIT)
     except ValueError:
