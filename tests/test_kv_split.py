@@ -219,6 +219,22 @@ def test_uneven_rows_take_two_waves_of_long_parts(monkeypatch):
     assert launch.kv_splits(64, 129, cpu, uneven=True) == 2
 
 
+def test_only_short_packed_calls_take_two_waves(monkeypatch):
+    """short_query_plan passes ``uneven`` on for packed calls of at most SMALL_Q_ROWS query rows (decoding, where
+    it was measured); longer packed calls split as plain ones."""
+    launch = _launch()
+    monkeypatch.setattr(launch, "FWD_KV_SPLIT", "auto")
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "INTERPRET", True)  # split_config's tiles: 16 query rows, 32 keys (1024 a row)
+    cpu = torch.device("cpu")
+
+    def parts(lq, B, uneven):  # 8 heads, no GQA; 256 key blocks of 128
+        return launch.short_query_plan(B, 8, 8, lq, 128, 128, 128, 1, 256, "tma", cpu, uneven).parts
+    assert (parts(1, 8, False), parts(1, 8, True)) == (2, 4)        # 64 programs: one wave 2, two waves 4
+    assert (parts(64, 1, False), parts(64, 1, True)) == (4, 8)      # 4 query tiles x 8 heads
+    assert (parts(128, 1, False), parts(128, 1, True)) == (2, 2)    # past SMALL_Q_ROWS: one wave either way
+
+
 def test_forced_and_disabled_settings_and_a_clear_error(monkeypatch):
     launch = _launch()
     cpu = torch.device("cpu")

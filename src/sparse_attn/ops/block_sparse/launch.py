@@ -78,11 +78,12 @@ if FWD_KV_SPLIT != "auto" and not FWD_KV_SPLIT.isdigit():
 # extra fp32 write and read):
 # - one wave: KV_SPLIT_WAVES * SMs // programs parts, each walking at least KV_SPLIT_MIN_TILES key tiles
 #   of the longest row; short rows (B=1, 8K keys) are split this way (two waves lost there: 45 -> 63 us);
-# - packed (varlen) calls only, whose sequences differ in length: two waves of long parts,
-#   KV_SPLIT_LONG_WAVES * SMs // programs parts of at least KV_SPLIT_LONG_MIN_TILES tiles. With one program
-#   a row's part, the SMs of short rows sit idle while the long ones finish; twice the programs balance them
-#   (H200, a padded batch of 8 rows of 2K-16K keys, 8 kv heads: 106 -> 87 us; benchmarks/NOTES.md "Split-KV
-#   for rows of unequal length"). 0 turns it off (probes: the one-wave rule alone).
+# - packed (varlen) calls of at most SMALL_Q_ROWS query rows a sequence (decoding), whose sequences differ in
+#   length: two waves of long parts, KV_SPLIT_LONG_WAVES * SMs // programs parts of at least
+#   KV_SPLIT_LONG_MIN_TILES tiles. With one program a row's part, the SMs of short rows sit idle while the long
+#   ones finish; twice the programs balance them (H200, a padded batch of 8 rows of 2K-16K keys, 8 kv heads:
+#   101 -> 87 us; equal rows lose 5%: benchmarks/NOTES.md "Decoding bound by the GPU, and split-KV for rows of
+#   unequal length"). 0 turns it off (probes: the one-wave rule alone).
 KV_SPLIT_MAX = 64
 KV_SPLIT_MIN_TILES = 8
 KV_SPLIT_WAVES = 1
@@ -737,7 +738,9 @@ def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: i
     sequence's query rows), or None for the autotuned kernel. It
     runs where the call has at most SMALL_Q_ROWS query rows or where kv_splits splits its grid. GQA
     rows are packed (PACK_GQA) where all query heads share the layout, every query sits in its first
-    query block and the G * lq rows fit PACK_GQA_MAX_ROWS: K/V tiles are then read once per kv head."""
+    query block and the G * lq rows fit PACK_GQA_MAX_ROWS: K/V tiles are then read once per kv head.
+    ``uneven``: a packed call, whose sequences differ in length; with at most SMALL_Q_ROWS query rows a
+    sequence its split takes two waves (kv_splits; longer calls were not measured so and keep one)."""
     if lq == 0:  # nothing to attend: the autotuned kernel's empty grid, as before
         return None
     group = H // hkv
@@ -745,7 +748,8 @@ def short_query_plan(B: int, H: int, hkv: int, lq: int, block_q: int, block_k: i
     heads = hkv if pack else H
     config = split_config(block_q, block_k, d_pad, group * lq if pack else lq, variant, packed=pack)
     tiles = 1 if pack else _cdiv(lq, config.kwargs["BLOCK_M"])
-    parts = kv_splits(tiles * B * heads, max_k * (block_k // config.kwargs["BLOCK_N"]), device, uneven)
+    parts = kv_splits(tiles * B * heads, max_k * (block_k // config.kwargs["BLOCK_N"]), device,
+                      uneven and lq <= SMALL_Q_ROWS)
     if parts == 1 and lq > SMALL_Q_ROWS:
         return None
     return ShortQueryPlan(config, heads, tiles, parts, pack)
