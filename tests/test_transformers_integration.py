@@ -548,8 +548,8 @@ def test_band_marker_only_fits_its_own_call():
     for lq, lk, causal, window in ((48, 48, True, None), (48, 48, True, 11), (48, 48, False, 10), (47, 48, True, 10)):
         with pytest.raises(NotImplementedError, match="sliding window of 10 keys"):
             sat.check_mask(marker, lq, lk, causal, window)
-    wide = sat.sparse_attn_mask(1, 8, 8, mask_function=sliding_window_causal_mask_function(64), local_size=64)
-    sat.check_mask(wide, 8, 8, True, None)  # a window over every earlier key is plain causal
+    # a window over every earlier key (from token 0) is plain causal: no mask
+    assert sat.sparse_attn_mask(1, 8, 8, mask_function=sliding_window_causal_mask_function(64), local_size=64) is None
 
 
 def band_mask(window):
@@ -859,8 +859,9 @@ def test_mask_interface_on_keys_that_do_not_end_at_the_last_query():
     over the buffer would be wrong, so the slots after the last query come back marked unwritten (int8 key
     states: 1 real, -1 unwritten; the attention function then runs keys 0..7 only, queries bottom-right of them;
     tests/test_transformers_padding.py generates with static caches);
-    a sliding-window layer's buffer is refused. Keys ending at the last query give None (sparse_attn applies
-    causal itself), and a bidirectional mask has no alignment to keep."""
+    a sliding-window layer's buffer gets them too while its window holds every written key, and is refused past
+    that. Keys ending at the last query give None (sparse_attn applies causal itself), and a bidirectional mask
+    has no alignment to keep."""
     from transformers.masking_utils import (
         bidirectional_mask_function,
         causal_mask_function,
@@ -870,8 +871,11 @@ def test_mask_interface_on_keys_that_do_not_end_at_the_last_query():
     assert written.shape == (1, 64) and written[0].tolist() == [1] * 8 + [-1] * 56
     packing = sat._unpad.from_padding(written, 8)
     assert (packing.k_lens, packing.q_lens, packing.q_starts, packing.kv_len) == ((8,), (8,), (0,), 8)
-    with pytest.raises(NotImplementedError, match="full-attention layers only"):
-        sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=sliding_window_causal_mask_function(16),
+    sliding = sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0,
+                                   mask_function=sliding_window_causal_mask_function(16), local_size=16)
+    assert torch.equal(sliding, written)  # queries 0..7 see keys 0..7 whole: the causal mask's key states
+    with pytest.raises(NotImplementedError, match="full-attention layers only"):  # query 23 sees keys 8..23 only
+        sat.sparse_attn_mask(1, 8, 64, q_offset=16, kv_offset=0, mask_function=sliding_window_causal_mask_function(16),
                              local_size=16)
     assert sat.sparse_attn_mask(1, 8, 64, q_offset=56, kv_offset=0, mask_function=causal_mask_function) is None
     assert sat.sparse_attn_mask(1, 8, 64, q_offset=0, kv_offset=0, mask_function=bidirectional_mask_function) is None

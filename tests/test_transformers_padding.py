@@ -340,6 +340,78 @@ def test_compiled_static_cache_generation_matches_eager(pattern, kwargs):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("padded", [True, False])
+def test_static_cache_on_sliding_window_layers_while_the_window_holds_every_key(padded, compiled):
+    """A static cache's sliding-window layer (transformers' StaticSlidingWindowLayer: 20 slots, filled from token 0,
+    then rolled) was refused until its buffer filled. While the window holds every written key the layer's mask is
+    the causal one, so the buffer runs as a full-attention layer's does: prompts of 10 / 7 / 4 tokens (left-padded,
+    or the first alone) and 10 new tokens fill it to its last slot. Tokens and logits equal transformers' eager
+    attention's; compiled (the step traced, the sliding mask at a graph break), the eager generate's. (Rolled, a
+    batch without padding keeps the band marker, which transformers 5.24's generate() copies into a mask that
+    allows nothing: refused by name, test_static_cache_on_a_sliding_window_model_says_so.)"""
+    from transformers import CompileConfig
+    x, mask = left_padded([10, 7, 4], 10, seed=5)
+    x, mask, new = (x, mask, 10) if padded else (x[:1], None, 10)
+    gen = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+           "cache_implementation": "static", "output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        ref = tiny_mistral().generate(x, **gen)
+        model = tiny_mistral()
+        enable(model, SparseAttnConfig())
+        got = model.generate(x, disable_compile=True, **gen)
+        if compiled:
+            config = CompileConfig(backend="eager")
+            config._compile_all_devices = True  # transformers compiles by itself only on accelerators
+            torch._dynamo.reset()
+            eager, got = got, model.generate(x, compile_config=config, **gen)
+            assert hasattr(model, "_compiled_call")
+            assert torch.equal(got.sequences, eager.sequences)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths,new", [([10, 7, 4], 15), ([22, 10, 21], 4)])
+def test_a_padded_batch_on_a_rolled_sliding_window_buffer(lengths, new):
+    """Once a static sliding-window buffer rolls (keys from token kv_offset > 0), a padded batch's mask is a padding
+    marker, and generate() hands it to the model's forward, which makes the masks again from it: read as a padding
+    mask it was cut at kv_offset once more, one slot off, and the logits came out 2-4 off with no error (prompts
+    longer than the window did so before this session too). Given back, the marker is now this call's answer as it
+    stands. Prompts of 10 / 7 / 4 tokens with 15 new ones, and of 22 / 10 / 21 (longer than the 20-key window)
+    with 4: tokens and logits equal transformers' eager attention's."""
+    x, mask = left_padded(lengths, max(lengths), seed=5)
+    gen = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+           "cache_implementation": "static", "disable_compile": True, "output_logits": True,
+           "return_dict_in_generate": True}
+    with torch.no_grad():
+        ref = tiny_mistral().generate(x, **gen)
+        model = tiny_mistral()
+        enable(model, SparseAttnConfig())
+        got = model.generate(x, **gen)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sliding_mask_is_the_causal_one_only_where_it_holds_every_key():
+    """The mask interface answers a sliding-window mask function as the causal one when its window holds every
+    key written so far (key states on a static buffer, None without padding) and only after evaluating it: a
+    function narrower than its ``local_size`` claims, or keys past the window, keep the old answers."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    states = sat.sparse_attn_mask(2, 1, 20, q_offset=11, mask_function=sliding_window_causal_mask_function(20),
+                                  local_size=20)  # a decoding step at position 11 of a 20-slot buffer
+    causal = sat.sparse_attn_mask(2, 1, 20, q_offset=11, mask_function=causal_mask_function)
+    assert torch.equal(states, causal) and states.tolist()[0] == [1] * 12 + [-1] * 8
+    assert sat.sparse_attn_mask(1, 12, 12, mask_function=sliding_window_causal_mask_function(20),
+                                local_size=20) is None
+    with pytest.raises(NotImplementedError, match="pre-allocated caches"):  # it sees 5 keys, not 20
+        sat.sparse_attn_mask(2, 1, 20, q_offset=11, mask_function=sliding_window_causal_mask_function(5),
+                             local_size=20)
+    band = sat.sparse_attn_mask(1, 30, 30, mask_function=sliding_window_causal_mask_function(20), local_size=20)
+    assert band is not None and band.untyped_storage().nbytes() == 1  # the band marker, as before
+
+
 def test_masks_made_in_inference_mode_are_checked():
     """Tensors made under torch.inference_mode have no version counter: check_mask read it to remember the
     last plain mask and failed (RuntimeError) on a plain 4-D causal mask; it now checks such masks each time,

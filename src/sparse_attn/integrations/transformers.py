@@ -25,13 +25,14 @@ FlashAttention's ``cu_seq_lens_q`` / ``cu_seq_lens_k``) run as one :func:`sparse
 call over the real sequences, each as if it were called alone (its pattern, window and causal alignment
 counted from its own first token; zeros at padded queries). The packed mask is read off the mask function
 and checked a chunk at a time, never materialised. A static cache's key buffer (``cache_implementation=
-"static"``) runs past the last query: on full-attention layers its unwritten slots count as padding. A row
-with padding between real tokens, a static cache on sliding-window layers, or any other custom mask raises
-``NotImplementedError`` rather than being silently ignored. Sliding-window layers (``sliding_window=``
-from the model) are honoured by intersecting with :func:`sparse_attn.patterns.local`: causal ones attend the last
-``sliding_window`` keys (self included), bidirectional ones (encoders such as ModernBERT) the keys less
-than ``sliding_window`` away on either side, FlashAttention's reading of that argument. Once a causal
-layer's cache has dropped its oldest keys
+"static"``) runs past the last query: on full-attention layers its unwritten slots count as padding, and so
+on sliding-window layers while the window holds every written key (:func:`_window_holds_every_key`). A row
+with padding between real tokens, or any other custom mask, raises ``NotImplementedError`` rather than being
+silently ignored (so does a sliding-window static buffer's band marker once ``generate()`` has copied it).
+Sliding-window layers (``sliding_window=`` from the model) are honoured by intersecting with
+:func:`sparse_attn.patterns.local`: causal ones attend the last ``sliding_window`` keys (self included),
+bidirectional ones (encoders such as ModernBERT) the keys less than ``sliding_window`` away on either side,
+FlashAttention's reading of that argument. Once a causal layer's cache has dropped its oldest keys
 (decoding past the window), a pattern that places keys by position (all but ``dense`` and ``local``: sinks,
 global / random / strided blocks) raises ``NotImplementedError``, as it would count from the oldest key kept
 instead of token 0. Attention dropout > 0, softcap
@@ -707,10 +708,20 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     )
     q_offset = int(q_offset)
     q_end = q_offset + q_length - kv_offset  # one past the last query, in the call's keys
+    band = _band_of(attention_mask)
+    if int(kv_offset) and band is not None and attention_mask.dim() == 2 and band[:2] == (q_length, kv_length) \
+            and band[3] == int(kv_offset):
+        # our own [B, Lk] answer for this call, given back as the padding mask: generate() makes a static cache's
+        # masks, and a model's forward then makes them again from what it got. Read as padding it would be cut
+        # again at kv_offset, one slot off a rolled sliding-window buffer: it already is this call's answer
+        return attention_mask
+    if _window_holds_every_key(batch_size, q_length, q_end, q_offset, kv_offset, mask_function, kwargs):
+        mask_function = causal_mask_function
     # a causal mask lines queries up with the end of the keys; a bidirectional one (encoders,
     # cross-attention over encoder states) has no such alignment to keep. A static cache's key buffer runs
     # past the last query: its slots after it are not written yet, which a full-attention layer (keys from
-    # token 0) treats as padding; a sliding-window one (its own buffer layout) is refused.
+    # token 0) treats as padding; a sliding-window one (its own buffer layout) is refused, unless its window
+    # still holds every written key (above: then it is the causal mask).
     static = mask_function is not bidirectional_mask_function and q_end != kv_length
     if static and not (mask_function in (None, causal_mask_function) and kv_offset == 0 and 0 < q_end < kv_length):
         raise NotImplementedError(
@@ -755,6 +766,27 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      allow_is_causal_skip=False, **{k: v for k, v in kwargs.items() if k in ("local_size", "use_vmap",
                                                                                              "device")})
+
+
+def _window_holds_every_key(batch_size: int, q_length: int, q_end: int, q_offset: int, kv_offset: int,
+                            mask_function: Callable | None, kwargs: dict) -> bool:
+    """Whether ``mask_function`` is a causal sliding window (``local_size`` keys, self included) so wide that every
+    query sees every key written so far (the call's keys before ``q_end``): the last query sees the first key,
+    ``q_end <= local_size``, with keys from token 0. Then it is the causal mask, and the mask interface answers as
+    for one. That serves a static cache's sliding-window buffer (transformers' ``StaticSlidingWindowLayer``:
+    ``local_size`` slots filled from token 0, then rolled so that the last query sits at its end), which was refused
+    until it filled: it gets key states. Rolled (keys from ``kv_offset`` > 0) it keeps its band or padding marker,
+    which tells the attention function where key 0 is (patterns placed by position refuse then). The function is
+    evaluated over those keys (:func:`_is_band`), so a window in name only is not taken on trust; the attention
+    call's own ``sliding_window`` then cuts nothing."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    window = kwargs.get("local_size")
+    if window is None or mask_function in (None, causal_mask_function, bidirectional_mask_function):
+        return False
+    if int(kv_offset) or not 0 < q_end <= int(window) or q_length > q_end:
+        return False
+    return _is_band(batch_size, q_length, q_end, q_offset, kv_offset, mask_function, int(window), True,
+                    kwargs.get("device") or "cpu", bool(kwargs.get("use_vmap")))
 
 
 MASK_CHUNK = 1 << 24  # mask entries evaluated at a time when checking a mask function (16 MiB of bool)
