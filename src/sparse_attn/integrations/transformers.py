@@ -668,8 +668,9 @@ def _check_materialised(mask: torch.Tensor, lq: int, lk: int, causal: bool, wind
             raise NotImplementedError(
                 f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} that allows no key at all: a copy of "
                 "the one-element marker sparse_attn's mask interface returns for a sliding-window mask, which "
-                "generate() makes with a static cache (cache_implementation='static'); static caches are supported "
-                "on full-attention layers only: use the default DynamicCache for sliding-window models")
+                "generate() makes with a static cache (cache_implementation='static'); on sliding-window layers "
+                "static caches are supported while the window holds every key, and on a rolled window only for a "
+                "padded batch: use the default DynamicCache for sliding-window models")
         raise NotImplementedError(CUSTOM_MASK_MESSAGE)
     return True
 
@@ -727,7 +728,8 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         raise NotImplementedError(
             f"sparse_attn: the keys (positions {kv_offset}..{kv_offset + kv_length - 1}) do not end at the last query "
             f"(position {q_offset + q_length - 1}); pre-allocated caches are supported on full-attention layers "
-            "only (keys from token 0, the query inside the buffer): use the default DynamicCache")
+            "only (keys from token 0, the query inside the buffer), and on sliding-window layers while the window "
+            "holds every written key: use the default DynamicCache")
     padding = None  # [B, kv_length] bool where some row has padding among the call's keys
     if attention_mask is not None:
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
