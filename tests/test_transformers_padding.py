@@ -349,11 +349,13 @@ def test_static_cache_on_sliding_window_layers_while_the_window_holds_every_key(
     or the first alone) and 10 new tokens fill it to its last slot. Tokens and logits equal transformers' eager
     attention's; compiled (the step traced, the sliding mask at a graph break), the eager generate's. (Rolled, a
     batch without padding keeps the band marker, which transformers 5.24's generate() copies into a mask that
-    allows nothing: refused by name, test_static_cache_on_a_sliding_window_model_says_so.)"""
+    allows nothing: refused by name, test_transformers_integration.test_static_cache_on_a_sliding_window_model_says_so.)
+    """
     from transformers import CompileConfig
     x, mask = left_padded([10, 7, 4], 10, seed=5)
-    x, mask, new = (x, mask, 10) if padded else (x[:1], None, 10)
-    gen = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+    if not padded:
+        x, mask = x[:1], None
+    gen = {"attention_mask": mask, "max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False,
            "cache_implementation": "static", "output_logits": True, "return_dict_in_generate": True}
     with torch.no_grad():
         ref = tiny_mistral().generate(x, **gen)
