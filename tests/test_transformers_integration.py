@@ -604,28 +604,50 @@ def test_bidirectional_sliding_window_layers_run_their_band():
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
-def test_static_cache_on_a_sliding_window_model_says_so():
-    """generate() with a static cache copies the masks it makes (.contiguous()): sparse_attn's one-element
-    band marker became an all-False mask, refused as a padded batch on an unpadded one. The refusal now
-    names static caches (as it does on a model without sliding windows). transformers 5.17 (the GPU
-    machine's) neither copies the masks nor pads this model's static cache past the last query (its
-    sliding layers roll a window of keys ending there): there the generation runs, and must equal eager's."""
-    model, x = tiny_mistral(), ids(length=30)
-    gen = dict(cache_implementation="static", max_new_tokens=2, do_sample=False, output_logits=True,
-               return_dict_in_generate=True)
+@pytest.mark.parametrize("length,new", [(30, 2), (10, 15)])
+def test_static_cache_on_a_sliding_window_model_runs_past_its_window(length, new):
+    """generate() with a static cache makes the masks itself, and transformers 5.24 copies them (.contiguous()):
+    sparse_attn's one-element band marker became an all-False mask, refused by name (a prompt longer than the
+    window, or a buffer rolled past it, without padding). The copy of the latest marker is now taken for that
+    marker (check_mask, _adopt_marker_copy), so a 30-token prompt (window 20) and a 10-token one with 15 new tokens
+    give eager attention's tokens and logits. transformers 5.17 does not copy the masks and ran them already."""
+    model, x = tiny_mistral(), ids(length=length)
+    gen = dict(cache_implementation="static", max_new_tokens=new, min_new_tokens=new, do_sample=False,
+               output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         ref = model.generate(x, **gen)
         enable(model, SparseAttnConfig())
-        try:
-            got = model.generate(x, **gen)
-        except NotImplementedError as e:
-            assert re.search("allows no key at all.*static", str(e)), str(e)
-        else:
-            assert torch.equal(got.sequences, ref.sequences)
-            for a, b in zip(got.logits, ref.logits):
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    with pytest.raises(NotImplementedError, match="padded or custom mask"):  # a mask that allows some keys: as before
-        sat.check_mask(_band(8, 8, 8).clone().logical_and_(torch.arange(8) != 3), 8, 8, True, None)
+        got = model.generate(x, **gen)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_copied_band_marker_keeps_its_band_and_its_key_offset():
+    """A copy of the latest band marker that allows no key is taken for the marker: check_mask accepts it on the
+    marker's call and _key_offset gives the marker's kv_offset (so patterns placed by position still refuse after a
+    sliding cache dropped keys: the static generation below, streaming on a rolled buffer). A copy with one key
+    allowed, an all-False mask of another shape, or a copy on a call with another window stay refused."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    marker = sat.sparse_attn_mask(1, 1, 20, q_offset=25, kv_offset=6, mask_function=sliding_window_causal_mask_function(20),
+                                  local_size=20)
+    assert marker.untyped_storage().nbytes() == 1 and sat._key_offset(marker) == 6
+    copy = marker.contiguous()
+    sat.check_mask(copy, 1, 20, True, 20)
+    assert sat._key_offset(copy) == 6
+    copy2 = marker.contiguous()
+    with pytest.raises(NotImplementedError, match="allows no key at all"):
+        sat.check_mask(copy2, 1, 20, True, 5)  # the marker's shape, but this call's window is another
+    holed = marker.contiguous().clone()
+    holed[..., 3] = True
+    with pytest.raises(NotImplementedError, match="padded or custom mask"):
+        sat.check_mask(holed, 1, 20, True, 20)
+    with pytest.raises(NotImplementedError, match="allows no key at all"):
+        sat.check_mask(torch.zeros(1, 1, 2, 20, dtype=torch.bool), 2, 20, True, 20)
+    model, x = tiny_mistral(), ids(length=10)
+    enable(model, SparseAttnConfig(per_layer={1: ("streaming", {"window": 8, "num_sink": 4, **BLOCK})}))
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"layer 1's pattern streaming\(.*keys 1\.\.20"):
+        model.generate(x, cache_implementation="static", max_new_tokens=15, min_new_tokens=15, do_sample=False)
 
 
 def test_other_mask_functions_are_still_materialised_and_checked():

@@ -348,9 +348,8 @@ def test_static_cache_on_sliding_window_layers_while_the_window_holds_every_key(
     the causal one, so the buffer runs as a full-attention layer's does: prompts of 10 / 7 / 4 tokens (left-padded,
     or the first alone) and 10 new tokens fill it to its last slot. Tokens and logits equal transformers' eager
     attention's; compiled (the step traced, the sliding mask at a graph break), the eager generate's. (Rolled, a
-    batch without padding keeps the band marker, which transformers 5.24's generate() copies into a mask that
-    allows nothing: refused by name, test_transformers_integration.test_static_cache_on_a_sliding_window_model_says_so.)
-    """
+    batch without padding keeps the band marker: test_transformers_integration's
+    test_static_cache_on_a_sliding_window_model_runs_past_its_window.)"""
     from transformers import CompileConfig
     x, mask = left_padded([10, 7, 4], 10, seed=5)
     if not padded:

@@ -28,7 +28,8 @@ and checked a chunk at a time, never materialised. A static cache's key buffer (
 "static"``) runs past the last query: on full-attention layers its unwritten slots count as padding, and so
 on sliding-window layers while the window holds every written key (:func:`_window_holds_every_key`). A row
 with padding between real tokens, or any other custom mask, raises ``NotImplementedError`` rather than being
-silently ignored (so does a sliding-window static buffer's band marker once ``generate()`` has copied it).
+silently ignored (a copy of a band marker, which ``generate()`` makes with a static cache, is taken for the
+latest marker: :func:`_adopt_marker_copy`).
 Sliding-window layers (``sliding_window=`` from the model) are honoured by intersecting with
 :func:`sparse_attn.patterns.local`: causal ones attend the last ``sliding_window`` keys (self included),
 bidirectional ones (encoders such as ModernBERT) the keys less than ``sliding_window`` away on either side,
@@ -638,12 +639,31 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
     sliding window, or all-allowed); raise NotImplementedError for padding or anything custom."""
     if not isinstance(mask, torch.Tensor):
         raise NotImplementedError(f"sparse_attn: attention masks of type {type(mask).__name__} are not supported")
+    _adopt_marker_copy(mask, lq, lk, causal, window)
     if _check_band(mask, lq, lk, causal, window):
         return
     if mask.dim() == 2:  # a raw [B, Lk] padding mask: the attention function runs the rows' real tokens
         return
     _CHECKED.get(mask, (tuple(mask.shape), lq, lk, causal, window),
                  lambda: _check_materialised(mask, lq, lk, causal, window))
+
+
+def _adopt_marker_copy(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> None:
+    """Register ``mask`` with the band of the one-element band marker it copies, if it is such a copy: with a static
+    cache, transformers 5.24's generate() makes the masks ``.contiguous()``, which turns a marker (one False element
+    seen as [B, 1, Lq, Lk]) into a real mask that allows nothing. A copy is taken for the latest live marker of its
+    shape whose band fits this call (q_len, kv_len, causality and the reach of ``sliding_window``) when it allows no
+    key at all, which no plain mask does; it then carries that marker's ``kv_offset`` too (:func:`_key_offset`), so
+    patterns placed by position still refuse on a cache that dropped keys. The latest marker only (the copy is
+    made at once, and the marker itself dropped), by its shape and band as recorded when it was made. Anything else
+    is left to the checks."""
+    if mask.dim() != 4 or mask.dtype != torch.bool or not _LAST_BAND_MARKER or _band_of(mask) is not None:
+        return
+    shape, band = _LAST_BAND_MARKER[0]
+    q_len, kv_len, band_window, _, band_causal = band
+    if (shape == tuple(mask.shape) and (q_len, kv_len, band_causal) == (lq, lk, causal)
+            and _reach(window, lq, lk, causal) == _reach(band_window, lq, lk, causal) and not bool(mask.any())):
+        _registered(mask, band)
 
 
 def _check_materialised(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
@@ -668,9 +688,9 @@ def _check_materialised(mask: torch.Tensor, lq: int, lk: int, causal: bool, wind
             raise NotImplementedError(
                 f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} that allows no key at all: a copy of "
                 "the one-element marker sparse_attn's mask interface returns for a sliding-window mask, which "
-                "generate() makes with a static cache (cache_implementation='static'); on sliding-window layers "
-                "static caches are supported while the window holds every key, and on a rolled window only for a "
-                "padded batch: use the default DynamicCache for sliding-window models")
+                "generate() makes with a static cache (cache_implementation='static'), but not of the latest "
+                "marker or not for this call (its shape, causality or sliding window differ), so sparse_attn cannot "
+                "tell which band it stood for: use the default DynamicCache for this model")
         raise NotImplementedError(CUSTOM_MASK_MESSAGE)
     return True
 
@@ -899,7 +919,12 @@ def _band_marker(batch_size: int, q_length: int, kv_length: int, window: int | N
     read it as a mask would mask everything, not attend silently), recognised by :func:`check_mask`.
     ``kv_offset``: the token the call's first key is (> 0 once a sliding-window cache dropped keys)."""
     marker = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
-    return _registered(marker, (q_length, kv_length, window, int(kv_offset), bool(causal)))
+    band = (q_length, kv_length, window, int(kv_offset), bool(causal))
+    _LAST_BAND_MARKER[:] = [(tuple(marker.shape), band)]  # kept past the marker's life: a copy may outlive it
+    return _registered(marker, band)
+
+
+_LAST_BAND_MARKER: list = []  # (shape, band) of the latest band marker made (:func:`_adopt_marker_copy`)
 
 
 def _band_of(mask) -> tuple | None:
