@@ -651,12 +651,11 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
 def _adopt_marker_copy(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> None:
     """Register ``mask`` with the band of the one-element band marker it copies, if it is such a copy: with a static
     cache, transformers 5.24's generate() makes the masks ``.contiguous()``, which turns a marker (one False element
-    seen as [B, 1, Lq, Lk]) into a real mask that allows nothing. A copy is taken for the latest live marker of its
-    shape whose band fits this call (q_len, kv_len, causality and the reach of ``sliding_window``) when it allows no
-    key at all, which no plain mask does; it then carries that marker's ``kv_offset`` too (:func:`_key_offset`), so
-    patterns placed by position still refuse on a cache that dropped keys. The latest marker only (the copy is
-    made at once, and the marker itself dropped), by its shape and band as recorded when it was made. Anything else
-    is left to the checks."""
+    seen as [B, 1, Lq, Lk]) into a real mask that allows nothing. A copy is taken for the latest marker made, by the
+    shape and band recorded when it was made (the copy is made at once and the marker itself dropped), when that
+    band fits this call (q_len, kv_len, causality and the reach of ``sliding_window``) and the copy allows no key at
+    all, which no plain mask does. It then carries that marker's ``kv_offset`` too (:func:`_key_offset`), so
+    patterns placed by position still refuse on a cache that dropped keys. Anything else is left to the checks."""
     if mask.dim() != 4 or mask.dtype != torch.bool or not _LAST_BAND_MARKER or _band_of(mask) is not None:
         return
     shape, band = _LAST_BAND_MARKER[0]
