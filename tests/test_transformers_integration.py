@@ -3,7 +3,6 @@
 References are independent of sparse_attn: transformers' own eager attention, fed a token mask
 written out the obvious way (causal / sliding window / sinks, bottom-right aligned).
 """
-import re
 
 import pytest
 
@@ -611,16 +610,24 @@ def test_static_cache_on_a_sliding_window_model_runs_past_its_window(length, new
     window, or a buffer rolled past it, without padding). The copy of the latest marker is now taken for that
     marker (check_mask, _adopt_marker_copy), so a 30-token prompt (window 20) and a 10-token one with 15 new tokens
     give eager attention's tokens and logits. transformers 5.17 does not copy the masks and ran them already."""
-    model, x = tiny_mistral(), ids(length=length)
-    gen = dict(cache_implementation="static", max_new_tokens=new, min_new_tokens=new, do_sample=False,
-               output_logits=True, return_dict_in_generate=True)
+    static_generation_like_eager(ids(length=length), {"max_new_tokens": new, "min_new_tokens": new})
+
+
+def static_generation_like_eager(x, gen: dict):
+    """Greedy static-cache generation of a tiny Mistral (window 20) through sparse_attn, with ``gen``'s extra
+    arguments, against the same model on transformers' eager attention: equal tokens, logits within 1e-5.
+    Returns (the sparse_attn model, its output)."""
+    gen = {"cache_implementation": "static", "do_sample": False, "output_logits": True, "return_dict_in_generate": True,
+           **gen}
     with torch.no_grad():
-        ref = model.generate(x, **gen)
+        ref = tiny_mistral().generate(x, **gen)
+        model = tiny_mistral()
         enable(model, SparseAttnConfig())
         got = model.generate(x, **gen)
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.logits, ref.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    return model, got
 
 
 def test_a_copied_band_marker_keeps_its_band_and_its_key_offset():

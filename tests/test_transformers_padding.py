@@ -8,7 +8,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch
-from test_transformers_integration import BLOCK, VOCAB, ids, tiny_llama, tiny_mistral
+from test_transformers_integration import BLOCK, VOCAB, ids, static_generation_like_eager, tiny_llama, tiny_mistral
 
 from sparse_attn.integrations import _unpad
 from sparse_attn.integrations import transformers as sat
@@ -354,23 +354,19 @@ def test_static_cache_on_sliding_window_layers_while_the_window_holds_every_key(
     x, mask = left_padded([10, 7, 4], 10, seed=5)
     if not padded:
         x, mask = x[:1], None
-    gen = {"attention_mask": mask, "max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False,
-           "cache_implementation": "static", "output_logits": True, "return_dict_in_generate": True}
-    with torch.no_grad():
-        ref = tiny_mistral().generate(x, **gen)
-        model = tiny_mistral()
-        enable(model, SparseAttnConfig())
-        got = model.generate(x, disable_compile=True, **gen)
-        if compiled:
-            config = CompileConfig(backend="eager")
-            config._compile_all_devices = True  # transformers compiles by itself only on accelerators
-            torch._dynamo.reset()
-            eager, got = got, model.generate(x, compile_config=config, **gen)
-            assert hasattr(model, "_compiled_call")
-            assert torch.equal(got.sequences, eager.sequences)
-    assert torch.equal(got.sequences, ref.sequences)
-    for a, b in zip(got.logits, ref.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    gen = {"attention_mask": mask, "max_new_tokens": 10, "min_new_tokens": 10}
+    model, eager = static_generation_like_eager(x, {**gen, "disable_compile": True})
+    if compiled:
+        config = CompileConfig(backend="eager")
+        config._compile_all_devices = True  # transformers compiles by itself only on accelerators
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = model.generate(x, compile_config=config, do_sample=False, cache_implementation="static",
+                                 output_logits=True, return_dict_in_generate=True, **gen)
+        assert hasattr(model, "_compiled_call")
+        assert torch.equal(got.sequences, eager.sequences)
+        for a, b in zip(got.logits, eager.logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lengths,new", [([10, 7, 4], 15), ([22, 10, 21], 4)])
@@ -382,17 +378,8 @@ def test_a_padded_batch_on_a_rolled_sliding_window_buffer(lengths, new):
     stands. Prompts of 10 / 7 / 4 tokens with 15 new ones, and of 22 / 10 / 21 (longer than the 20-key window)
     with 4: tokens and logits equal transformers' eager attention's."""
     x, mask = left_padded(lengths, max(lengths), seed=5)
-    gen = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
-           "cache_implementation": "static", "disable_compile": True, "output_logits": True,
-           "return_dict_in_generate": True}
-    with torch.no_grad():
-        ref = tiny_mistral().generate(x, **gen)
-        model = tiny_mistral()
-        enable(model, SparseAttnConfig())
-        got = model.generate(x, **gen)
-    assert torch.equal(got.sequences, ref.sequences)
-    for a, b in zip(got.logits, ref.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    static_generation_like_eager(x, {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new,
+                                     "disable_compile": True})
 
 
 def test_a_sliding_mask_is_the_causal_one_only_where_it_holds_every_key():
