@@ -639,7 +639,6 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
     sliding window, or all-allowed); raise NotImplementedError for padding or anything custom."""
     if not isinstance(mask, torch.Tensor):
         raise NotImplementedError(f"sparse_attn: attention masks of type {type(mask).__name__} are not supported")
-    _adopt_marker_copy(mask, lq, lk, causal, window)
     if _check_band(mask, lq, lk, causal, window):
         return
     if mask.dim() == 2:  # a raw [B, Lk] padding mask: the attention function runs the rows' real tokens
@@ -648,21 +647,23 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
                  lambda: _check_materialised(mask, lq, lk, causal, window))
 
 
-def _adopt_marker_copy(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> None:
-    """Register ``mask`` with the band of the one-element band marker it copies, if it is such a copy: with a static
-    cache, transformers 5.24's generate() makes the masks ``.contiguous()``, which turns a marker (one False element
-    seen as [B, 1, Lq, Lk]) into a real mask that allows nothing. A copy is taken for the latest marker made, by the
-    shape and band recorded when it was made (the copy is made at once and the marker itself dropped), when that
-    band fits this call (q_len, kv_len, causality and the reach of ``sliding_window``) and the copy allows no key at
-    all, which no plain mask does. It then carries that marker's ``kv_offset`` too (:func:`_key_offset`), so
-    patterns placed by position still refuse on a cache that dropped keys. Anything else is left to the checks."""
-    if mask.dim() != 4 or mask.dtype != torch.bool or not _LAST_BAND_MARKER or _band_of(mask) is not None:
-        return
+def _adopt_marker_copy(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
+    """Whether ``mask``, a 4-D mask that allows no key at all (which no plain mask does), is a copy of the latest
+    one-element band marker, and if so register it with that marker's band: with a static cache, transformers 5.24's
+    generate() makes the masks ``.contiguous()``, which turns a marker (one False element seen as [B, 1, Lq, Lk])
+    into a real mask that allows nothing. The latest marker made, by the shape and band recorded when it was made
+    (the copy is made at once and the marker itself dropped), when that band fits this call (q_len, kv_len,
+    causality and the reach of ``sliding_window``). The copy then carries the marker's ``kv_offset`` too
+    (:func:`_key_offset`), so patterns placed by position still refuse on a cache that dropped keys."""
+    if mask.dtype != torch.bool or not _LAST_BAND_MARKER:
+        return False
     shape, band = _LAST_BAND_MARKER[0]
     q_len, kv_len, band_window, _, band_causal = band
-    if (shape == tuple(mask.shape) and (q_len, kv_len, band_causal) == (lq, lk, causal)
-            and _reach(window, lq, lk, causal) == _reach(band_window, lq, lk, causal) and not bool(mask.any())):
-        _registered(mask, band)
+    if (shape != tuple(mask.shape) or (q_len, kv_len, band_causal) != (lq, lk, causal)
+            or _reach(window, lq, lk, causal) != _reach(band_window, lq, lk, causal)):
+        return False
+    _registered(mask, band)
+    return True
 
 
 def _check_materialised(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int | None) -> bool:
@@ -684,6 +685,8 @@ def _check_materialised(mask: torch.Tensor, lq: int, lk: int, causal: bool, wind
     j = torch.arange(lk, device=mask.device)[None, :]
     if not torch.equal(allowed, _band_rule(p, j, causal, window).expand_as(allowed)):
         if not bool(allowed.any()):  # no plain mask is empty: the usual source is a copy of a band marker
+            if _adopt_marker_copy(mask, lq, lk, causal, window):
+                return True
             raise NotImplementedError(
                 f"sparse_attn: got an attention mask of shape {tuple(mask.shape)} that allows no key at all: a copy of "
                 "the one-element marker sparse_attn's mask interface returns for a sliding-window mask, which "
@@ -728,8 +731,8 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     )
     q_offset = int(q_offset)
     q_end = q_offset + q_length - kv_offset  # one past the last query, in the call's keys
-    band = _band_of(attention_mask)
-    if int(kv_offset) and band is not None and attention_mask.dim() == 2 and band[:2] == (q_length, kv_length) \
+    band = _band_of(attention_mask) if int(kv_offset) else None
+    if band is not None and attention_mask.dim() == 2 and band[:2] == (q_length, kv_length) \
             and band[3] == int(kv_offset):
         # our own [B, Lk] answer for this call, given back as the padding mask: generate() makes a static cache's
         # masks, and a model's forward then makes them again from what it got. Read as padding it would be cut
