@@ -24,17 +24,20 @@ import torch
 ROUNDS = 5
 
 
-def _model(attn: str, layers: int = 4, hidden: int = 2048, kv_heads: int = 0):
+def _model(attn: str, layers: int = 4, hidden: int = 2048, kv_heads: int = 0, sliding_window: int = 0):
     """A random Llama of ``layers`` layers and width ``hidden`` (heads of 128, ``kv_heads`` kv heads or by default a
-    quarter as many, MLP 2.75x), bf16 on CUDA; the defaults are the 4-layer model every probe here used first."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    quarter as many, MLP 2.75x), bf16 on CUDA; the defaults are the 4-layer model every probe here used first.
+    ``sliding_window`` > 0: a Mistral of the same shape instead, every layer a causal sliding window of that many
+    keys (its static cache keeps that many slots and rolls)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
     heads = hidden // 128
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads // 4,
-                      head_dim=128, max_position_embeddings=65536, initializer_range=0.02, attn_implementation=attn,
-                      pad_token_id=0)
+    shape = dict(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads or heads // 4, head_dim=128,
+                 max_position_embeddings=65536, initializer_range=0.02, attn_implementation=attn, pad_token_id=0)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    if sliding_window:
+        return MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **shape)).to("cuda", torch.bfloat16)
+    return LlamaForCausalLM(LlamaConfig(**shape)).to("cuda", torch.bfloat16)
 
 
 def _median_ms(fn, rounds: int = ROUNDS) -> float:

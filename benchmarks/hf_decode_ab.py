@@ -3,7 +3,7 @@ one process, and where a decoding step's host time goes (cProfile, top functions
 
     python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--num-sink 64] [--rounds 3]
         [--prompts padded|one] [--no-profile] [--cache dynamic|static] [--impls dense,banded,sdpa]
-        [--layers 4] [--hidden 2048] [--kv-heads 0] [--scale 1]
+        [--layers 4] [--hidden 2048] [--kv-heads 0] [--scale 1] [--sliding-window 0]
 
 ``--num-sink S`` runs ``streaming`` (window + S sinks) instead of ``local``. ``--cache static`` passes
 ``cache_implementation="static"``, with which transformers compiles the decoding step by itself on CUDA (inductor,
@@ -13,6 +13,8 @@ timed otherwise. ``--impls`` picks the models (compiled ones are best timed one 
 ``--hidden`` and ``--scale`` (prompt lengths times SCALE) grow the model and the cache until a step is bound by
 the GPU rather than by generate()'s host work; ``--kv-heads`` (default a quarter of the heads) set to the number of
 heads gives MHA, where transformers' sdpa with a padding mask does not repeat K/V for grouped heads.
+``--sliding-window W`` builds a Mistral of the same shape, every layer a causal window of W keys (a static cache keeps
+W slots, rolled once the prompts pass them); ``dense`` then runs the model's window.
 
 The model and prompts of hf_batch_probe.py (random 4-layer Llama, bf16, CUDA): ``padded``, 8 left-padded prompts of
 512-4096 tokens (varlen calls), or ``one``, the 4096-token prompt alone (attention() calls); each generate() makes
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--kv-heads", type=int, default=0)
     ap.add_argument("--scale", type=int, default=1)
+    ap.add_argument("--sliding-window", type=int, default=0)
     args = ap.parse_args()
     x, mask = padded_inputs(args.scale)
     if args.prompts == "one":  # the longest prompt, no padding
@@ -74,10 +77,10 @@ def main() -> None:
     impls = args.impls.split(",")
     for key, (name, cfg) in (("dense", ("dense", SparseAttnConfig("dense"))), ("banded", banded)):
         if key in impls:
-            models[name] = _model("sparse_attn", args.layers, args.hidden, args.kv_heads)
+            models[name] = _model("sparse_attn", args.layers, args.hidden, args.kv_heads, args.sliding_window)
             enable(models[name], cfg)
     if "sdpa" in impls:
-        models["sdpa"] = _model("sdpa", args.layers, args.hidden, args.kv_heads)
+        models["sdpa"] = _model("sdpa", args.layers, args.hidden, args.kv_heads, args.sliding_window)
     static = {"cache_implementation": "static"} if args.cache == "static" else {}
     gen = lambda m, n=64: m.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                      **static)
@@ -114,7 +117,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         header = make_header("cuda", "hf-decode-ab", transformers=transformers.__version__, prompts=args.prompts,
                              window=args.window, num_sink=args.num_sink, cache=args.cache, layers=args.layers,
-                             hidden=args.hidden, kv_heads=args.kv_heads, scale=args.scale)
+                             hidden=args.hidden, kv_heads=args.kv_heads, scale=args.scale,
+                             sliding_window=args.sliding_window)
         json.dump({**header, "rows": rows, "profiles": profiles}, f, indent=1)
 
 

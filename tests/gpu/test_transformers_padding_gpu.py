@@ -103,13 +103,13 @@ def test_static_cache_generation_compiles_and_matches_an_uncompiled_forward(monk
     _static_generation_matches_a_forward(monkeypatch, model, pattern)
 
 
-@pytest.mark.parametrize("window", [320, 256])
+@pytest.mark.parametrize("window", [320, 306, 256])
 @torch.no_grad()
 def test_static_cache_on_sliding_window_layers_compiles_and_matches_an_uncompiled_forward(monkeypatch, window):
     """A Mistral-style model (every layer a sliding window) with a static cache: its buffer of ``window`` slots is
     filled from token 0, then rolled. 320: prompts up to 300 and 12 new tokens never fill it (the sliding mask is
-    the causal one, key states); 256: the 300-token prompt is longer than it, so every decoding step runs on a
-    rolled buffer with padding (the padding marker generate() makes, given back by the model's own mask call)."""
+    the causal one, key states); 306: it rolls during the generation; 256: the 300-token prompt is longer than it,
+    so every decoding step runs on a rolled buffer with padding. Every step is traced whole (fullgraph)."""
     from transformers import MistralConfig, MistralForCausalLM
     cfg = MistralConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
@@ -121,8 +121,11 @@ def test_static_cache_on_sliding_window_layers_compiles_and_matches_an_uncompile
 
 
 def _static_generation_matches_a_forward(monkeypatch, model, what: str) -> None:
-    """Compiled static generation of 12 tokens from 3 left-padded prompts (300, 129, 17 tokens), the traced op
-    counted, each step's logits against one uncompiled forward over the generated tokens (cosine > 0.9995)."""
+    """Compiled static generation of 12 tokens from 3 left-padded prompts (300, 129, 17 tokens), traced whole
+    (fullgraph: a graph break fails), the traced op counted, each step's logits against one uncompiled forward over
+    the generated tokens (cosine > 0.9995)."""
+    from transformers import CompileConfig
+
     from sparse_attn.integrations import _unpad
     ran = []
     real = _unpad.in_place_spans
@@ -136,7 +139,8 @@ def _static_generation_matches_a_forward(monkeypatch, model, what: str) -> None:
         mask[b, width - n:] = 1
         x[b, :width - n] = 0
     static = model.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                            output_logits=True, return_dict_in_generate=True, cache_implementation="static")
+                            output_logits=True, return_dict_in_generate=True, cache_implementation="static",
+                            compile_config=CompileConfig(fullgraph=True))  # a graph break fails
     assert hasattr(model, "_compiled_call") and ran  # the step was compiled, with the traced op
     tokens = static.sequences[:, :-1]
     full_mask = torch.cat([mask, torch.ones_like(mask[:, :new - 1])], 1)

@@ -7,7 +7,8 @@ calls that need no such state are traced instead, so that a decoding step can re
 
 - the mask function, for causal or bidirectional masks with keys from token 0, returns None (no padding, keys
   ending at the last query) or the int8 key states of :func:`_unpad.key_states` (padding, and a static cache's
-  slots after the last query, whose position is a tensor there);
+  slots after the last query, whose position is a tensor there); for a sliding-window layer's buffer that its
+  window holds whole (a decoding step on a static cache), key states too (:func:`_sliding_window`);
 - the attention function, for forward-only dense / causal / one-causal-window layers with no mask or such a
   ``[B, Lk]`` one, reads the rows' spans off the mask with traced tensor ops (:func:`_unpad.row_spans`, computed
   once a step for every layer) and calls :func:`spans_attention`, a custom op that runs the kernels over them in
@@ -28,16 +29,20 @@ from . import _unpad
 
 
 def mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset, mask_function, attention_mask,
-         device) -> tuple[bool, Tensor | None]:
-    """(handled, what the mask interface returns) for a traced call: handled only for a causal or bidirectional
-    mask function over keys from token 0."""
+         device, kwargs: dict | None = None) -> tuple[bool, Tensor | None]:
+    """(handled, what the mask interface returns) for a traced call: handled for a causal or bidirectional mask
+    function over keys from token 0, and for a causal sliding window whose window holds the whole buffer
+    (:func:`_sliding_window`)."""
     from transformers.masking_utils import (
         bidirectional_mask_function,
         causal_mask_function,
         prepare_padding_mask,
     )
     causal = mask_function is None or mask_function is causal_mask_function
-    if not (causal or mask_function is bidirectional_mask_function) or isinstance(kv_offset, Tensor) or kv_offset:
+    if not (causal or mask_function is bidirectional_mask_function):
+        return _sliding_window(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                               device, kwargs or {})
+    if isinstance(kv_offset, Tensor) or kv_offset:
         return False, None
     if causal and not isinstance(q_offset, Tensor) and q_offset + q_length > kv_length:
         return False, None  # queries past the keys: the eager function says what is wrong
@@ -48,6 +53,41 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset, ma
     device = device or (attention_mask.device if attention_mask is not None else "cpu")
     q_end = kv_length if ends_at_keys else q_offset + q_length
     return True, _unpad.key_states(padding, batch_size, kv_length, q_end, device)
+
+
+def _sliding_window(batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset, mask_function,
+                    attention_mask, device, kwargs: dict) -> tuple[bool, Tensor | None]:
+    """The traced mask of a causal sliding-window layer of a cache: key states (:func:`_unpad.key_states`,
+    :data:`_unpad.SHIFTED` once the buffer dropped keys) when the window, ``local_size`` keys, holds every key of the
+    buffer, so that the mask is the causal one over it. That is a decoding step's on transformers'
+    ``StaticSlidingWindowLayer`` (``local_size`` slots, or fewer, filled from token 0 and then rolled), which
+    otherwise broke the graph at every step (and, its offsets read on the host, compiled the step again at every
+    step). Taken where transformers' causal sliding-window mask is made without extra mask functions (no
+    ``allow_is_bidirectional_skip``, ``use_vmap`` off) and queries do not equal keys from token 0 (packed
+    sequences, which are made so, run eagerly). The mask function is still evaluated over the call (a few small
+    kernels once a step): rows where it allows other keys than the causal ones are :data:`_unpad.REFUSED` (NaN
+    outputs; read on the host, an error), since nothing can raise while traced."""
+    from transformers.masking_utils import sdpa_mask
+    window = kwargs.get("local_size")
+    if (window is None or "allow_is_bidirectional_skip" in kwargs or kwargs.get("use_vmap")
+            or isinstance(kv_offset, Tensor) or kv_length > window):
+        return False, None
+    if not isinstance(q_offset, Tensor) and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        return False, None  # no cache (packed sequences are made so): the eager function reads the mask function
+    if attention_mask is not None:
+        device = device or attention_mask.device
+    device = device or "cpu"
+    q_end = q_offset + q_length - kv_offset  # one past the last query, among the call's keys
+    got = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                    kv_offset=kv_offset, mask_function=mask_function, allow_is_causal_skip=False, use_vmap=False,
+                    device=device)
+    i = torch.arange(q_length, device=device)[:, None] + (q_end - q_length)
+    want = torch.arange(kv_length, device=device)[None, :] <= i  # causal over the buffer's slots
+    # compared as int8: inductor's value ranges fail on != between bool tensors (torch 2.11 and 2.13)
+    refused = (got[:, 0].to(torch.int8) != want.to(torch.int8)).flatten(1).any(1).expand(batch_size)
+    padding = None if attention_mask is None else _unpad.call_padding(attention_mask, kv_length, kv_offset)
+    return True, _unpad.key_states(padding, batch_size, kv_length, q_end, device, shifted=kv_offset > 0,
+                                   refused=refused)
 
 
 def forward(cfg, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling, dropout,

@@ -162,11 +162,14 @@ def row_spans(mask: torch.Tensor, lq: int, dtype: torch.dtype) -> tuple[torch.Te
     queries (first, one past the last, among the call's ``lq``), its keys (first, one past the last) and the row
     index, empty query ranges at rows without a real query (:func:`in_place_spans` runs them); ``drop`` bool ``[B * lq, 1, 1]``, True at the queries no
     row holds; ``fill`` (``dtype``, same shape) what those get: 0, or NaN in a row whose real tokens are not one
-    run, which from_padding refuses by name (refusing here would need the host to read the mask)."""
+    run or whose mask function was refused (:data:`REFUSED`), which from_padding refuses by name (refusing here would
+    need the host to read the mask)."""
     batch = mask.shape[0]
     first, end, count, q_end = _row_bounds(mask)
     q0 = q_end - lq  # the position of query 0: lq slots before the first unwritten one
     broken = (count > 0) & (end - first != count)
+    if mask.dtype == torch.int8:  # key states (a bool padding mask refuses nothing)
+        broken = broken | (mask == REFUSED).any(1)
     q_first = torch.maximum(first, q0)
     held = (count > 0) & (end > q_first) & ~broken  # rows whose real queries run
     rows = torch.arange(batch, device=mask.device)
@@ -252,17 +255,49 @@ def _ranges(rows: list[int], starts: list[int], lens: list[int], device) -> tupl
     return row[seq], pos
 
 
-UNWRITTEN = -1  # a key-states entry: a slot of a static cache's buffer at or after the last query's
+# Key states (the int8 [B, Lk] the mask interface gives for keys that do not simply end at the last query): 0 is
+# padding, and
+REAL = 1        # a real key of a buffer whose slot 0 is token 0
+SHIFTED = 2     # a real key of a buffer that dropped its first keys (a sliding-window cache rolled past token 0),
+                # so that patterns placed by position refuse it even when the mask was copied or made while traced
+UNWRITTEN = -1  # a slot of a static cache's buffer at or after the last query's
+REFUSED = -2    # every slot of a row whose mask function allows other keys than the one sparse_attn runs (found
+                # while traced, where nothing can raise): the row's outputs are NaN, and read on the host it raises
 
 
-def key_states(padding: torch.Tensor | None, batch: int, kv_length: int, q_end, device) -> torch.Tensor:
-    """The mask interface's int8 ``[B, Lk]`` for keys that run past the last query (a static cache's buffer): 1 a
-    real key, 0 padding, :data:`UNWRITTEN` (-1) the slots from ``q_end`` on (one past the last query among the
-    keys: an int, or a 0-dim tensor while torch.compile traces, which the attention function reads on the device).
+def key_states(padding: torch.Tensor | None, batch: int, kv_length: int, q_end, device, shifted=False,
+               refused: torch.Tensor | None = None) -> torch.Tensor:
+    """The mask interface's int8 ``[B, Lk]`` for keys that run past the last query (a static cache's buffer) or that
+    start past token 0 (a sliding-window buffer that rolled): :data:`REAL` (1; :data:`SHIFTED`, 2, where ``shifted``)
+    a real key, 0 padding, :data:`UNWRITTEN` (-1) the slots from ``q_end`` on (one past the last query among the
+    keys: an int, or a 0-dim tensor while torch.compile traces, which the attention function reads on the device),
+    and :data:`REFUSED` (-2) every slot of the rows where ``refused`` (bool ``[B]``) is true.
     ``padding``: ``[B, Lk]`` nonzero at real tokens, or None (all real)."""
     written = torch.arange(kv_length, device=device) < q_end
     real = written if padding is None else padding.to(device=device, dtype=torch.bool) & written
-    return torch.where(written, real.to(torch.int8), UNWRITTEN).expand(batch, kv_length)
+    states = torch.where(written, real.to(torch.int8) * (SHIFTED if shifted else REAL), UNWRITTEN)
+    states = states.expand(batch, kv_length)
+    if refused is not None:
+        states = torch.where(refused.to(device)[:, None], REFUSED, states)
+    return states
+
+
+def call_padding(attention_mask: torch.Tensor, kv_length: int, kv_offset) -> torch.Tensor:
+    """The ``[B, kv_length]`` padding of a call's keys (tokens ``kv_offset`` on) from a 2-D attention mask: a whole
+    sequence's mask, from token 0, is cut there; one exactly ``kv_length`` wide while ``kv_offset`` > 0 already is
+    the call's keys (a whole sequence's would be wider): the mask interface's own answer, which generate() hands the
+    model back and the model makes its masks again from. Cut again, it would be one slot off a rolled buffer."""
+    from transformers.masking_utils import prepare_padding_mask
+    if kv_offset and attention_mask.shape[-1] == kv_length:
+        return attention_mask
+    return prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+
+
+def shifted(mask) -> bool:
+    """Whether ``mask`` holds key states of a buffer that dropped its first keys (:data:`SHIFTED`). A host read,
+    for masks the registry does not know (made while traced, or copied)."""
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.int8 and mask.dim() == 2
+            and bool((mask == SHIFTED).any()))
 
 
 def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
@@ -275,7 +310,14 @@ def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
     if width == 0:
         return None
     first, end, count, q_end = _row_bounds(mask)
-    firsts, ends, counts, q_ends = torch.stack([first, end, count, q_end.expand(batch)]).tolist()
+    refused = (mask == REFUSED).any(1)
+    firsts, ends, counts, q_ends, refuses = torch.stack([first, end, count, q_end.expand(batch), refused]).tolist()
+    if any(refuses):
+        raise NotImplementedError(
+            f"sparse_attn: the mask of row {refuses.index(1)} was made by a sliding-window mask function that allows "
+            "other keys than the layer's window (a mask function combined with others, found while torch.compile "
+            "traced the model); sparse_attn runs the window alone: run the model uncompiled, or use "
+            "attn_implementation='sdpa' for it")
     kv_len = q_ends[0]  # the keys the queries see: a static cache's slots after the last query are no keys yet
     if kv_len == width and all(c == width for c in counts):
         return None

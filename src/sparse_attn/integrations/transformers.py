@@ -390,14 +390,16 @@ def _eager_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     offset = _key_offset(attention_mask)
     run_window = _causal_window(cfg.spec_for(layer_idx), window, causal)
     # (a streaming pattern under a model window no wider than its own is that window alone: no sinks to place)
-    if offset and cfg.spec_for(layer_idx).keys_by_position and (run_window is None or run_window[1]):
+    if (cfg.spec_for(layer_idx).keys_by_position and (run_window is None or run_window[1])
+            and (offset or (_band_of(attention_mask) is None and _unpad.shifted(attention_mask)))):
         lk = key.shape[2]
+        held = (f"only keys {offset}..{offset + lk - 1} (the first {offset} were dropped)" if offset else
+                f"only its last {lk} keys (the first were dropped)")  # key states made while traced: no offset
         raise NotImplementedError(
             f"sparse_attn: layer {layer_idx}'s pattern {cfg.spec_for(layer_idx).describe()} places keys by position "
             f"(from token 0: sinks, global / random / strided blocks), but this sliding-window layer's cache holds "
-            f"only keys {offset}..{offset + lk - 1} (the first {offset} were dropped), so it would attend to other "
-            "keys than a forward over the whole sequence; run 'local' or 'dense' on sliding-window layers "
-            "(per_layer=...), or decode without a cache (use_cache=False)")
+            f"{held}, so it would attend to other keys than a forward over the whole sequence; run 'local' or "
+            "'dense' on sliding-window layers (per_layer=...), or decode without a cache (use_cache=False)")
     packing = _packing_for(attention_mask, query, key, kwargs)
     spec, lq, lk = cfg.spec_for(layer_idx), query.shape[2], key.shape[2]
     if packing is not None:
@@ -708,7 +710,7 @@ def sparse_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     keys from token 0 are traced (:func:`._traced.mask`: None or key states), the rest run eagerly."""
     if torch.compiler.is_compiling():
         handled, mask = _traced.mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                                     attention_mask, kwargs.get("device"))
+                                     attention_mask, kwargs.get("device"), kwargs)
         if handled:
             return mask
     return _eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
@@ -726,7 +728,6 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     from transformers.masking_utils import (
         bidirectional_mask_function,
         causal_mask_function,
-        prepare_padding_mask,
         sdpa_mask,
     )
     q_offset = int(q_offset)
@@ -738,7 +739,19 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         # masks, and a model's forward then makes them again from what it got. Read as padding it would be cut
         # again at kv_offset, one slot off a rolled sliding-window buffer: it already is this call's answer
         return attention_mask
-    if _window_holds_every_key(batch_size, q_length, q_end, q_offset, kv_offset, mask_function, kwargs):
+    # A step transformers asks a mask it can replay for (a compileable cache, one query) gets key states on a
+    # sliding-window buffer its window holds whole, rolled (keys from kv_offset > 0: SHIFTED keeps the dropped keys
+    # known) or not (also when the buffer is exactly full): what its traced mask gives (_traced), which a compiled
+    # step reads on the device, and one kind of mask at every step (a None at one step was one more graph). Elsewhere
+    # a rolled buffer keeps its band or padding marker (below), with no second look at its mask function.
+    replayable = not kwargs.get("allow_is_causal_skip", True)
+    if (not int(kv_offset) or replayable) and _window_holds_every_key(batch_size, q_length, q_end, q_offset,
+                                                                      kv_offset, mask_function, kwargs):
+        if replayable:
+            padding = None if attention_mask is None else _unpad.call_padding(attention_mask, kv_length, kv_offset)
+            states = _unpad.key_states(padding, batch_size, kv_length, q_end, padding.device if padding is not None
+                                       else kwargs.get("device") or "cpu", shifted=bool(kv_offset))
+            return _registered(states, (q_length, kv_length, kwargs.get("local_size"), int(kv_offset), True))
         mask_function = causal_mask_function
     # a causal mask lines queries up with the end of the keys; a bidirectional one (encoders,
     # cross-attention over encoder states) has no such alignment to keep. A static cache's key buffer runs
@@ -754,7 +767,7 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
             "holds every written key: use the default DynamicCache")
     padding = None  # [B, kv_length] bool where some row has padding among the call's keys
     if attention_mask is not None:
-        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+        padding = _unpad.call_padding(attention_mask, kv_length, kv_offset)
         if bool(padding.all()):
             padding = None
     if static:  # key states: the slots after the last query are not written yet
@@ -796,18 +809,19 @@ def _window_holds_every_key(batch_size: int, q_length: int, q_end: int, q_offset
                             mask_function: Callable | None, kwargs: dict) -> bool:
     """Whether ``mask_function`` is a causal sliding window (``local_size`` keys, self included) so wide that every
     query sees every key written so far (the call's keys before ``q_end``): the last query sees the first key,
-    ``q_end <= local_size``, with keys from token 0. Then it is the causal mask, and the mask interface answers as
-    for one. That serves a static cache's sliding-window buffer (transformers' ``StaticSlidingWindowLayer``:
-    ``local_size`` slots filled from token 0, then rolled so that the last query sits at its end), which was refused
-    until it filled: it gets key states. Rolled (keys from ``kv_offset`` > 0) it keeps its band or padding marker,
-    which tells the attention function where key 0 is (patterns placed by position refuse then). The function is
-    evaluated over those keys (:func:`_is_band`), so a window in name only is not taken on trust; the attention
-    call's own ``sliding_window`` then cuts nothing."""
+    ``q_end <= local_size``. Then it is the causal mask over the call's keys. That serves a static cache's
+    sliding-window buffer (transformers' ``StaticSlidingWindowLayer``: ``local_size`` slots filled from token 0, then
+    rolled so that the last query sits at its end), which was refused until it filled: with keys from token 0 the
+    mask interface answers as for a causal mask (key states). Rolled (keys from ``kv_offset`` > 0) it answers with
+    :data:`_unpad.SHIFTED` key states at a step transformers replays (a compiled decoding step), else with its band
+    or padding marker; both tell the attention function that the first keys were dropped (patterns placed by
+    position refuse then). The function is evaluated over those keys (:func:`_is_band`), so a window in name only
+    is not taken on trust; the attention call's own ``sliding_window`` then cuts nothing."""
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
     window = kwargs.get("local_size")
     if window is None or mask_function in (None, causal_mask_function, bidirectional_mask_function):
         return False
-    if int(kv_offset) or not 0 < q_end <= int(window) or q_length > q_end:
+    if not 0 < q_end <= int(window) or q_length > q_end:
         return False
     return _is_band(batch_size, q_length, q_end, q_offset, kv_offset, mask_function, int(window), True,
                     kwargs.get("device") or "cpu", bool(kwargs.get("use_vmap")))

@@ -1,0 +1,174 @@
+"""Compiled decoding on sliding-window layers (integrations._traced._sliding_window): a static cache's sliding buffer
+(transformers' StaticSlidingWindowLayer) gets key states, made by the traced mask function and read by the traced
+attention, so a compiled decoding step of a Mistral-style model has no graph break, before the buffer rolls and
+after, padded or not. Before, the mask (and, once rolled without padding, every layer's attention) broke the graph
+at every step, and its offsets, read on the host, made dynamo compile the step again at every step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_attn.integrations import _traced, _unpad
+
+transformers = pytest.importorskip("transformers")
+from test_transformers_integration import BLOCK, ids, tiny_mistral  # noqa: E402
+from test_transformers_padding import left_padded  # noqa: E402
+from transformers.masking_utils import and_masks, sliding_window_causal_mask_function  # noqa: E402
+
+from sparse_attn.integrations import transformers as sat  # noqa: E402
+from sparse_attn.integrations.transformers import SparseAttnConfig, enable  # noqa: E402
+
+WINDOW = 20  # tiny_mistral's sliding window: its static cache keeps 20 slots
+
+
+def _generate(model, x, mask, new, compile_config=None):
+    gen = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+           "cache_implementation": "static", "output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        if compile_config is None:
+            return model.generate(x, disable_compile=True, **gen)
+        return model.generate(x, compile_config=compile_config, **gen)
+
+
+def _counting_config(graphs: list):
+    """A CompileConfig that fails on any graph break (fullgraph) and counts the graphs dynamo compiles."""
+    from transformers import CompileConfig
+
+    def backend(gm, example_inputs, **options):  # (transformers passes mode="reduce-overhead")
+        graphs.append(gm)
+        return gm.forward
+    config = CompileConfig(backend=backend, fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles by itself only on accelerators
+    return config
+
+
+CASES = {  # name: (prompt lengths (left-padded) or one unpadded prompt's, new tokens)
+    "before the buffer rolls, padded": ([10, 7, 4], 8),
+    "before the buffer rolls, one prompt": ([10], 8),
+    "rolled, padded (prompts past the window)": ([22, 10, 21], 6),
+    "rolled, one prompt": ([30], 6),
+    "rolling during generation, padded": ([10, 7, 4], 16),
+}
+
+
+def _graphs(model, x, mask, new) -> tuple[int, object]:
+    """(graphs compiled, output) of a compiled static generation, from a fresh dynamo state."""
+    graphs = []
+    torch._dynamo.reset()
+    out = _generate(model, x, mask, new, _counting_config(graphs))
+    assert hasattr(model, "_compiled_call")
+    return len(graphs), out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_static_generation_on_sliding_window_layers_traces_whole(case):
+    """fullgraph=True (a graph break fails), no more graphs over the steps than transformers' sdpa compiles on the same
+    case (two: before and after the buffer rolls; three when it rolls during the generation), and the tokens and
+    logits of transformers' own eager attention."""
+    lengths, new = CASES[case]
+    x, mask = left_padded(lengths, max(lengths), seed=5)
+    if len(lengths) == 1:
+        x, mask = ids(length=lengths[0]), None
+    ref = _generate(tiny_mistral(), x, mask, new)
+    sdpa = tiny_mistral()
+    sdpa.set_attn_implementation("sdpa")
+    sdpa_graphs, _ = _graphs(sdpa, x, mask, new)
+    model = tiny_mistral()
+    enable(model, SparseAttnConfig())
+    graphs, got = _graphs(model, x, mask, new)
+    assert 1 <= graphs <= sdpa_graphs, (graphs, sdpa_graphs)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_through_inductor_too():
+    """The same case rolling during generation through inductor (the GPU's backend, on the CPU here, without CUDA
+    graphs): a first version compared two bool tensors with != in the traced mask, which Dynamo's eager backend runs
+    but inductor's value-range analysis fails on (seen on the H200)."""
+    from transformers import CompileConfig
+    lengths, new = CASES["rolling during generation, padded"]
+    x, mask = left_padded(lengths, max(lengths), seed=5)
+    ref = _generate(tiny_mistral(), x, mask, new)
+    model = tiny_mistral()
+    enable(model, SparseAttnConfig())
+    config = CompileConfig(backend="inductor", fullgraph=True, mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    got = _generate(model, x, mask, new, config)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_patterns_placed_by_position_refuse_a_rolled_buffer_read_while_traced():
+    """A streaming layer (sinks: keys placed from token 0) cannot run on a buffer that dropped its first keys. Its
+    call leaves the trace for the eager attention function with the traced key states, which name no offset but
+    mark the keys SHIFTED: refused by name once the buffer rolls, as the uncompiled generate refuses it."""
+    model = tiny_mistral()
+    enable(model, SparseAttnConfig(per_layer={1: ("streaming", {"window": 8, "num_sink": 4, **BLOCK})}))
+    graphs = []
+    config = _counting_config(graphs)
+    config.fullgraph = False  # the streaming layer breaks the graph
+    torch._dynamo.reset()
+    with pytest.raises(NotImplementedError, match=r"streaming\(.*holds only its last 20 keys"):
+        _generate(model, ids(length=10), None, 15, config)
+
+
+def _states(mask_function, batch=3, padding=None, q_offset=25, kv_offset=6):
+    """The traced mask's answer for one decoding step of a rolled 20-slot buffer (query at position q_offset, keys
+    from kv_offset), computed outside a trace."""
+    handled, states = _traced.mask(batch, 1, WINDOW, q_offset, kv_offset, mask_function, padding, "cpu",
+                                   {"local_size": WINDOW, "allow_is_causal_skip": False, "use_vmap": False})
+    assert handled
+    return states
+
+
+def test_the_traced_mask_marks_a_rolled_buffer_shifted_and_refuses_other_mask_functions():
+    """The window's own mask function: SHIFTED at real keys once the buffer dropped keys (REAL before), 0 at
+    padding. A narrower window, or a function that drops a batch row, is not the causal mask over the buffer: its
+    rows are REFUSED, which the traced attention fills with NaN (row_spans) and the host refuses by name
+    (from_padding)."""
+    plain = sliding_window_causal_mask_function(WINDOW)
+    padding = torch.ones(3, 26, dtype=torch.bool)
+    padding[1, :9] = False  # row 1: padding up to token 8, so slots 0..2 of keys 6..25
+    states = _states(plain, padding=padding)
+    want = torch.full((3, WINDOW), _unpad.SHIFTED, dtype=torch.int8)
+    want[1, :3] = 0
+    assert torch.equal(states, want)
+    before = _states(plain, q_offset=12, kv_offset=0)  # keys from token 0, query at slot 12: later slots unwritten
+    assert before[0, :13].eq(_unpad.REAL).all() and before[0, 13:].eq(_unpad.UNWRITTEN).all()
+    assert _unpad.from_padding(states, 1) is not None and _unpad.shifted(states) and not _unpad.shifted(before)
+
+    narrower = _states(sliding_window_causal_mask_function(5))
+    assert narrower.eq(_unpad.REFUSED).all()
+    not_row_1 = _states(and_masks(plain, lambda b, h, q, k: b != 1))
+    assert not_row_1[1].eq(_unpad.REFUSED).all() and not_row_1[[0, 2]].eq(_unpad.SHIFTED).all()
+    spans, drop, fill = _unpad.row_spans(not_row_1, 1, torch.float32)
+    assert fill[:, 0, 0].isnan().tolist() == [False, True, False] and drop[1].all()
+    with pytest.raises(NotImplementedError, match="row 1 was made by a sliding-window mask function that allows "
+                                                  "other keys"):
+        _unpad.from_padding(not_row_1, 1)
+
+
+def test_the_eager_mask_gives_key_states_only_at_steps_transformers_replays():
+    """Eagerly, a rolled buffer's decoding step gets SHIFTED key states registered with its offset where transformers
+    asks a mask it can replay (allow_is_causal_skip False: a compileable cache, one query), so that its compiled step
+    reads them; a dynamic cache's step keeps the one-element band marker (no host read of a mask in the attention)."""
+    kwargs = {"q_offset": 25, "kv_offset": 6, "mask_function": sliding_window_causal_mask_function(WINDOW),
+              "local_size": WINDOW}
+    marker = sat.sparse_attn_mask(2, 1, WINDOW, **kwargs)
+    assert marker.untyped_storage().nbytes() == 1 and sat._key_offset(marker) == 6
+    states = sat.sparse_attn_mask(2, 1, WINDOW, allow_is_causal_skip=False, **kwargs)
+    assert states.dtype == torch.int8 and states.eq(_unpad.SHIFTED).all() and sat._key_offset(states) == 6
+    sat.check_mask(states, 1, WINDOW, True, WINDOW)
+
+
+def test_a_padding_mask_given_back_is_not_cut_twice():
+    """call_padding cuts a whole sequence's mask at kv_offset and keeps one that is already the call's keys (as wide
+    as kv_length while kv_offset > 0: the interface's own answer, which the model makes its masks again from)."""
+    whole = torch.arange(30)[None, :] >= 4  # 4 padding tokens, then real ones
+    cut = _unpad.call_padding(whole, 20, 10)
+    assert torch.equal(cut, whole[:, 10:30])
+    assert _unpad.call_padding(cut, 20, 10) is cut
+    assert torch.equal(_unpad.call_padding(whole[:, :26], 20, 0), whole[:, :20])
