@@ -102,6 +102,10 @@ def forward(cfg, module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     if any(kwargs.get(name) is not None for name in (*t.UNSUPPORTED_KWARGS, "cu_seq_lens_q", "cu_seq_lens_k")):
         return None
     lq, lk = query.shape[2], key.shape[2]
+    if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4:
+        attention_mask = _unpad.key_states_of(attention_mask)  # a sliding-window step's key states, else None
+        if attention_mask is None:
+            return None
     if attention_mask is not None and not (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2
                                            and attention_mask.shape[1] == lk
                                            and not attention_mask.is_floating_point()):

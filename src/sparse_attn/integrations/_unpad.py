@@ -293,11 +293,25 @@ def call_padding(attention_mask: torch.Tensor, kv_length: int, kv_offset) -> tor
     return prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
 
 
+def key_states_of(mask) -> torch.Tensor | None:
+    """The ``[B, Lk]`` key states ``mask`` holds: itself for a 2-D int8 mask, the ``[B, 1, 1, Lk]`` int8 container
+    the mask interface gives a sliding-window layer's replayed step viewed as ``[B, Lk]`` (4-D, so that the model's
+    own mask call passes it through: made again from a 2-D mask it would read the cache's offsets, Python ints,
+    into the compiled step, which then records a CUDA graph at every step); None for any other mask."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int8:
+        return None
+    if mask.dim() == 2:
+        return mask
+    if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
+        return mask[:, 0, 0]
+    return None
+
+
 def shifted(mask) -> bool:
     """Whether ``mask`` holds key states of a buffer that dropped its first keys (:data:`SHIFTED`). A host read,
     for masks the registry does not know (made while traced, or copied)."""
-    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.int8 and mask.dim() == 2
-            and bool((mask == SHIFTED).any()))
+    states = key_states_of(mask)
+    return states is not None and bool((states == SHIFTED).any())
 
 
 def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:

@@ -548,7 +548,8 @@ def _mask_packing(mask: torch.Tensor, lq: int, lk: int) -> _unpad.Packing | None
     for ref, bounds in _PACKED:
         if ref() is mask:
             return _unpad.from_segments(bounds, lq)
-    if mask.dim() == 2:  # a padding mask: ours (the mask interface's) or one a model passes as it is
+    mask = _unpad.key_states_of(mask) if mask.dim() == 4 else mask  # key states in their 4-D container
+    if mask is not None and mask.dim() == 2:  # a padding mask: ours (the mask interface's) or one a model passes
         if mask.shape[1] != lk:
             raise NotImplementedError(f"sparse_attn: got a [B, Lk] padding mask of shape {tuple(mask.shape)} for "
                                       f"kv_len={lk}")
@@ -643,8 +644,8 @@ def check_mask(mask: torch.Tensor, lq: int, lk: int, causal: bool, window: int |
         raise NotImplementedError(f"sparse_attn: attention masks of type {type(mask).__name__} are not supported")
     if _check_band(mask, lq, lk, causal, window):
         return
-    if mask.dim() == 2:  # a raw [B, Lk] padding mask: the attention function runs the rows' real tokens
-        return
+    if mask.dim() == 2 or _unpad.key_states_of(mask) is not None:
+        return  # a raw [B, Lk] padding mask, or key states: the attention function runs the rows' real tokens
     _CHECKED.get(mask, (tuple(mask.shape), lq, lk, causal, window),
                  lambda: _check_materialised(mask, lq, lk, causal, window))
 
@@ -741,9 +742,9 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         return attention_mask
     # A step transformers asks a mask it can replay for (a compileable cache, one query) gets key states on a
     # sliding-window buffer its window holds whole, rolled (keys from kv_offset > 0: SHIFTED keeps the dropped keys
-    # known) or not (also when the buffer is exactly full): what its traced mask gives (_traced), which a compiled
-    # step reads on the device, and one kind of mask at every step (a None at one step was one more graph). Elsewhere
-    # a rolled buffer keeps its band or padding marker (below), with no second look at its mask function.
+    # known) or not (also when the buffer is exactly full): a compiled step reads them on the device, and gets one
+    # kind of mask at every step (a None at one step was one more graph). Elsewhere a rolled buffer keeps its band or
+    # padding marker (below), with no second look at its mask function.
     replayable = not kwargs.get("allow_is_causal_skip", True)
     if (not int(kv_offset) or replayable) and _window_holds_every_key(batch_size, q_length, q_end, q_offset,
                                                                       kv_offset, mask_function, kwargs):
@@ -751,7 +752,9 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
             padding = None if attention_mask is None else _unpad.call_padding(attention_mask, kv_length, kv_offset)
             states = _unpad.key_states(padding, batch_size, kv_length, q_end, padding.device if padding is not None
                                        else kwargs.get("device") or "cpu", shifted=bool(kv_offset))
-            return _registered(states, (q_length, kv_length, kwargs.get("local_size"), int(kv_offset), True))
+            # in the 4-D container (_unpad.key_states_of), which the model's own mask call passes through
+            return _registered(states[:, None, None], (q_length, kv_length, kwargs.get("local_size"), int(kv_offset),
+                                                       True))
         mask_function = causal_mask_function
     # a causal mask lines queries up with the end of the keys; a bidirectional one (encoders,
     # cross-attention over encoder states) has no such alignment to keep. A static cache's key buffer runs
