@@ -191,6 +191,24 @@ def _compile_config():
     return config
 
 
+def test_compiled_static_decoding_compiles_no_more_graphs_than_sdpa():
+    """The last step of a static generate() fills the buffer exactly (max_cache_len = prompt + new tokens - 1), where
+    the mask interface returned None (no unwritten slot, no padding) instead of key states: a new kind of graph
+    input, so dynamo compiled the step again for the last token (two graphs, sdpa's one). A replayed step now gets
+    key states at every step."""
+    from test_traced_sliding_window import compiled_generation
+    x = left_padded([30, 21, 9], 30)[0][:1]  # one prompt: no padding, so only the unwritten slots make a mask
+    counts = []
+    for attn in ("sdpa", "sparse_attn"):
+        model = tiny_llama(layers=2)
+        if attn == "sdpa":
+            model.set_attn_implementation("sdpa")
+        else:
+            enable(model, SparseAttnConfig())
+        counts.append(len(compiled_generation(model, x, None, 6)[0]))
+    assert counts[1] <= counts[0], counts
+
+
 @pytest.mark.parametrize("pattern,kwargs", [("dense", {}), ("streaming", {"window": 8, "num_sink": 2}),
                                             ("local", {"window": 5})])
 def test_compiled_static_decoding_traces_whole_and_matches_eager(pattern, kwargs):

@@ -30,7 +30,7 @@ def _generate(model, x, mask, new, compile_config=None):
         return model.generate(x, compile_config=compile_config, **gen)
 
 
-def _counting_config(graphs: list):
+def counting_compile_config(graphs: list):
     """A CompileConfig that fails on any graph break (fullgraph) and appends to ``graphs`` how many times each graph
     dynamo compiles reads its non-tensor inputs (the cache's Python-int lengths)."""
     from transformers import CompileConfig
@@ -53,12 +53,12 @@ CASES = {  # name: (prompt lengths (left-padded) or one unpadded prompt's, new t
 }
 
 
-def _graphs(model, x, mask, new) -> tuple[list, object]:
+def compiled_generation(model, x, mask, new) -> tuple[list, object]:
     """(each compiled graph's reads of its int inputs, output) of a compiled static generation, from a fresh dynamo
     state."""
     graphs = []
     torch._dynamo.reset()
-    out = _generate(model, x, mask, new, _counting_config(graphs))
+    out = _generate(model, x, mask, new, counting_compile_config(graphs))
     assert hasattr(model, "_compiled_call")
     return graphs, out
 
@@ -77,10 +77,41 @@ def test_compiled_static_generation_on_sliding_window_layers_traces_whole(case):
     ref = _generate(tiny_mistral(), x, mask, new)
     sdpa = tiny_mistral()
     sdpa.set_attn_implementation("sdpa")
-    sdpa_graphs, _ = _graphs(sdpa, x, mask, new)
+    sdpa_graphs, _ = compiled_generation(sdpa, x, mask, new)
     model = tiny_mistral()
     enable(model, SparseAttnConfig())
-    graphs, got = _graphs(model, x, mask, new)
+    graphs, got = compiled_generation(model, x, mask, new)
+    assert 1 <= len(graphs) <= len(sdpa_graphs) and sum(graphs) <= sum(sdpa_graphs), (graphs, sdpa_graphs)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def tiny_gemma3(attn="eager"):
+    """A tiny Gemma 3 text model: sliding-window and full-attention layers mixed (generate() makes one mask per layer
+    type, which the model takes as they are: no second mask call of its own, unlike Mistral)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                           max_position_embeddings=512, attn_implementation=attn, pad_token_id=0,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                        "sliding_attention"])
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("lengths,new", [([10, 7, 4], 16), ([30], 6)])
+def test_a_model_of_mixed_layers_traces_whole_too(lengths, new):
+    """Gemma 3's mixed layers, rolling during generation (padded) and rolled from the prompt (one prompt): traced
+    whole, no more graphs than sdpa's, eager attention's tokens and logits."""
+    x, mask = left_padded(lengths, max(lengths), seed=5)
+    if len(lengths) == 1:
+        mask = None
+    ref = _generate(tiny_gemma3(), x, mask, new)
+    sdpa_graphs, _ = compiled_generation(tiny_gemma3("sdpa"), x, mask, new)
+    model = tiny_gemma3()
+    enable(model, SparseAttnConfig())
+    graphs, got = compiled_generation(model, x, mask, new)
     assert 1 <= len(graphs) <= len(sdpa_graphs) and sum(graphs) <= sum(sdpa_graphs), (graphs, sdpa_graphs)
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.logits, ref.logits):
@@ -115,7 +146,7 @@ def test_patterns_placed_by_position_refuse_a_rolled_buffer_under_compile():
     model = tiny_mistral()
     enable(model, SparseAttnConfig(per_layer={1: ("streaming", {"window": 8, "num_sink": 4, **BLOCK})}))
     graphs = []
-    config = _counting_config(graphs)
+    config = counting_compile_config(graphs)
     config.fullgraph = False  # the streaming layer breaks the graph
     torch._dynamo.reset()
     with pytest.raises(NotImplementedError, match=r"streaming\(.*holds only keys 1\.\.20 \(the first 1 were"):

@@ -773,7 +773,9 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         padding = _unpad.call_padding(attention_mask, kv_length, kv_offset)
         if bool(padding.all()):
             padding = None
-    if static:  # key states: the slots after the last query are not written yet
+    # key states: the slots after the last query are not written yet; at a replayed step (above) key states even when
+    # the buffer is exactly full, so that the compiled step gets one kind of mask at every step (None was a recompile)
+    if static or (replayable and mask_function in (None, causal_mask_function)):
         device = padding.device if padding is not None else kwargs.get("device") or "cpu"
         states = _unpad.key_states(padding, batch_size, kv_length, q_end, device)
         return _registered(states, (q_length, kv_length, None, int(kv_offset), True))
