@@ -191,12 +191,35 @@ def _compile_config():
     return config
 
 
+def counting_compile_config(graphs: list):
+    """A CompileConfig that fails on any graph break (fullgraph) and appends to ``graphs`` how many times each graph
+    dynamo compiles reads its non-tensor inputs (the cache's Python-int lengths)."""
+    from transformers import CompileConfig
+
+    def backend(gm, example_inputs, **options):  # (transformers passes mode="reduce-overhead")
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        graphs.append(sum(len(n.users) for n, x in zip(inputs, example_inputs) if not isinstance(x, torch.Tensor)))
+        return gm.forward
+    config = CompileConfig(backend=backend, fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles by itself only on accelerators
+    return config
+
+
+def compiled_generation(model, x, mask, new) -> tuple[list, object]:
+    """(each compiled graph's reads of its int inputs, output) of a compiled static generation, from a fresh dynamo
+    state."""
+    graphs = []
+    torch._dynamo.reset()
+    out = _generate(model, x, mask, counting_compile_config(graphs), new)
+    assert hasattr(model, "_compiled_call")
+    return graphs, out
+
+
 def test_compiled_static_decoding_compiles_no_more_graphs_than_sdpa():
     """The last step of a static generate() fills the buffer exactly (max_cache_len = prompt + new tokens - 1), where
     the mask interface returned None (no unwritten slot, no padding) instead of key states: a new kind of graph
     input, so dynamo compiled the step again for the last token (two graphs, sdpa's one). A replayed step now gets
     key states at every step."""
-    from test_traced_sliding_window import compiled_generation
     x = left_padded([30, 21, 9], 30)[0][:1]  # one prompt: no padding, so only the unwritten slots make a mask
     counts = []
     for attn in ("sdpa", "sparse_attn"):

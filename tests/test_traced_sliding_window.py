@@ -13,35 +13,13 @@ from sparse_attn.integrations import _traced, _unpad
 transformers = pytest.importorskip("transformers")
 from test_transformers_integration import BLOCK, ids, tiny_mistral  # noqa: E402
 from test_transformers_padding import left_padded  # noqa: E402
+from test_traced_integration import _generate, compiled_generation, counting_compile_config  # noqa: E402
 from transformers.masking_utils import and_masks, sliding_window_causal_mask_function  # noqa: E402
 
 from sparse_attn.integrations import transformers as sat  # noqa: E402
 from sparse_attn.integrations.transformers import SparseAttnConfig, enable  # noqa: E402
 
 WINDOW = 20  # tiny_mistral's sliding window: its static cache keeps 20 slots
-
-
-def _generate(model, x, mask, new, compile_config=None):
-    gen = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
-           "cache_implementation": "static", "output_logits": True, "return_dict_in_generate": True}
-    with torch.no_grad():
-        if compile_config is None:
-            return model.generate(x, disable_compile=True, **gen)
-        return model.generate(x, compile_config=compile_config, **gen)
-
-
-def counting_compile_config(graphs: list):
-    """A CompileConfig that fails on any graph break (fullgraph) and appends to ``graphs`` how many times each graph
-    dynamo compiles reads its non-tensor inputs (the cache's Python-int lengths)."""
-    from transformers import CompileConfig
-
-    def backend(gm, example_inputs, **options):  # (transformers passes mode="reduce-overhead")
-        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        graphs.append(sum(len(n.users) for n, x in zip(inputs, example_inputs) if not isinstance(x, torch.Tensor)))
-        return gm.forward
-    config = CompileConfig(backend=backend, fullgraph=True)
-    config._compile_all_devices = True  # transformers compiles by itself only on accelerators
-    return config
 
 
 CASES = {  # name: (prompt lengths (left-padded) or one unpadded prompt's, new tokens)
@@ -51,16 +29,6 @@ CASES = {  # name: (prompt lengths (left-padded) or one unpadded prompt's, new t
     "rolled, one prompt": ([30], 6),
     "rolling during generation, padded": ([10, 7, 4], 16),
 }
-
-
-def compiled_generation(model, x, mask, new) -> tuple[list, object]:
-    """(each compiled graph's reads of its int inputs, output) of a compiled static generation, from a fresh dynamo
-    state."""
-    graphs = []
-    torch._dynamo.reset()
-    out = _generate(model, x, mask, new, counting_compile_config(graphs))
-    assert hasattr(model, "_compiled_call")
-    return graphs, out
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -74,11 +42,18 @@ def test_compiled_static_generation_on_sliding_window_layers_traces_whole(case):
     x, mask = left_padded(lengths, max(lengths), seed=5)
     if len(lengths) == 1:
         x, mask = ids(length=lengths[0]), None
-    ref = _generate(tiny_mistral(), x, mask, new)
-    sdpa = tiny_mistral()
+    traced_like_eager_and_sdpa(tiny_mistral, x, mask, new)
+
+
+def traced_like_eager_and_sdpa(build, x, mask, new: int) -> None:
+    """Compiled static generation through sparse_attn of the model ``build()`` makes (transformers' eager attention)
+    against the same model uncompiled on eager attention (equal tokens, logits within 1e-5), and compiled on sdpa: no
+    more graphs, none reading the cache's ints more often."""
+    ref = _generate(build(), x, mask, new=new)
+    sdpa = build()
     sdpa.set_attn_implementation("sdpa")
     sdpa_graphs, _ = compiled_generation(sdpa, x, mask, new)
-    model = tiny_mistral()
+    model = build()
     enable(model, SparseAttnConfig())
     graphs, got = compiled_generation(model, x, mask, new)
     assert 1 <= len(graphs) <= len(sdpa_graphs) and sum(graphs) <= sum(sdpa_graphs), (graphs, sdpa_graphs)
@@ -87,13 +62,13 @@ def test_compiled_static_generation_on_sliding_window_layers_traces_whole(case):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def tiny_gemma3(attn="eager"):
+def tiny_gemma3():
     """A tiny Gemma 3 text model: sliding-window and full-attention layers mixed (generate() makes one mask per layer
     type, which the model takes as they are: no second mask call of its own, unlike Mistral)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-                           max_position_embeddings=512, attn_implementation=attn, pad_token_id=0,
+                           max_position_embeddings=512, attn_implementation="eager", pad_token_id=0,
                            layer_types=["sliding_attention", "sliding_attention", "full_attention",
                                         "sliding_attention"])
     torch.manual_seed(0)
@@ -107,15 +82,7 @@ def test_a_model_of_mixed_layers_traces_whole_too(lengths, new):
     x, mask = left_padded(lengths, max(lengths), seed=5)
     if len(lengths) == 1:
         mask = None
-    ref = _generate(tiny_gemma3(), x, mask, new)
-    sdpa_graphs, _ = compiled_generation(tiny_gemma3("sdpa"), x, mask, new)
-    model = tiny_gemma3()
-    enable(model, SparseAttnConfig())
-    graphs, got = compiled_generation(model, x, mask, new)
-    assert 1 <= len(graphs) <= len(sdpa_graphs) and sum(graphs) <= sum(sdpa_graphs), (graphs, sdpa_graphs)
-    assert torch.equal(got.sequences, ref.sequences)
-    for a, b in zip(got.logits, ref.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    traced_like_eager_and_sdpa(tiny_gemma3, x, mask, new)
 
 
 def test_compiled_through_inductor_too():
@@ -125,13 +92,13 @@ def test_compiled_through_inductor_too():
     from transformers import CompileConfig
     lengths, new = CASES["rolling during generation, padded"]
     x, mask = left_padded(lengths, max(lengths), seed=5)
-    ref = _generate(tiny_mistral(), x, mask, new)
+    ref = _generate(tiny_mistral(), x, mask, new=new)
     model = tiny_mistral()
     enable(model, SparseAttnConfig())
     config = CompileConfig(backend="inductor", fullgraph=True, mode=None)
     config._compile_all_devices = True
     torch._dynamo.reset()
-    got = _generate(model, x, mask, new, config)
+    got = _generate(model, x, mask, config, new)
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.logits, ref.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -150,7 +117,7 @@ def test_patterns_placed_by_position_refuse_a_rolled_buffer_under_compile():
     config.fullgraph = False  # the streaming layer breaks the graph
     torch._dynamo.reset()
     with pytest.raises(NotImplementedError, match=r"streaming\(.*holds only keys 1\.\.20 \(the first 1 were"):
-        _generate(model, ids(length=10), None, 15, config)
+        _generate(model, ids(length=10), None, config, 15)
     layer = model.model.layers[1].self_attn
     q, k, v = (torch.randn(1, n, length, 16) for n, length in ((4, 1), (2, WINDOW), (2, WINDOW)))
     traced = _unpad.key_states(None, 1, WINDOW, WINDOW, "cpu", shifted=True)  # unregistered, as made traced
