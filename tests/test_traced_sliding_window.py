@@ -85,6 +85,35 @@ def test_a_model_of_mixed_layers_traces_whole_too(lengths, new):
     traced_like_eager_and_sdpa(tiny_gemma3, x, mask, new)
 
 
+def _family(name: str):
+    """A builder of a tiny model of another family with sliding-window layers: Qwen 2 (its first two layers sliding,
+    ``max_window_layers``), Phi 3 (all), Cohere 2 (three sliding, one full)."""
+    import transformers as tf
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, attn_implementation="eager", pad_token_id=0,
+                 sliding_window=WINDOW)
+    cls, cfg = {
+        "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(use_sliding_window=True, max_window_layers=2, **shape)),
+        "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(**shape)),
+        "cohere2": lambda: (tf.Cohere2ForCausalLM, tf.Cohere2Config(
+            head_dim=16, layer_types=["sliding_attention"] * 3 + ["full_attention"], **shape)),
+    }[name]()
+
+    def build():
+        torch.manual_seed(0)
+        return cls(cfg).eval()
+    return build
+
+
+@pytest.mark.parametrize("name", ["qwen2", "phi3", "cohere2"])
+def test_other_families_with_sliding_window_layers_trace_whole_too(name):
+    """Rolling during generation, padded, on three more families: traced whole, no more graphs than sdpa's, eager
+    attention's tokens and logits."""
+    lengths, new = CASES["rolling during generation, padded"]
+    x, mask = left_padded(lengths, max(lengths), seed=5)
+    traced_like_eager_and_sdpa(_family(name), x, mask, new)
+
+
 def test_compiled_through_inductor_too():
     """The same case rolling during generation through inductor (the GPU's backend, on the CPU here, without CUDA
     graphs): a first version compared two bool tensors with != in the traced mask, which Dynamo's eager backend runs
@@ -125,6 +154,39 @@ def test_patterns_placed_by_position_refuse_a_rolled_buffer_under_compile():
         sat.sparse_attention_forward(layer, q, k, v, traced, scaling=0.25, sliding_window=WINDOW)
     sat.sparse_attention_forward(model.model.layers[0].self_attn, q, k, v, traced, scaling=0.25,
                                  sliding_window=WINDOW)  # a dense layer runs it
+
+
+def _decode_by_hand(model, x, mask, steps: int, compiled: bool) -> torch.Tensor:
+    """Greedy decoding with a StaticCache passed by hand and a growing 2-D mask, the decoding forward compiled
+    (fullgraph, Dynamo's eager backend) or not: the model then makes its masks inside the graph, from the 2-D mask.
+    Each step's last logits ``[steps, B, vocab]``."""
+    from transformers import StaticCache
+    cache = StaticCache(config=model.config, max_cache_len=x.shape[1] + steps)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    forward = torch.compile(model, fullgraph=True, backend="eager") if compiled else model
+    logits = []
+    with torch.no_grad():
+        out = model(x, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            pos = pos[:, -1:] + 1
+            out = forward(token, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("lengths,steps", [([22, 10, 21], 4), ([10, 7, 4], 14)])
+def test_a_decoding_forward_compiled_by_hand_traces_its_sliding_mask(lengths, steps):
+    """A model compiled by hand, fed a growing 2-D padding mask, makes its sliding-window masks inside the graph: the
+    traced mask serves them (_traced._sliding_window; without it the mask breaks the graph), on a rolled buffer and
+    rolling during the steps, with eager attention's logits."""
+    x, mask = left_padded(lengths, max(lengths), seed=5)
+    want = _decode_by_hand(tiny_mistral(), x, mask, steps, compiled=False)
+    model = tiny_mistral()
+    enable(model, SparseAttnConfig())
+    torch._dynamo.reset()
+    torch.testing.assert_close(_decode_by_hand(model, x, mask, steps, compiled=True), want, atol=1e-5, rtol=1e-5)
 
 
 def _states(mask_function, batch=3, padding=None, q_offset=25, kv_offset=6):
