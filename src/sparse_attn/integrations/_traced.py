@@ -60,9 +60,11 @@ def _sliding_window(batch_size: int, q_length: int, kv_length: int, q_offset, kv
     """The traced mask of a causal sliding-window layer of a cache: key states (:func:`_unpad.key_states`,
     :data:`_unpad.SHIFTED` once the buffer dropped keys) when the window, ``local_size`` keys, holds every key of the
     buffer, so that the mask is the causal one over it. That is a decoding step's on transformers'
-    ``StaticSlidingWindowLayer`` (``local_size`` slots, or fewer, filled from token 0 and then rolled), which
+    ``StaticSlidingWindowLayer`` (``local_size`` slots, or fewer, filled from token 0 and then rolled), whose mask
     otherwise broke the graph at every step (and, its offsets read on the host, compiled the step again at every
-    step). Taken where transformers' causal sliding-window mask is made without extra mask functions (no
+    step). generate() makes a replayed step's masks outside the graph (the eager interface's 4-D key states, which
+    models pass through), so this serves masks made inside it: a decoding forward compiled by hand, fed a 2-D mask
+    (the cache's int offsets are then values in the graph). Taken where transformers' causal sliding-window mask is made without extra mask functions (no
     ``allow_is_bidirectional_skip``, ``use_vmap`` off) and queries do not equal keys from token 0 (packed
     sequences, which are made so, run eagerly). The mask function is still evaluated over the call (a few small
     kernels once a step): rows where it allows other keys than the causal ones are :data:`_unpad.REFUSED` (NaN
