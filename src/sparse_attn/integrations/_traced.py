@@ -33,11 +33,7 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset, ma
     """(handled, what the mask interface returns) for a traced call: handled for a causal or bidirectional mask
     function over keys from token 0, and for a causal sliding window whose window holds the whole buffer
     (:func:`_sliding_window`)."""
-    from transformers.masking_utils import (
-        bidirectional_mask_function,
-        causal_mask_function,
-        prepare_padding_mask,
-    )
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
     causal = mask_function is None or mask_function is causal_mask_function
     if not (causal or mask_function is bidirectional_mask_function):
         return _sliding_window(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
@@ -49,7 +45,7 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset, ma
     ends_at_keys = not causal or (not isinstance(q_offset, Tensor) and q_offset + q_length == kv_length)
     if attention_mask is None and ends_at_keys:
         return True, None  # plain: sparse_attn applies causal itself
-    padding = None if attention_mask is None else prepare_padding_mask(attention_mask, kv_length, 0)[:, :kv_length]
+    padding = None if attention_mask is None else _unpad.call_padding(attention_mask, kv_length, 0)
     device = device or (attention_mask.device if attention_mask is not None else "cpu")
     q_end = kv_length if ends_at_keys else q_offset + q_length
     return True, _unpad.key_states(padding, batch_size, kv_length, q_end, device)
