@@ -4,6 +4,7 @@ one process, and where a decoding step's host time goes (cProfile, top functions
     python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--num-sink 64] [--rounds 3]
         [--prompts padded|one] [--no-profile] [--cache dynamic|static] [--impls dense,banded,sdpa]
         [--layers 4] [--hidden 2048] [--kv-heads 0] [--scale 1] [--sliding-window 0]
+        [--profile-sort tottime|cumtime] [--profile-filter REGEX] [--profile-lines 25] [--replay-ab]
 
 ``--num-sink S`` runs ``streaming`` (window + S sinks) instead of ``local``. ``--cache static`` passes
 ``cache_implementation="static"``, with which transformers compiles the decoding step by itself on CUDA (inductor,
@@ -64,6 +65,12 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=0)
     ap.add_argument("--scale", type=int, default=1)
     ap.add_argument("--sliding-window", type=int, default=0)
+    ap.add_argument("--profile-sort", choices=("tottime", "cumtime"), default="tottime")
+    ap.add_argument("--profile-filter", default="", help="only functions whose file:line(name) matches this regex")
+    ap.add_argument("--profile-lines", type=int, default=25)
+    ap.add_argument("--replay-ab", action="store_true",
+                    help="also time each sparse_attn model with ops.block_sparse.replay off (NAME-noreplay), "
+                         "alternated with the others in each round")
     args = ap.parse_args()
     x, mask = padded_inputs(args.scale)
     if args.prompts == "one":  # the longest prompt, no padding
@@ -84,19 +91,25 @@ def main() -> None:
     static = {"cache_implementation": "static"} if args.cache == "static" else {}
     gen = lambda m, n=64: m.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                      **static)
-    times: dict = {name: {"generate": [], "prefill": []} for name in models}
+    from sparse_attn.ops.block_sparse import replay
+    runs = [(name, m, True) for name, m in models.items()]
+    if args.replay_ab:
+        runs += [(name + "-noreplay", m, False) for name, m in models.items() if name != "sdpa"]
+    times: dict = {name: {"generate": [], "prefill": []} for name, _, _ in runs}
     with torch.no_grad():
         for m in models.values():
             gen(m)
             if static:
                 gen(m, 1)
         for _ in range(args.rounds):
-            for name, m in models.items():
+            for name, m, replayed in runs:
+                replay.ENABLED = replayed
                 times[name]["generate"].append(_ms(lambda m=m: gen(m)))
                 if static:  # one generated token: the prefill alone (its logits give the token)
                     times[name]["prefill"].append(_ms(lambda m=m: gen(m, 1)))
                 else:
                     times[name]["prefill"].append(_ms(lambda m=m: m(x, attention_mask=mask, use_cache=True)))
+        replay.ENABLED = True
         profiles = {}
         for name, m in ({} if args.no_profile else models).items():
             pr = cProfile.Profile()
@@ -104,7 +117,8 @@ def main() -> None:
             gen(m)
             pr.disable()
             buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+            restrictions = [args.profile_filter] if args.profile_filter else []
+            pstats.Stats(pr, stream=buf).sort_stats(args.profile_sort).print_stats(*restrictions, args.profile_lines)
             profiles[name] = buf.getvalue()
     rows = []
     for name, t in times.items():
@@ -113,7 +127,7 @@ def main() -> None:
                      "decode_ms_per_token": round((g - p) / 63, 3), "rounds": t})
         print(rows[-1]["impl"], rows[-1]["generate_ms"], rows[-1]["prefill_ms"], rows[-1]["decode_ms_per_token"])
     for name, text in profiles.items():
-        print(f"===== {name}\n" + "\n".join(text.splitlines()[:45]))
+        print(f"===== {name}\n" + "\n".join(text.splitlines()[:args.profile_lines + 20]))
     with open(args.out, "w") as f:
         header = make_header("cuda", "hf-decode-ab", transformers=transformers.__version__, prompts=args.prompts,
                              window=args.window, num_sink=args.num_sink, cache=args.cache, layers=args.layers,

@@ -13,6 +13,10 @@ Cases (32 query heads, head dim 128, bf16, no grad):
   lengths every call, so the plan is cached: the call's own cost); ``varlen-decode-growing``: the same
   with every cache one token longer each call (continuous batching); ``-host-offsets``: both with
   ``cu_seqlens`` given on the CPU (no sync to read them);
+- ``padded-decode``: one layer's decoding step of a left-padded batch as the transformers integration runs it
+  (``integrations._unpad.in_place``: 8 rows, real lengths 513-4097 in a 4097-key cache, the batch's Packing found
+  once a forward and shared by its layers, so built once here); ``sdpa-padded-decode`` what transformers' sdpa does
+  there (K/V repeated for the grouped heads, a bool mask);
 - ``sdpa-decode`` / ``sdpa-prefill-1k``: torch's scaled_dot_product_attention on the same inputs.
 Per case: ``host_us``, the host clock around each call (median of CALLS, after WARMUP calls; the stream
 is synchronized every 50 calls so the launch queue never fills, which would make the host wait);
@@ -22,6 +26,7 @@ cProfile's top functions (by own time and by cumulative time) over PROFILE_CALLS
 cases. ``decode-no-launch``: ``decode`` with Triton's launches made no-ops (our own Python; since
 ops.fast_launch keeps no kernel from a no-op launch, there it also pays the launch key every call);
 ``decode-launch.forward``: launch.forward on ``decode``'s prepared arguments (no API, no autograd).
+``--ab-replay``: each case's host_us with ops.block_sparse.replay off and on, alternated in one process.
 Also ``launch-empty`` / ``launch-empty-1-arg``: Triton kernels with 30 arguments / 1 and no work,
 Triton's own launch cost.
 """
@@ -103,7 +108,10 @@ def _cases():
     rows = layout_inputs(layout, False)
     fwd_args = (qd, kd, vd, *rows[:6], *rows[-2:], None, None, 128, 128, D ** -0.5, 1, 32768)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    padded = _padded_decode(dev, dt)
     return {
+        "padded-decode": padded["ours"],
+        "sdpa-padded-decode": padded["sdpa"],
         "decode": decode,
         "decode-growing": decode_growing,
         "decode-no-launch": lambda: _launches_skipped(decode),
@@ -121,6 +129,25 @@ def _cases():
         "launch-empty": lambda: _empty_kernel[(1,)](*ptrs, *range(14), C0=1, C1=2),
         "launch-empty-1-arg": lambda: _empty_kernel_1[(1,)](ptrs[0]),
     }
+
+
+def _padded_decode(dev, dt) -> dict:
+    """The padded-decode cases' calls (see the module docstring)."""
+    from sparse_attn.integrations import _unpad
+    lengths = [4096, 3500, 3000, 2500, 2000, 1500, 1000, 512]
+    lk = max(lengths) + 1  # the prompts and one generated token
+    mask = torch.zeros(len(lengths), lk, dtype=torch.bool, device=dev)
+    for row, n in enumerate(lengths):
+        mask[row, lk - n - 1:] = True  # left padding
+    packing = _unpad.from_padding(mask, 1)
+    q = torch.randn(len(lengths), H, 1, D, device=dev, dtype=dt)
+    k, v = (torch.randn(len(lengths), HKV, lk, D, device=dev, dtype=dt) for _ in range(2))
+    sdpa_mask = mask[:, None, None, :]
+
+    def sdpa_layer():  # transformers' sdpa_attention_forward with a mask: repeat_kv, then SDPA
+        kr, vr = (t[:, :, None].expand(-1, -1, H // HKV, -1, -1).reshape(len(lengths), H, lk, D) for t in (k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=sdpa_mask).transpose(1, 2)
+    return {"ours": lambda: _unpad.in_place(packing, q, k, v, causal=True), "sdpa": sdpa_layer}
 
 
 def _launches_skipped(fn):
@@ -185,11 +212,28 @@ def profile_text(fn, name: str) -> str:
     return out.getvalue()
 
 
+def _replay_ab(name: str, fn, rounds: int = 3) -> dict:
+    """host_us of ``fn`` with replays off and on, alternated, ``rounds`` times each (one process, one host state)."""
+    from sparse_attn.ops.block_sparse import replay
+    times: dict = {"off": [], "on": []}
+    for _ in range(rounds):
+        for state in ("off", "on"):
+            replay.ENABLED = state == "on"
+            for _ in range(WARMUP):
+                fn()
+            times[state].append(round(host_us(fn), 2))
+    replay.ENABLED = True
+    return {"case": name, "host_us_replay_off": times["off"], "host_us_replay_on": times["on"],
+            "median_off": statistics.median(times["off"]), "median_on": statistics.median(times["on"])}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile")
     ap.add_argument("--cases", nargs="+")
+    ap.add_argument("--ab-replay", action="store_true",
+                    help="time each case with ops.block_sparse.replay off and on, alternated in ROUNDS rounds")
     a = ap.parse_args()
     cases = _cases()
     rows, texts = [], []
@@ -200,6 +244,10 @@ def main():
         for _ in range(GROW_STEPS if "growing" in name else WARMUP):
             fn()
         torch.cuda.synchronize()
+        if a.ab_replay:
+            rows.append(_replay_ab(name, fn))
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         row = {"case": name, "host_us": host_us(fn), "wall_us": wall_us(fn),
                "gpu_us": None if "no-launch" in name else gpu_us(fn)}
         print(json.dumps(row), flush=True)

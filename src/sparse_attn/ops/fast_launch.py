@@ -20,11 +20,17 @@ Triton's own specialization at first use, and turns the fast path off if it disa
 the key: Triton settings changed at run time (``knobs``' debug and instrumentation modes). With a
 launch-enter hook set (a profiler such as proton) every call takes Triton's path.
 ``SPARSE_ATTN_FAST_LAUNCH=0`` turns it off. A fast launch returns None (Triton's returns the kernel).
+
+:func:`recording` lists the fast launches made while it is open, each with everything its kernel's launcher was
+given, so that a caller can launch the same kernels again with other tensors (ops/block_sparse/replay.py); a launch
+that took Triton's path is listed as None.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -33,6 +39,38 @@ _BY_VALUE = frozenset((float, bool, str, type(None), torch.dtype))  # keyed by t
 _COVERED = _BY_VALUE | {int, torch.Tensor}  # exact types: a tensor subclass takes Triton's path
 _LAUNCHERS: dict = {}
 _checked: list = []  # [verdict of _matches_triton] once computed
+_recorder = threading.local()  # .launches: the open recording's list, or None
+
+
+class Launch:
+    """One fast launch as :func:`recording` lists it: the kept kernel's launcher, function handle and packed
+    metadata, the grid (three axes) and every argument in signature order."""
+    __slots__ = ("run", "function", "metadata", "grid", "values")
+
+    def __init__(self, run, function, metadata, grid: tuple, values: tuple):
+        self.run, self.function, self.metadata, self.grid, self.values = run, function, metadata, grid, values
+
+    def __call__(self, stream: int, values: tuple) -> None:
+        """Launch this kernel again on ``stream`` with ``values`` in place of the recorded arguments."""
+        self.run(*self.grid, stream, self.function, self.metadata, None, None, None, *values)
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields the list of the launches made through fast launchers on this thread while open (:class:`Launch`,
+    or None for one that took Triton's path: a first launch, hooks set, the fast path off)."""
+    outer = getattr(_recorder, "launches", None)
+    _recorder.launches = launches = []
+    try:
+        yield launches
+    finally:
+        _recorder.launches = outer
+
+
+def _record(launch) -> None:
+    launches = getattr(_recorder, "launches", None)
+    if launches is not None:
+        launches.append(launch)
 
 
 def launcher(fn):
@@ -131,11 +169,13 @@ class FastLauncher:
 
     def _launch(self, grid, *args, **kw):
         if not ENABLED or _hooked() or not _matches_triton():
+            _record(None)
             return self.fn[grid](*args, **kw)
         device = _device()
         key = call_key(args, kw, self.constexpr, device)
         kept = self.kernels.get(key) if key is not None else None
         if kept is None:
+            _record(None)
             kernel = self.fn[grid](*args, **kw)
             if key is not None and kernel is not None:
                 kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an async compile
@@ -147,7 +187,9 @@ class FastLauncher:
         if callable(grid):  # Triton hands a grid function the bound arguments by name
             grid = grid(dict(zip(self.names, values)))
         n = len(grid)
+        grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        if getattr(_recorder, "launches", None) is not None:
+            _recorder.launches.append(Launch(run, function, metadata, grid, values))
         # CompiledKernel.run's arguments as JITFunction.run passes them, without launch metadata or hooks
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), function, metadata, None,
-            None, None, *values)
+        run(*grid, _stream(device), function, metadata, None, None, None, *values)
         return None

@@ -1,0 +1,138 @@
+"""Replayed decoding launches (ops.block_sparse.replay) on the GPU: calls of one geometry after the second are
+launched from the recording with Triton's kept kernels, and give the bits of the path they skip; fresh random
+inputs each call, outputs NaN-poisoned memory first, one case held against the fp64 oracle (DESIGN.md rule 3)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparse_attn
+from sparse_attn import patterns
+from sparse_attn.integrations import _unpad
+from sparse_attn.ops.block_sparse import launch, replay
+from sparse_attn.testing import assert_close_to_oracle, capture_graph, oracle_attention, reference_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def _randn(g, *shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+
+def _padded(g, lengths, h, hkv, d):
+    """A left-padded decoding step as the transformers integration runs it: (packing, q, k, v)."""
+    lk = max(lengths) + 1
+    mask = torch.zeros(len(lengths), lk, dtype=torch.bool, device="cuda")
+    for row, n in enumerate(lengths):
+        mask[row, lk - n - 1:] = True
+    return (_unpad.from_padding(mask, 1), _randn(g, len(lengths), h, 1, d), _randn(g, len(lengths), hkv, lk, d),
+            _randn(g, len(lengths), hkv, lk, d))
+
+
+def _cases():
+    """name -> (inputs maker taking a generator, call on them)."""
+    k_lens = [40, 3000, 700, 12001]
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_q = torch.arange(len(k_lens) + 1, dtype=torch.int32, device="cuda")
+    local = sparse_attn.prepare(patterns.local(1, 4096, kv_len=20000, device="cuda"), backward=False)
+    return {
+        "decode GQA 32K": (lambda g: (_randn(g, 1, 32, 1, 128), _randn(g, 1, 8, 32768 + 77, 128),
+                                      _randn(g, 1, 8, 32768 + 77, 128)),
+                           lambda q, k, v: sparse_attn.attention(q, k, v, causal=True, return_lse=True)),
+        "decode MHA d64, 4 rows": (lambda g: (_randn(g, 3, 8, 4, 64, dtype=torch.float16),
+                                              _randn(g, 3, 8, 999, 64, dtype=torch.float16),
+                                              _randn(g, 3, 8, 999, 64, dtype=torch.float16)),
+                                   lambda q, k, v: sparse_attn.attention(q, k, v, causal=True, return_lse=True)),
+        "local layout": (lambda g: (_randn(g, 1, 16, 1, 128), _randn(g, 1, 4, 20000, 128),
+                                    _randn(g, 1, 4, 20000, 128)),
+                         lambda q, k, v: sparse_attn.attention(q, k, v, local, return_lse=True)),
+        "varlen decode": (lambda g: (_randn(g, len(k_lens), 32, 128), _randn(g, sum(k_lens), 8, 128),
+                                     _randn(g, sum(k_lens), 8, 128)),
+                          lambda q, k, v: sparse_attn.varlen_attention(q, k, v, cu_q, cu_k, 1, max(k_lens),
+                                                                       causal=True, return_lse=True)),
+        "padded step in place": (lambda g: _padded(g, [4096, 3500, 1000, 512, 2], 32, 8, 128),
+                                 lambda p, q, k, v: (_unpad.in_place(p, q, k, v, causal=True),)),
+        "padded step in place, streaming": (lambda g: _padded(g, [5000, 300, 2000], 16, 16, 128),
+                                            lambda p, q, k, v: (_unpad.in_place(p, q, k, v, causal=True, window=1024,
+                                                                                num_sink=64),)),
+    }
+
+
+def _unreplayed(fn):
+    saved = replay.ENABLED
+    replay.ENABLED = False
+    try:
+        return fn()
+    finally:
+        replay.ENABLED = saved
+
+
+def _poison():
+    """NaN in the caching allocator's free blocks of the sizes these calls allocate (its small and large pools), so
+    that an output a kernel fails to write shows."""
+    junk = [torch.full((n,), float("nan"), device="cuda") for n in (1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22)]
+    del junk
+
+
+@pytest.mark.parametrize("name", ["decode GQA 32K", "decode MHA d64, 4 rows", "local layout", "varlen decode",
+                                  "padded step in place", "padded step in place, streaming"])
+def test_replayed_decoding_calls_give_the_bits_of_the_path(monkeypatch, name):
+    make, call = _cases()[name]
+    replay.clear()
+    calls = {"path": 0}
+    real = launch._forward
+
+    def counted(*args, **kw):
+        calls["path"] += 1
+        return real(*args, **kw)
+    monkeypatch.setattr(launch, "_forward", counted)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for i in range(5):
+        inputs = make(g)
+        _poison()
+        before = calls["path"]
+        got = call(*inputs)
+        replayed = calls["path"] == before
+        _poison()
+        want = _unreplayed(lambda: call(*inputs))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (name, i)
+        assert replayed == (i >= 2), (name, i, "the third call on should replay, the first two not")
+    assert any(isinstance(r, replay.Recipe) for r in replay._kept.values())
+    replay.clear()
+
+
+def test_a_replayed_decoding_step_meets_the_oracle():
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = _randn(g, 2, 16, 1, 128), _randn(g, 2, 4, 5000, 128), _randn(g, 2, 4, 5000, 128)
+    replay.clear()
+    for _ in range(3):
+        out = sparse_attn.attention(q, k, v, causal=True)
+    assert any(isinstance(r, replay.Recipe) for r in replay._kept.values())
+    assert_close_to_oracle(out, reference_attention(q, k, v, causal=True), oracle_attention(q, k, v, causal=True))
+
+
+def test_a_replayed_call_captures_in_a_cuda_graph():
+    """Captured after its warm-up has recorded it, the call's graph replays the kept kernels on new inputs."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = _randn(g, 1, 32, 1, 128), _randn(g, 1, 8, 9000, 128), _randn(g, 1, 8, 9000, 128)
+    replay.clear()
+    graph, (out, lse) = capture_graph(lambda: sparse_attn.attention(q, k, v, causal=True, return_lse=True))
+    for seed in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g.manual_seed(100 + seed)).to(t.dtype))
+        graph.replay()
+        want = _unreplayed(lambda: sparse_attn.attention(q, k, v, causal=True, return_lse=True))
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), seed
+
+
+def test_replayed_calls_do_not_grow_memory():
+    g = torch.Generator(device="cuda").manual_seed(14)
+    packing, q, k, v = _padded(g, [4096, 3500, 1000, 512], 32, 8, 128)
+    for _ in range(3):
+        _unpad.in_place(packing, q, k, v, causal=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(20):
+        _unpad.in_place(packing, q, k, v, causal=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
