@@ -4,7 +4,7 @@ skips, and is not launched where anything that path reads has changed.
 On the CPU the kernels run in Triton's interpreter, where ops.fast_launch keeps no compiled kernel. A stand-in
 (``_Compiled``) gives it one: a JIT-function shim whose "compiled kernel" launcher runs the interpreted kernel on
 the arguments it is handed in signature order, exactly what a replay hands Triton's launcher on the GPU
-(tests/gpu/test_host_path_gpu.py runs the real one)."""
+(tests/gpu/test_replay_gpu.py runs the real one)."""
 from __future__ import annotations
 
 import inspect
@@ -23,6 +23,7 @@ from sparse_attn.ops.block_sparse import (
     replay,
     varlen_device_plan_op,
 )
+from sparse_attn.testing import count_forward_paths, without_replays
 
 interpreted = pytest.mark.skipif(not launch.INTERPRET, reason="the stand-in wraps Triton's interpreter")
 
@@ -69,25 +70,8 @@ def compiled(monkeypatch):
     monkeypatch.setattr(fast_launch, "ENABLED", True)
     monkeypatch.setattr(replay, "ENABLED", True)
     replay.clear()
-    calls = {"path": 0}
-    real = launch._forward
-
-    def counted(*args, **kw):
-        calls["path"] += 1
-        return real(*args, **kw)
-    monkeypatch.setattr(launch, "_forward", counted)
-    yield SimpleNamespace(calls=calls, shims=shims)
+    yield SimpleNamespace(calls=count_forward_paths(monkeypatch), shims=shims)
     replay.clear()
-
-
-def _unreplayed(fn):
-    """``fn()`` with replays off: the path a replay skips."""
-    saved = replay.ENABLED
-    replay.ENABLED = False
-    try:
-        return fn()
-    finally:
-        replay.ENABLED = saved
 
 
 def _cases():
@@ -135,7 +119,7 @@ def test_replayed_short_forwards_give_the_bits_of_the_path_they_skip(compiled, m
         inputs = make(g)
         fast_before, path_before = sum(s.fast for s in compiled.shims.values()), compiled.calls["path"]
         out, lse = call(*inputs)
-        want_out, want_lse = _unreplayed(lambda: call(*inputs))
+        want_out, want_lse = without_replays(lambda: call(*inputs))
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse), (name, split, i)
         if i >= 2:  # replayed: no pass through the path, its kernels launched from the recording
             (recipe,) = [r for r in replay._kept.values() if isinstance(r, replay.Recipe)]
@@ -201,7 +185,7 @@ def test_anything_the_path_reads_makes_another_key(compiled, monkeypatch, change
     path = compiled.calls["path"]
     out = call(q, k, v, cu_q, cu_k, scale, window)
     assert compiled.calls["path"] == path + 1, change
-    want = _unreplayed(lambda: call(q, k, v, cu_q, cu_k, scale, window))
+    want = without_replays(lambda: call(q, k, v, cu_q, cu_k, scale, window))
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), change
 
 
@@ -233,7 +217,7 @@ def test_an_incomplete_recording_is_never_replayed(monkeypatch):
     replay.clear()
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, n, 32, generator=g).half() for n in (1, 200, 200))
-    want = _unreplayed(lambda: device_plan_attention_op(q, k, v, True))
+    want = without_replays(lambda: device_plan_attention_op(q, k, v, True))
     for _ in range(3):
         assert torch.equal(device_plan_attention_op(q, k, v, True), want)
     assert list(replay._kept.values()) == [replay.NEVER]

@@ -233,6 +233,33 @@ def launch_settings(**values):
             setattr(launch, name, value)
 
 
+def without_replays(fn):
+    """``fn()`` with ops.block_sparse.replay off: the path a replayed launch skips (its reference)."""
+    from .ops.block_sparse import replay
+
+    saved = replay.ENABLED
+    replay.ENABLED = False
+    try:
+        return fn()
+    finally:
+        replay.ENABLED = saved
+
+
+def count_forward_paths(monkeypatch) -> dict:
+    """Counts the calls that take launch.forward's own path (not replayed) in ``counts["path"]`` from now on, through
+    pytest's ``monkeypatch`` (undone after the test)."""
+    from .ops.block_sparse import launch
+
+    counts = {"path": 0}
+    real = launch._forward
+
+    def counted(*args, **kw):
+        counts["path"] += 1
+        return real(*args, **kw)
+    monkeypatch.setattr(launch, "_forward", counted)
+    return counts
+
+
 @contextlib.contextmanager
 def deterministic_algorithms():
     """``torch.use_deterministic_algorithms(True, warn_only=True)`` inside the block; the caller's

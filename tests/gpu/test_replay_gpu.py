@@ -9,8 +9,15 @@ import torch
 import sparse_attn
 from sparse_attn import patterns
 from sparse_attn.integrations import _unpad
-from sparse_attn.ops.block_sparse import launch, replay
-from sparse_attn.testing import assert_close_to_oracle, capture_graph, oracle_attention, reference_attention
+from sparse_attn.ops.block_sparse import replay
+from sparse_attn.testing import (
+    assert_close_to_oracle,
+    capture_graph,
+    count_forward_paths,
+    oracle_attention,
+    reference_attention,
+    without_replays,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -58,15 +65,6 @@ def _cases():
     }
 
 
-def _unreplayed(fn):
-    saved = replay.ENABLED
-    replay.ENABLED = False
-    try:
-        return fn()
-    finally:
-        replay.ENABLED = saved
-
-
 def _poison():
     """NaN in the caching allocator's free blocks of the sizes these calls allocate (its small and large pools), so
     that an output a kernel fails to write shows."""
@@ -79,13 +77,7 @@ def _poison():
 def test_replayed_decoding_calls_give_the_bits_of_the_path(monkeypatch, name):
     make, call = _cases()[name]
     replay.clear()
-    calls = {"path": 0}
-    real = launch._forward
-
-    def counted(*args, **kw):
-        calls["path"] += 1
-        return real(*args, **kw)
-    monkeypatch.setattr(launch, "_forward", counted)
+    calls = count_forward_paths(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(11)
     for i in range(5):
         inputs = make(g)
@@ -94,7 +86,7 @@ def test_replayed_decoding_calls_give_the_bits_of_the_path(monkeypatch, name):
         got = call(*inputs)
         replayed = calls["path"] == before
         _poison()
-        want = _unreplayed(lambda: call(*inputs))
+        want = without_replays(lambda: call(*inputs))
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (name, i)
         assert replayed == (i >= 2), (name, i, "the third call on should replay, the first two not")
     assert any(isinstance(r, replay.Recipe) for r in replay._kept.values())
@@ -121,7 +113,7 @@ def test_a_replayed_call_captures_in_a_cuda_graph():
         for t in (q, k, v):
             t.copy_(torch.randn(t.shape, device="cuda", generator=g.manual_seed(100 + seed)).to(t.dtype))
         graph.replay()
-        want = _unreplayed(lambda: sparse_attn.attention(q, k, v, causal=True, return_lse=True))
+        want = without_replays(lambda: sparse_attn.attention(q, k, v, causal=True, return_lse=True))
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), seed
 
 
