@@ -80,9 +80,12 @@ def find(k: tuple):
 
 def _remember(k: tuple, value) -> None:
     _kept[k] = value
-    _kept.move_to_end(k)
-    while len(_kept) > MAX_KEPT:
-        _kept.popitem(last=False)
+    try:
+        _kept.move_to_end(k)
+        while len(_kept) > MAX_KEPT:
+            _kept.popitem(last=False)
+    except KeyError:  # another thread's call dropped an entry meanwhile
+        pass
 
 
 def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, result: tuple) -> None:
