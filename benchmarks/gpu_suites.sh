@@ -22,7 +22,7 @@ suites() {  # $1: shard name, rest: test files
 case "${1:-a}" in
   a) suites a tests/gpu/test_kernels_gpu.py tests/gpu/test_fuzz_gpu.py tests/gpu/test_kv_split_gpu.py \
        tests/gpu/test_device_plan_gpu.py \
-       tests/gpu/test_host_path_gpu.py
+       tests/gpu/test_host_path_gpu.py tests/gpu/test_replay_gpu.py
      # the GPU cases that live beside their CPU tests (meansim's kernels vs CPU, bench, integration)
      suites a-beside -m gpu tests/test_accuracy_cli.py tests/test_bench.py tests/test_predict.py \
        tests/test_predict_pack.py
