@@ -20,19 +20,20 @@ module's settings (``launch._replay_settings``) and the current device. A call w
 """
 from __future__ import annotations
 
-import collections
 import os
 from typing import NamedTuple
 
 import torch
 
+from ...plan_cache import PlanCache
 from .. import fast_launch
 
 ENABLED = os.environ.get("SPARSE_ATTN_REPLAY", "1") != "0"
 MAX_KEPT = 64  # geometries remembered (a growing cache makes one a step: each is used by that step's layers)
 SEEN = "seen"  # a geometry seen once, not recorded yet
 NEVER = "never"  # a geometry whose recording was incomplete
-_kept: collections.OrderedDict = collections.OrderedDict()
+_cache = PlanCache(MAX_KEPT)  # key -> Recipe, SEEN or NEVER, least recently used dropped
+_kept = _cache._plans  # the table itself (tests read it)
 
 
 class Recipe(NamedTuple):
@@ -67,25 +68,10 @@ def key(inputs: tuple, scalars: tuple) -> tuple | None:
 
 def find(k: tuple):
     """What is kept for key ``k``: a :class:`Recipe`, :data:`SEEN`, :data:`NEVER`, or None (new: now SEEN)."""
-    found = _kept.get(k)
+    found = _cache.find(k)
     if found is None:
-        _remember(k, SEEN)
-    else:
-        try:
-            _kept.move_to_end(k)
-        except KeyError:  # dropped meanwhile by another thread's call
-            pass
+        _cache.put(k, SEEN)
     return found
-
-
-def _remember(k: tuple, value) -> None:
-    _kept[k] = value
-    try:
-        _kept.move_to_end(k)
-        while len(_kept) > MAX_KEPT:
-            _kept.popitem(last=False)
-    except KeyError:  # another thread's call dropped an entry meanwhile
-        pass
 
 
 def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, result: tuple) -> None:
@@ -113,7 +99,7 @@ def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, r
         else:
             recipe = Recipe(tuple((tuple(t.shape), t.dtype) for t in allocs), tuple(recorded), slot[id(result[0])],
                             slot[id(result[1])])
-    _remember(k, recipe if recipe is not None else NEVER)
+    _cache.put(k, recipe if recipe is not None else NEVER)
 
 
 def usable() -> bool:
@@ -138,4 +124,4 @@ def run(recipe: Recipe, inputs: tuple, device: torch.device) -> tuple[torch.Tens
 
 def clear() -> None:
     """Forget every kept recipe."""
-    _kept.clear()
+    _cache.clear()
