@@ -6,7 +6,9 @@ has anything to do. Where a call's kernels take tens of microseconds, the host i
 Cases (32 query heads, head dim 128, bf16, no grad):
 - ``decode``: attention(q [1, 32, 1, D], K/V cache [1, 8, 32768, D], causal=True);
 - ``decode-growing``: ``decode`` with the cache one token longer each call, as a decoder calls it (a
-  view of a preallocated cache; every call a new shape, so no plan is reused);
+  view of a preallocated cache; every call a new shape, so no plan is reused); ``decode-growing-4-layers``: one
+  token longer every 4 calls, as a 4-layer model's step calls it (read the A/B rows' mean: the median is one
+  kind of call of the four);
 - ``decode-local``: the same with a prepared local-4096 layout;
 - ``prefill-1k``: attention(q, k, v [1, 32, 1024, D], causal=True) (``-grad``: inputs require grad);
 - ``varlen-decode``: varlen_attention of 8 sequences x 1 query row, caches 1K-32K, causal (the same
@@ -90,6 +92,14 @@ def _cases():
         step[0] = step[0] % GROW_STEPS + 1
         n = 32768 + step[0]
         return sparse_attn.attention(qd, cache_k[:, :, :n], cache_v[:, :, :n], causal=True)
+    layer = [0]
+
+    def decode_growing_layers():  # the same cache read by a 4-layer model: one token longer every 4 calls
+        layer[0] = (layer[0] + 1) % 4
+        n = 32768 + step[0] % GROW_STEPS + 1
+        if layer[0] == 0:
+            step[0] = step[0] % GROW_STEPS + 1
+        return sparse_attn.attention(qd, cache_k[:, :, :n], cache_v[:, :, :n], causal=True)
     # continuous batching: the 8 caches of varlen-decode, each a token longer every call (cu_seqlens made
     # in advance: a server builds them every step too, but that copy is not ours)
     kv_grow, vv_grow = (torch.randn(sum(k_lens) + 8 * GROW_STEPS, HKV, D, device=dev, dtype=dt) for _ in range(2))
@@ -114,6 +124,7 @@ def _cases():
         "sdpa-padded-decode": padded["sdpa"],
         "decode": decode,
         "decode-growing": decode_growing,
+        "decode-growing-4-layers": decode_growing_layers,
         "decode-no-launch": lambda: _launches_skipped(decode),
         "decode-launch.forward": lambda: launch.forward(*fwd_args),
         "decode-local": lambda: sparse_attn.attention(qd, kd, vd, local),
@@ -161,6 +172,11 @@ def _launches_skipped(fn):
 
 
 def host_us(fn) -> float:
+    return statistics.median(host_times(fn)) * 1e6
+
+
+def host_times(fn) -> list[float]:
+    """Seconds of host time of each of CALLS calls."""
     times = []
     for i in range(CALLS):
         t0 = time.perf_counter()
@@ -169,7 +185,7 @@ def host_us(fn) -> float:
         if i % 50 == 49:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return times
 
 
 def wall_us(fn) -> float:
@@ -216,15 +232,20 @@ def _replay_ab(name: str, fn, rounds: int = 3) -> dict:
     """host_us of ``fn`` with replays off and on, alternated, ``rounds`` times each (one process, one host state)."""
     from sparse_attn.ops.block_sparse import replay
     times: dict = {"off": [], "on": []}
+    means: dict = {"off": [], "on": []}
     for _ in range(rounds):
         for state in ("off", "on"):
             replay.ENABLED = state == "on"
             for _ in range(WARMUP):
                 fn()
-            times[state].append(round(host_us(fn), 2))
+            calls = host_times(fn)
+            times[state].append(round(statistics.median(calls) * 1e6, 2))
+            means[state].append(round(statistics.mean(calls) * 1e6, 2))
     replay.ENABLED = True
+    # the mean as well: where calls differ by kind (a 4-layer step's recording and replays) the median is one kind's
     return {"case": name, "host_us_replay_off": times["off"], "host_us_replay_on": times["on"],
-            "median_off": statistics.median(times["off"]), "median_on": statistics.median(times["on"])}
+            "median_off": statistics.median(times["off"]), "median_on": statistics.median(times["on"]),
+            "mean_us_replay_off": means["off"], "mean_us_replay_on": means["on"]}
 
 
 def main():

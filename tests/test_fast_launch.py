@@ -63,6 +63,25 @@ def test_a_repeated_call_launches_the_kept_kernel_with_every_argument(fn):
     assert fn.fast[-1] == ((2, 1, 1), (a, b, 32, 16, False))
 
 
+def test_a_recording_lists_each_fast_launch_with_its_tensors_positions(fn):
+    """recording() lists a first launch (Triton's path) as None and a fast one with its values and where its tensors
+    are among them (replay replaces exactly those): None in a tensor's place is no tensor."""
+    a, b = _t(), _t()
+    launch = fast_launch.launcher(fn)
+    with fast_launch.recording() as launches:
+        launch[(4,)](a, b, 32, BLOCK=16)
+        launch[(4,)](a, b, 48, BLOCK=16)  # the same key (16 divides both)
+        launch[(4,)](a, None, 32, BLOCK=16)  # another key (b's type): Triton's path
+        launch[(4,)](a, None, 32, BLOCK=16)
+    assert launches[0] is None and launches[2] is None
+    assert launches[1].values == (a, b, 48, 16, False) and launches[1].tensors == (0, 1)
+    assert launches[3].values == (a, None, 32, 16, False) and launches[3].tensors == (0,)
+    with fast_launch.recording() as outside:
+        pass
+    launch[(4,)](a, b, 32, BLOCK=16)
+    assert outside == [] and len(launches) == 4  # nothing listed once closed
+
+
 @pytest.mark.parametrize("other", [
     dict(n=33),                      # 16 no longer divides it
     dict(n=1),                       # Triton makes 1 a constant

@@ -109,9 +109,10 @@ def _cases():
 @pytest.mark.parametrize("split", ["auto", "2"])
 @pytest.mark.parametrize("name", list(_cases()))
 def test_replayed_short_forwards_give_the_bits_of_the_path_they_skip(compiled, monkeypatch, name, split):
-    """The first call of a geometry takes launch.forward's path, the second is recorded, later ones replay it with
-    their own (fresh random) tensors: each result equals the unreplayed call's bit for bit, with one or two parts
-    (a split-KV forward and its merge), and the replays make the recorded number of launches without the path."""
+    """The first call of a geometry takes launch.forward's path, and so does the second (recorded: the first was
+    its kernels' first launch, through Triton), later ones replay it with their own (fresh random) tensors: each
+    result equals the unreplayed call's bit for bit, with one or two parts (a split-KV forward and its merge), and
+    the replays make the recorded number of launches without the path."""
     monkeypatch.setattr(launch, "FWD_KV_SPLIT", split)
     make, call = _cases()[name]
     g = torch.Generator().manual_seed(3)
@@ -227,10 +228,78 @@ def test_an_incomplete_recording_is_never_replayed(monkeypatch):
 def test_the_table_is_bounded():
     """A growing cache makes a key a step: only MAX_KEPT are remembered, the least recently used dropped."""
     replay.clear()
+    t = torch.zeros(1)
     for i in range(replay.MAX_KEPT + 5):
-        replay.find(("key", i))
+        replay.keep(("key", i), (), [], [], 1, (t, t))  # (incomplete: kept as NEVER)
     assert len(replay._kept) == replay.MAX_KEPT and ("key", 0) not in replay._kept
     replay.find(("key", 5))  # seen again: now the most recent
-    replay.find(("key", "new"))
+    replay.keep(("key", "new"), (), [], [], 1, (t, t))
     assert ("key", 5) in replay._kept and ("key", 6) not in replay._kept
     replay.clear()
+
+
+@interpreted
+def test_a_new_geometry_is_recorded_at_first_sight_once_its_kernels_are_kept(compiled):
+    """Each step of a growing cache is a new geometry. Once its kernels have launched before, its first call is
+    recorded, and the step's second layer already replays it (with its bits)."""
+    g = torch.Generator().manual_seed(8)
+
+    def step(lk):
+        q, k, v = (torch.randn(1, 4, n, 32, generator=g).half() for n in (1, lk, lk))
+        paths = compiled.calls["path"]
+        outs = [device_plan_attention_op(q, k, v, True) for _ in range(2)]  # two layers
+        want = without_replays(lambda: device_plan_attention_op(q, k, v, True))
+        assert all(torch.equal(out, want) for out in outs), lk
+        return compiled.calls["path"] - paths - 1  # (less the unreplayed reference)
+    assert step(300) == 2  # the kernels' first launch went through Triton: recorded on the second call
+    assert step(316) == 1 and step(332) == 1  # later steps: the first layer recorded, the second replayed
+
+
+def test_after_a_streak_of_new_geometries_a_new_one_is_recorded_when_it_comes_back():
+    """One call a step on a growing cache never replays: past MISS_STREAK new keys in a row a new key is only marked
+    SEEN (no recording), recorded on its second call; any key found ends the streak."""
+    replay.clear()
+    assert all(replay.find(("new", i)) is replay.RECORD for i in range(replay.MISS_STREAK))
+    assert replay.find(("new", "a")) is None and replay._kept[("new", "a")] is replay.SEEN
+    assert replay.find(("new", "b")) is None
+    assert replay.find(("new", "a")) is replay.RECORD  # seen again: recorded, and the streak is over
+    assert replay.find(("new", "c")) is replay.RECORD
+    replay.clear()
+    assert replay.find(("new", "d")) is replay.RECORD  # clear() ends a streak too
+    replay.clear()
+
+
+@interpreted
+def test_a_recording_through_triton_is_tried_once_more_then_given_up(compiled, monkeypatch):
+    """A launch that takes Triton's path leaves a hole in the recording: a kernel's first launch does that once (the
+    next call records again), a launch the fast path never covers every time (after two tries, never replayed)."""
+    make, call = _cases()["dense MHA, 3 query rows"]
+    g = torch.Generator().manual_seed(9)
+    call(*make(g))
+    assert list(replay._kept.values()) == [replay.RETRY]
+    replay.clear()
+    monkeypatch.setattr(fast_launch, "call_key", lambda *a: None)  # no launch is ever fast
+    for expected in (replay.RETRY, replay.NEVER, replay.NEVER):
+        inputs = make(g)
+        out = call(*inputs)
+        assert list(replay._kept.values()) == [expected]
+        assert all(torch.equal(a, b) for a, b in zip(out, without_replays(lambda: call(*inputs))))
+    assert compiled.calls["path"] == 1 + 3 + 3  # (three unreplayed references)
+
+
+@interpreted
+def test_a_geometry_first_seen_under_a_launch_hook_replays_after_it(compiled, monkeypatch):
+    """Under a launch hook (a profiler) nothing is recorded, so nothing is marked never to replay either."""
+    make, call = _cases()["dense MHA, 3 query rows"]
+    g = torch.Generator().manual_seed(10)
+    monkeypatch.setattr(fast_launch, "_hooked", lambda: True)
+    for _ in range(3):
+        call(*make(g))
+    assert not replay._kept
+    monkeypatch.setattr(fast_launch, "_hooked", lambda: False)
+    paths = compiled.calls["path"]
+    for _ in range(3):
+        call(*make(g))
+    # their kernels' first fast launch (under the hook each went through Triton) and the recording: 2, not 3
+    assert compiled.calls["path"] == paths + 2
+    assert any(isinstance(r, replay.Recipe) for r in replay._kept.values())

@@ -1,5 +1,6 @@
-"""Replayed decoding launches (ops.block_sparse.replay) on the GPU: calls of one geometry after the second are
-launched from the recording with Triton's kept kernels, and give the bits of the path they skip; fresh random
+"""Replayed decoding launches (ops.block_sparse.replay) on the GPU: calls of one geometry after the recorded one (the
+first, or the second where the first was its kernels' first launch) are launched from the recording with Triton's
+kept kernels, and give the bits of the path they skip; fresh random
 inputs each call, outputs NaN-poisoned memory first, one case held against the fp64 oracle (DESIGN.md rule 3)."""
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def test_replayed_decoding_calls_give_the_bits_of_the_path(monkeypatch, name):
     replay.clear()
     calls = count_forward_paths(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(11)
+    replayed_at = []
     for i in range(5):
         inputs = make(g)
         _poison()
@@ -88,8 +90,38 @@ def test_replayed_decoding_calls_give_the_bits_of_the_path(monkeypatch, name):
         _poison()
         want = without_replays(lambda: call(*inputs))
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (name, i)
-        assert replayed == (i >= 2), (name, i, "the third call on should replay, the first two not")
+        replayed_at.append(replayed)
+    # the first call recorded or (its kernels' first launch) left for the second; every call after the recording
+    assert replayed_at in ([False, True, True, True, True], [False, False, True, True, True]), (name, replayed_at)
     assert any(isinstance(r, replay.Recipe) for r in replay._kept.values())
+    replay.clear()
+
+
+def test_a_growing_cache_replays_from_each_step_s_second_layer(monkeypatch):
+    """A dynamic cache, one key longer each step, is a new geometry each step: recorded at the step's first layer,
+    replayed by the second (bits of the path); with one layer a step, past replay.MISS_STREAK steps, recorded at a
+    geometry's second call only, which never comes (every call takes the path, with its bits). The kernels are
+    launched once beforehand: a kernel's first launch goes through Triton and leaves the recording to the next call."""
+    g = torch.Generator(device="cuda").manual_seed(15)
+    k_all, v_all = _randn(g, 2, 8, 6000, 128), _randn(g, 2, 8, 6000, 128)
+    steps = [(layers, step, 5000 + step + 40 * layers) for layers in (2, 1) for step in range(replay.MISS_STREAK + 4)]
+    q = _randn(g, 2, 32, 1, 128)
+
+    def attend(q, n):
+        return sparse_attn.attention(q, k_all[:, :, :n], v_all[:, :, :n], causal=True, return_lse=True)
+    for _, _, n in steps:  # every kernel variant launched once (a length 16 divides or not is one), so kept
+        without_replays(lambda: attend(q, n))
+    replay.clear()
+    calls = count_forward_paths(monkeypatch)
+    for layers, step, n in steps:
+        for layer in range(layers):
+            q = _randn(g, 2, 32, 1, 128)
+            before = calls["path"]
+            got = attend(q, n)
+            replayed = calls["path"] == before
+            want = without_replays(lambda: attend(q, n))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (layers, step, layer)
+            assert replayed == (layer == 1), (layers, step, layer)
     replay.clear()
 
 

@@ -44,11 +44,13 @@ _recorder = threading.local()  # .launches: the open recording's list, or None
 
 class Launch:
     """One fast launch as :func:`recording` lists it: the kept kernel's launcher, function handle and packed
-    metadata, the grid (three axes) and every argument in signature order."""
-    __slots__ = ("run", "function", "metadata", "grid", "values")
+    metadata, the grid (three axes), every argument in signature order, and ``tensors``: the positions in
+    ``values`` of the tensors (every one: the launch's key holds each argument's type)."""
+    __slots__ = ("run", "function", "metadata", "grid", "values", "tensors")
 
-    def __init__(self, run, function, metadata, grid: tuple, values: tuple):
+    def __init__(self, run, function, metadata, grid: tuple, values: tuple, tensors: tuple = ()):
         self.run, self.function, self.metadata, self.grid, self.values = run, function, metadata, grid, values
+        self.tensors = tensors
 
     def __call__(self, stream: int, values: tuple) -> None:
         """Launch this kernel again on ``stream`` with ``values`` in place of the recorded arguments."""
@@ -161,11 +163,18 @@ class FastLauncher:
         self.constexpr = tuple(bool(p.is_constexpr) for p in fn.params)
         self.defaults = {p.name: p.default for p in fn.params if p.has_default}
         # call_key -> (names of the parameters after the positional ones, and the kept kernel's launcher,
-        # function handle and packed metadata: what Triton's own launch passes to it)
+        # function handle and packed metadata: what Triton's own launch passes to it; the positions of the
+        # tensors among the arguments in signature order, for recordings)
         self.kernels: dict = {}
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
+
+    def _tensor_positions(self, types: tuple, rest: tuple) -> tuple:
+        """Where the tensors are among a launch's values (positional arguments of ``types``, then the parameters
+        ``rest`` by keyword or default): keyword values are never tensors (call_key), defaults may be."""
+        return (tuple(i for i, t in enumerate(types) if t is torch.Tensor)
+                + tuple(len(types) + j for j, n in enumerate(rest) if isinstance(self.defaults.get(n), torch.Tensor)))
 
     def _launch(self, grid, *args, **kw):
         if not ENABLED or _hooked() or not _matches_triton():
@@ -180,16 +189,18 @@ class FastLauncher:
             if key is not None and kernel is not None:
                 kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an async compile
                 # after a launch its handles are loaded: run is the launcher, function the CUfunction
-                self.kernels[key] = (self.names[len(args):], kernel.run, kernel.function, kernel.packed_metadata)
+                rest = self.names[len(args):]
+                self.kernels[key] = (rest, kernel.run, kernel.function, kernel.packed_metadata,
+                                     self._tensor_positions(key[2], rest))
             return kernel
-        rest, run, function, metadata = kept
+        rest, run, function, metadata, tensors = kept
         values = args + tuple(kw[n] if n in kw else self.defaults[n] for n in rest)  # the signature's order
         if callable(grid):  # Triton hands a grid function the bound arguments by name
             grid = grid(dict(zip(self.names, values)))
         n = len(grid)
         grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
         if getattr(_recorder, "launches", None) is not None:
-            _recorder.launches.append(Launch(run, function, metadata, grid, values))
+            _recorder.launches.append(Launch(run, function, metadata, grid, values, tensors))
         # CompiledKernel.run's arguments as JITFunction.run passes them, without launch metadata or hooks
         run(*grid, _stream(device), function, metadata, None, None, None, *values)
         return None

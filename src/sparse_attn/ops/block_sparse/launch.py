@@ -590,8 +590,8 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             pv_threshold: float = 0.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
             k_scale_span: int = 0, device_plan: int = 0, window: int = 0, sinks: int = 0):
     """Returns (out like q, lse fp32 [B, H, Lq] or [H, T] for varlen): :func:`_forward`, whose arguments these
-    are. A 16-bit call of at most SMALL_Q_ROWS query rows (decoding) whose geometry has run before launches
-    that run's kernels again with its own tensors (:mod:`.replay`: the same bits, without the host work)."""
+    are. A 16-bit call of at most SMALL_Q_ROWS query rows (decoding) whose geometry has been recorded launches
+    the recorded kernels again with its own tensors (:mod:`.replay`: the same bits, without the host work)."""
     args = (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, terms, n_terms, cu_q, cu_k, block_q,
             block_k, sm_scale, max_q, max_k, seq_step)
     options = dict(scales=scales, quant=quant, out_dtype=out_dtype, pv_threshold=pv_threshold, out=out, lse=lse,
@@ -602,11 +602,11 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     key = replay.key(inputs, (contiguous, n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, out_dtype,
                               pv_threshold, k_scale_span, device_plan, window, sinks, _replay_settings()))
     found = None if key is None else replay.find(key)
-    if isinstance(found, replay.Recipe) and replay.usable():
+    if found is None or found is replay.NEVER or not replay.usable():  # (not usable: a profiler's hook, say)
+        return _forward(*args, **options)
+    if found is not replay.RECORD:
         _ensure_allocator()
         return replay.run(found, inputs, q.device)
-    if found != replay.SEEN:  # new (now seen), never replayable, or not usable now
-        return _forward(*args, **options)
     trace: dict = {}
     with fast_launch.recording() as launches:
         result = _forward(*args, **options, trace=trace)

@@ -7,7 +7,7 @@ strides, split-KV parts, two fast-launch keys over ~90 arguments) took 110-190 u
 H200's host, against a GPU time of 35-45 us (benchmarks/host_overhead_probe.py; benchmarks/NOTES.md, "Where a
 decoding step's time goes, and replayed launches").
 
-So the short-query path is recorded once a geometry has been seen twice (:func:`find` says when): the fast
+So the short-query path is recorded the first time a geometry is seen (:func:`find` says when): the fast
 launches it makes (ops.fast_launch.recording) and the tensors it allocates become a :class:`Recipe`, whose
 arguments are the recorded ones with each tensor replaced by its slot (an input of the call, by position, or a
 fresh allocation). Later calls with the same :func:`key` allocate the same buffers, put their own tensors in the
@@ -15,8 +15,14 @@ slots and call the kept kernels' launchers directly (:func:`run`): the same kern
 the same bits. The key holds everything the recorded path read: every input tensor's shape, strides, dtype,
 device, 16-byte alignment and which inputs are one tensor; the call's other arguments by value; the launch
 module's settings (``launch._replay_settings``) and the current device. A call whose recording is incomplete
-(a launch that took Triton's path, a tensor that is neither an input nor an allocation) is never replayed.
-``SPARSE_ATTN_REPLAY=0`` turns this off.
+(a tensor that is neither an input nor an allocation; a launch that took Triton's path twice, as a kernel's
+first launch does once) is never replayed. ``SPARSE_ATTN_REPLAY=0`` turns this off.
+
+Recording costs a call about 11 us of host time on the CI machine (a call there: 39 us on the path, 20 replayed),
+and keying a new geometry about 6 us. A growing cache makes a new geometry every step, which pays off from the
+step's second layer on; a cache growing under one call a step never does. So after MISS_STREAK new geometries
+in a row a new one is only marked :data:`SEEN` and recorded when it comes back, as the first build did always
+(benchmarks/NOTES.md, "Replay, recorded at first sight").
 """
 from __future__ import annotations
 
@@ -30,10 +36,14 @@ from .. import fast_launch
 
 ENABLED = os.environ.get("SPARSE_ATTN_REPLAY", "1") != "0"
 MAX_KEPT = 64  # geometries remembered (a growing cache makes one a step: each is used by that step's layers)
-SEEN = "seen"  # a geometry seen once, not recorded yet
-NEVER = "never"  # a geometry whose recording was incomplete
-_cache = PlanCache(MAX_KEPT)  # key -> Recipe, SEEN or NEVER, least recently used dropped
+MISS_STREAK = 16  # new geometries in a row after which a new one is recorded only when seen again
+RECORD = "record"  # find's answer: record this call
+SEEN = "seen"  # a geometry seen once during a streak of new ones, not recorded yet
+RETRY = "retry"  # a geometry whose recording had a launch take Triton's path (a kernel's first launch)
+NEVER = "never"  # a geometry whose recording was incomplete (for good)
+_cache = PlanCache(MAX_KEPT)  # key -> Recipe, SEEN, RETRY or NEVER, least recently used dropped
 _kept = _cache._plans  # the table itself (tests read it)
+_misses = [0]  # new geometries in a row (one count for all threads: a heuristic, races only blur it)
 
 
 class Recipe(NamedTuple):
@@ -67,38 +77,54 @@ def key(inputs: tuple, scalars: tuple) -> tuple | None:
 
 
 def find(k: tuple):
-    """What is kept for key ``k``: a :class:`Recipe`, :data:`SEEN`, :data:`NEVER`, or None (new: now SEEN)."""
+    """What to do with a call of key ``k``: run its :class:`Recipe`; :data:`RECORD` it (the caller then calls
+    :func:`keep`); or, for :data:`NEVER` or None, take the path unrecorded (None: a new geometry after a streak
+    of new ones, now :data:`SEEN`)."""
     found = _cache.find(k)
     if found is None:
+        _misses[0] += 1
+        if _misses[0] <= MISS_STREAK:
+            return RECORD
         _cache.put(k, SEEN)
-    return found
+        return None
+    _misses[0] = 0
+    return RECORD if found is SEEN or found is RETRY else found
 
 
 def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, result: tuple) -> None:
     """Keep the recipe of a call recorded under key ``k``: its ``inputs``, the buffers it allocated (``allocs``), the
     fast launches it made (``launches``, of which it meant to make ``expected``) and its ``result`` (out, lse), two
-    of its buffers. An incomplete recording is kept as :data:`NEVER`."""
+    of its buffers. An incomplete recording is kept as :data:`NEVER`, or as :data:`RETRY` where the only gap is a
+    launch that took Triton's path (None in ``launches``) and the key was not already RETRY."""
+    # plain loops, no generator expressions: this runs on a decoding call's host path (9.5 us with them on the
+    # CI machine, of a 39 us call)
     slot = {}
     for i, t in enumerate(inputs):
-        if t is not None:
-            slot.setdefault(id(t), i)
+        if t is not None and id(t) not in slot:
+            slot[id(t)] = i
     for j, t in enumerate(allocs):
         slot[id(t)] = len(inputs) + j
+    through_triton = None in launches
+    complete = len(launches) == expected and not through_triton and id(result[0]) in slot and id(result[1]) in slot
+    for t in allocs:
+        complete = complete and t.is_contiguous()
+    recorded = []
+    for launch in launches if complete else ():
+        values, positions = launch.values, launch.tensors
+        tensors = tuple([(pos, slot.get(id(values[pos]))) for pos in positions])
+        # no tensor kept (in the template, or in the recorded launch): it would hold a layer's cache alive
+        template = list(values)
+        for pos, s in tensors:
+            complete = complete and s is not None
+            template[pos] = None
+        bare = fast_launch.Launch(launch.run, launch.function, launch.metadata, launch.grid, ())
+        recorded.append((bare, tuple(template), tensors))
     recipe = None
-    if (len(launches) == expected and all(launch is not None for launch in launches)
-            and all(t.is_contiguous() for t in allocs) and all(id(t) in slot for t in result)):
-        recorded = []
-        for launch in launches:
-            tensors = tuple((pos, slot.get(id(a))) for pos, a in enumerate(launch.values) if isinstance(a, torch.Tensor))
-            if any(s is None for _, s in tensors):
-                break
-            # no tensor kept (in the template, or in the recorded launch): it would hold a layer's cache alive
-            template = tuple(None if isinstance(a, torch.Tensor) else a for a in launch.values)
-            bare = fast_launch.Launch(launch.run, launch.function, launch.metadata, launch.grid, ())
-            recorded.append((bare, template, tensors))
-        else:
-            recipe = Recipe(tuple((tuple(t.shape), t.dtype) for t in allocs), tuple(recorded), slot[id(result[0])],
-                            slot[id(result[1])])
+    if complete:
+        recipe = Recipe(tuple([(tuple(t.shape), t.dtype) for t in allocs]), tuple(recorded), slot[id(result[0])],
+                        slot[id(result[1])])
+    elif through_triton and _cache.find(k) is not RETRY:
+        recipe = RETRY  # whether the rest was complete shows on the next try
     _cache.put(k, recipe if recipe is not None else NEVER)
 
 
@@ -123,5 +149,6 @@ def run(recipe: Recipe, inputs: tuple, device: torch.device) -> tuple[torch.Tens
 
 
 def clear() -> None:
-    """Forget every kept recipe."""
+    """Forget every kept recipe (and the streak of new geometries)."""
     _cache.clear()
+    _misses[0] = 0
