@@ -2,7 +2,8 @@
 interpreter stand behind a no-op "compiled kernel", so ops.fast_launch keeps them and every launch costs nothing,
 and what is timed is the host path of ``device_plan_attention_op`` on a 32K cache (1 x 32 query heads, 8 kv heads,
 d128): ``fixed`` one geometry every call (a model's layers within a step), ``growing`` the cache one key longer each
-call (one call a step). Medians of 600 calls, three rounds.
+call (one call a step), ``pairs`` / ``fours`` one key longer every 2 / 4 calls (a 2- / 4-layer model's steps: the
+median is then one kind of call, the replays' for ``fours``). Medians of 600 calls, three rounds.
 
     PYTHONPATH=src python benchmarks/replay_cpu_probe.py
 """

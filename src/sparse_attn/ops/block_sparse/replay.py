@@ -18,9 +18,9 @@ module's settings (``launch._replay_settings``) and the current device. A call w
 (a tensor that is neither an input nor an allocation; a launch that took Triton's path twice, as a kernel's
 first launch does once) is never replayed. ``SPARSE_ATTN_REPLAY=0`` turns this off.
 
-Recording costs a call about 11 us of host time on the CI machine (a call there: 39 us on the path, 20 replayed),
-and keying a new geometry about 6 us. A growing cache makes a new geometry every step, which pays off from the
-step's second layer on; a cache growing under one call a step never does. So after MISS_STREAK new geometries
+On the CI machine a call on the path takes 39 us of host time, a replayed one 17-20 us, and a new geometry's first
+call, keyed and recorded, 59-60 us. A growing cache makes a new geometry every step, which pays off from the step's
+second layer on; a cache growing under one call a step never does. So after MISS_STREAK new geometries
 in a row a new one is only marked :data:`SEEN` and recorded when it comes back, as the first build did always
 (benchmarks/NOTES.md, "Replay, recorded at first sight").
 """
