@@ -7,6 +7,8 @@ and must not build the Qb x Kb causal layout.
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -87,6 +89,28 @@ def test_long_band_is_cheap():
                                          (1000, 999, 128, 64), (513, 2049, 64, 128), (3000, 17, 16, 16)])
 def test_causal_block_count(lq, lk, bq, bk):
     assert P.causal_block_count(lq, lk, block_q=bq, block_k=bk) == P.causal(lq, lk, block_q=bq, block_k=bk).num_blocks
+
+
+def test_causal_block_count_random_shapes():
+    """The closed form against the layout it counts on random shapes: Lq above and below Lk (rows before key 0),
+    lengths that blocks do not divide, block_q unlike block_k, empty grids."""
+    g = random.Random(7)
+    for _ in range(150):
+        lq, lk = g.choice([0, 1, g.randint(1, 700)]), g.choice([0, 1, g.randint(1, 700)])
+        bq, bk = g.choice([16, 32, 64, 128]), g.choice([16, 32, 64, 128])
+        want = P.causal(lq, lk, block_q=bq, block_k=bk).num_blocks if lq and lk else 0
+        assert P.causal_block_count(lq, lk, block_q=bq, block_k=bk) == want, (lq, lk, bq, bk)
+
+
+def test_clipped_floor_sum_matches_its_definition():
+    """The sum of floors under the count, against its docstring's sum, on terms that start negative, reach the cap
+    or do neither."""
+    from sparse_attn.patterns.basic import _clipped_floor_sum
+    g = random.Random(3)
+    for _ in range(3000):
+        n, a, b, m, cap = g.randint(0, 60), g.randint(1, 50), g.randint(-900, 900), g.randint(1, 50), g.randint(1, 40)
+        want = sum(min(max((a * i + b) // m + 1, 0), cap) for i in range(n))
+        assert _clipped_floor_sum(n, a, b, m, cap) == want, (n, a, b, m, cap)
 
 
 def test_local_block_count():

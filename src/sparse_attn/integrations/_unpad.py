@@ -21,9 +21,10 @@ class Packing:
     """Where a ``[B, Lq]`` query / ``[B, Lk]`` key batch's real sequences lie, one entry per sequence
     kept (rows without a real query are left out; their outputs are zeros).
 
-    ``cu_q`` / ``cu_k``: int32 ``[S + 1]`` offsets on the CPU (varlen_attention reads CPU offsets without a
-    sync). A padded batch (``rows`` not None) also names each sequence's batch row and the positions of its
-    first query (among the call's ``q_len`` queries) and first key (among its ``kv_len`` keys); a packed batch
+    :attr:`cu_q` / :attr:`cu_k`: int32 ``[S + 1]`` offsets on the CPU (varlen_attention reads CPU offsets without
+    a sync), the caller's (``given_cu``) or made from the lengths when first asked for (a padded batch read in place
+    never needs them). A padded batch (``rows`` not None) also names each sequence's batch row and the positions of
+    its first query (among the call's ``q_len`` queries) and first key (among its ``kv_len`` keys); a packed batch
     (``rows`` None) is the whole batch in order."""
 
     batch: int
@@ -31,11 +32,10 @@ class Packing:
     kv_len: int
     q_lens: tuple[int, ...]
     k_lens: tuple[int, ...]
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
     rows: tuple[int, ...] | None = None
     q_starts: tuple[int, ...] = ()
     k_starts: tuple[int, ...] = ()
+    given_cu: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, compare=False)
     # what was built from the above on a device, once for every layer of the forward (the Packing is the
     # forward's: _packing_for finds it again for each layer)
     _built: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -47,6 +47,19 @@ class Packing:
     @property
     def max_k(self) -> int:
         return max(self.k_lens, default=0)
+
+    @property
+    def cu_q(self) -> torch.Tensor:
+        return self._offsets()[0]
+
+    @property
+    def cu_k(self) -> torch.Tensor:
+        return self._offsets()[1]
+
+    def _offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.given_cu is not None:
+            return self.given_cu
+        return self._once(("cu",), lambda: (_offsets(self.q_lens), _offsets(self.k_lens)))
 
     def _once(self, key: tuple, build):
         if key not in self._built:
@@ -83,15 +96,19 @@ class Packing:
         kernels' SEQ_STEP 2 bounds), in token spaces where batch row ``b``'s position ``i`` is token
         ``b * row_tokens + i`` (:func:`token_view`). Padded batches only; one copy for every layer."""
         def build():
-            q_pairs, k_pairs = [], []
-            for row, qs, nq, ks, nk in zip(self.rows, self.q_starts, self.q_lens, self.k_starts, self.k_lens):
-                q0, k0 = row * q_row_tokens + qs, row * k_row_tokens + ks
-                q_pairs += (q0, q0 + nq)
-                k_pairs += (k0, k0 + nk)
-            from ..varlen import _to_device_aligned
-            # one pinned copy (not offsets_on's cache: these are built once a forward already)
-            return tuple(_to_device_aligned([torch.tensor(q_pairs, dtype=torch.int32),
-                                             torch.tensor(k_pairs, dtype=torch.int32)], device))
+            pairs = []
+            for row, qs, nq in zip(self.rows, self.q_starts, self.q_lens):
+                pairs += (row * q_row_tokens + qs, row * q_row_tokens + qs + nq)
+            n = len(pairs)
+            pairs += [0] * (-n % 4)  # the key pairs start 16 bytes in (varlen._to_device_aligned's reason)
+            k0 = len(pairs)
+            for row, ks, nk in zip(self.rows, self.k_starts, self.k_lens):
+                pairs += (row * k_row_tokens + ks, row * k_row_tokens + ks + nk)
+            # one copy, through pinned memory to CUDA (asynchronous; not offsets_on's cache: built once a forward)
+            flat = torch.tensor(pairs, dtype=torch.int32)
+            flat = flat.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else \
+                flat.to(device)
+            return flat[:n], flat[k0:]
         return self._once(("pairs", str(device), q_row_tokens, k_row_tokens), build)
 
     def free_queries_on(self, device) -> torch.Tensor | None:
@@ -210,7 +227,8 @@ def _token_views(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     """(q, q_row, k, k_row, v): :func:`token_view` of each, with the query's ``r`` its ``Lq`` (the output shares its
     token numbers: ``[B * Lq, Hq, D]``) and one ``r`` for key and value (one set of key pairs); a tensor that cannot
     be placed so is copied first."""
-    from ..validation import check_packed_qkv
+    from ..validation import check_qkv
+    check_qkv(query, key, value)  # the views below then hold the same dtypes, devices, heads and head dims
     q_view = token_view(query)
     if q_view is None or q_view[1] != query.shape[2]:
         q_view = _copied_token_view(query)
@@ -218,7 +236,6 @@ def _token_views(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:
         kv = _copied_token_view(key), _copied_token_view(value)
     (q, q_row), (k, k_row), (v, _) = q_view, *kv
-    check_packed_qkv(q, k, v, "a padded batch")
     return q, q_row, k, k_row, v
 
 
@@ -319,47 +336,63 @@ def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
     at padding, and negative at a static cache's slots not written yet (:func:`key_states`), which come after the
     last query; the queries are the ``q_len`` key positions before the first such slot (else before ``Lk``:
     bottom-right). Each row's real tokens must be one contiguous run (left and / or right padding); None when
-    no row has padding. One host read of four numbers a row."""
+    no row has padding. A few reductions and one host read of three numbers a row (five for a mask that is not
+    bool)."""
     batch, width = mask.shape
     if width == 0:
         return None
-    first, end, count, q_end = _row_bounds(mask)
-    refused = (mask == REFUSED).any(1)
-    firsts, ends, counts, q_ends, refuses = torch.stack([first, end, count, q_end.expand(batch), refused]).tolist()
+    firsts, counts, pos_sums, q_ends, refuses = _read_rows(mask)
     if any(refuses):
         raise NotImplementedError(
-            f"sparse_attn: the mask of row {refuses.index(1)} was made by a sliding-window mask function that allows "
-            "other keys than the layer's window (a mask function combined with others, found while torch.compile "
-            "traced the model); sparse_attn runs the window alone: run the model uncompiled, or use "
-            "attn_implementation='sdpa' for it")
-    kv_len = q_ends[0]  # the keys the queries see: a static cache's slots after the last query are no keys yet
+            f"sparse_attn: the mask of row {[bool(r) for r in refuses].index(True)} was made by a sliding-window mask "
+            "function that allows other keys than the layer's window (a mask function combined with others, found "
+            "while torch.compile traced the model); sparse_attn runs the window alone: run the model uncompiled, or "
+            "use attn_implementation='sdpa' for it")
+    kv_len = max(q_ends)  # the keys the queries see: a static cache's slots after the last query are no keys yet
     if kv_len == width and all(c == width for c in counts):
         return None
     q0 = kv_len - q_len  # the position of query 0
     rows, q_starts, q_lens, k_starts, k_lens = [], [], [], [], []
-    for row, (s, e, c) in enumerate(zip(firsts, ends, counts)):
-        if c and e - s != c:
+    for row, (s, c, total) in enumerate(zip(firsts, counts, pos_sums)):
+        # c distinct positions from s on sum to at least c * s + c (c - 1) / 2, exactly when they are s..s + c - 1
+        if c and total != c * s + c * (c - 1) // 2:
+            last = int(torch.where(mask[row] > 0, torch.arange(width, device=mask.device), -1).amax())
             raise NotImplementedError(
                 f"sparse_attn: attention_mask row {row} has padding between real tokens ({c} real tokens spread "
-                f"over positions {s}..{e - 1}); only left or right padding (one run of real tokens a row) is "
+                f"over positions {s}..{last}); only left or right padding (one run of real tokens a row) is "
                 "supported: for generation pad on the left (tokenizer.padding_side='left')")
+        e = s + c
         qs = max(s, q0)
         if c and e > qs:  # a row with no real query contributes nothing (its outputs are zeros)
             rows.append(row)
             q_starts.append(qs - q0)
             q_lens.append(e - qs)
             k_starts.append(s)
-            k_lens.append(e - s)
-    return Packing(batch, q_len, kv_len, tuple(q_lens), tuple(k_lens), _offsets(q_lens), _offsets(k_lens),
-                   tuple(rows), tuple(q_starts), tuple(k_starts))
+            k_lens.append(c)
+    return Packing(batch, q_len, kv_len, tuple(q_lens), tuple(k_lens), tuple(rows), tuple(q_starts), tuple(k_starts))
+
+
+def _read_rows(mask: torch.Tensor) -> tuple[list, list, list, list, list]:
+    """Each row's first real token (0 in a row without one), real-token count and sum of real positions, one past its
+    last written slot (:data:`UNWRITTEN` slots come last; ``Lk`` in a bool mask) and its :data:`REFUSED` slots, read
+    in one host copy after six small reductions (ten for a mask that is not bool)."""
+    batch, width = mask.shape
+    real = mask > 0
+    pos = torch.arange(width, device=mask.device)
+    parts = [real.view(torch.uint8).argmax(1), real.sum(1), (real * pos).sum(1)]
+    if mask.dtype != torch.bool:
+        parts += [(mask >= 0).sum(1), (mask == REFUSED).sum(1)]
+    read = torch.stack(parts).tolist()
+    if mask.dtype == torch.bool:
+        read += [[width] * batch, [0] * batch]
+    return tuple(read)
 
 
 def from_segments(bounds: list[list[int]], length: int) -> Packing:
     """The sequences of a packed batch: row ``b`` holds sequences ``[bounds[b][i], bounds[b][i + 1])``
     (each row's bounds run from 0 to ``length``), queries and keys alike."""
     lens = tuple(e - s for row in bounds for s, e in itertools.pairwise(row))
-    cu = _offsets(lens)
-    return Packing(len(bounds), length, length, lens, lens, cu, cu)
+    return Packing(len(bounds), length, length, lens, lens)
 
 
 def from_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int) -> Packing:
@@ -368,7 +401,7 @@ def from_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int
     one row. Read on the host once; varlen_attention checks them."""
     cq, ck = (c.detach().to("cpu", torch.int32) for c in (cu_q, cu_k))
     lens, klens = (tuple(b - a for a, b in itertools.pairwise(v)) for v in (cq.tolist(), ck.tolist()))
-    return Packing(1, q_len, kv_len, lens, klens, cq, ck)
+    return Packing(1, q_len, kv_len, lens, klens, given_cu=(cq, ck))
 
 
 def segments(batch: int, length: int, mask_function, device) -> list[list[int]] | None:

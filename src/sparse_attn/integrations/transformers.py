@@ -553,7 +553,7 @@ def _mask_packing(mask: torch.Tensor, lq: int, lk: int) -> _unpad.Packing | None
         if mask.shape[1] != lk:
             raise NotImplementedError(f"sparse_attn: got a [B, Lk] padding mask of shape {tuple(mask.shape)} for "
                                       f"kv_len={lk}")
-        return _unpad.from_padding(mask, lq)
+        return _marker_packing(mask, lq) or _unpad.from_padding(mask, lq)
     return None
 
 
@@ -768,14 +768,19 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
             f"(position {q_offset + q_length - 1}); pre-allocated caches are supported on full-attention layers "
             "only (keys from token 0, the query inside the buffer), and on sliding-window layers while the window "
             "holds every written key: use the default DynamicCache")
-    padding = None  # [B, kv_length] bool where some row has padding among the call's keys
-    if attention_mask is not None:
-        padding = _unpad.call_padding(attention_mask, kv_length, kv_offset)
-        if bool(padding.all()):
-            padding = None
     # key states: the slots after the last query are not written yet; at a replayed step (above) key states even when
     # the buffer is exactly full, so that the compiled step gets one kind of mask at every step (None was a recompile)
-    if static or (replayable and mask_function in (None, causal_mask_function)):
+    states = static or (replayable and mask_function in (None, causal_mask_function))
+    padding = None  # [B, kv_length] bool where some row has padding among the call's keys
+    packing = None  # its sequences as the attention function runs them, read here once (_padding_packing)
+    if attention_mask is not None:
+        padding = _unpad.call_padding(attention_mask, kv_length, kv_offset)
+        if states:
+            padding = None if bool(padding.all()) else padding
+        else:
+            packing = _padding_packing(padding, q_length)
+            padding = None if packing is None else padding
+    if states:
         device = padding.device if padding is not None else kwargs.get("device") or "cpu"
         states = _unpad.key_states(padding, batch_size, kv_length, q_end, device)
         return _registered(states, (q_length, kv_length, None, int(kv_offset), True))
@@ -783,7 +788,7 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         if padding is None:
             return None
         return _padding_marker(padding, q_length, kv_length, None, kv_offset,
-                               mask_function is not bidirectional_mask_function)
+                               mask_function is not bidirectional_mask_function, packing)
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     window, device = kwargs.get("local_size"), kwargs.get("device") or "cpu"
@@ -802,7 +807,7 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
             if _is_band(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, layer_window, causal,
                         device, use_vmap):
                 if padding is not None:
-                    return _padding_marker(padding, q_length, kv_length, layer_window, kv_offset, causal)
+                    return _padding_marker(padding, q_length, kv_length, layer_window, kv_offset, causal, packing)
                 return _band_marker(batch_size, q_length, kv_length, layer_window, device, kv_offset, causal)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
@@ -918,13 +923,43 @@ def _packed_marker(batch_size: int, length: int, mask_function: Callable, window
 
 
 def _padding_marker(padding: torch.Tensor, q_length: int, kv_length: int, window: int | None, kv_offset: int,
-                    causal: bool) -> torch.Tensor:
+                    causal: bool, packing) -> torch.Tensor:
     """What the mask interface returns for a padded batch whose mask is otherwise plain (causal /
     bidirectional, or a sliding window verified by :func:`_is_band`): the ``[B, kv_length]`` bool padding
     mask of the call's keys, registered with the band like a band marker, so :func:`check_mask` accepts it
-    only on a call with that causality and window. The attention function runs the rows' real tokens."""
+    only on a call with that causality and window. The attention function runs the rows' real tokens:
+    ``packing`` (:func:`_padding_packing`), kept with the marker, so that it does not read them again."""
     padding = padding.clone()  # our own object: the registry's weakref must not see the caller's tensor
+    if isinstance(packing, _unpad.Packing):
+        _PADDING_PACKINGS[:] = [(weakref.ref(padding), padding._version, q_length, packing)] + \
+            [e for e in _PADDING_PACKINGS if e[0]() is not None][:3]
     return _registered(padding, (q_length, kv_length, window, int(kv_offset), bool(causal)))
+
+
+# (weakref to a padding marker, its version, q_len, its Packing) of the latest markers: a model with full-attention
+# and sliding-window layers makes two masks a forward, and its layers alternate between them
+_PADDING_PACKINGS: list = []
+_UNREAD = object()  # _padding_packing's answer for a padding the attention function refuses (reads and raises there)
+
+
+def _padding_packing(padding: torch.Tensor, q_length: int):
+    """The sequences of the call's ``[B, kv_length]`` padding as :func:`_unpad.from_padding` reads them (one host
+    read, once a forward: it also tells whether any row is padded at all): a Packing, None when no row has padding,
+    or :data:`_UNREAD` when from_padding refuses the padding (real tokens not one run), which the attention function
+    then reads again and refuses by name: a mask no layer uses raises nothing, as before."""
+    try:
+        return _unpad.from_padding(padding, q_length)
+    except NotImplementedError:
+        return _UNREAD
+
+
+def _marker_packing(mask: torch.Tensor, lq: int):
+    """The Packing the mask interface read for the padding marker ``mask`` on ``lq`` queries (unchanged since), or
+    None."""
+    for ref, version, q_len, packing in _PADDING_PACKINGS:
+        if ref() is mask:
+            return packing if (q_len == lq and mask._version == version) else None
+    return None
 
 
 def _registered(marker: torch.Tensor, band: tuple) -> torch.Tensor:

@@ -76,12 +76,46 @@ def _causal_over(layout: BlockLayout) -> BlockLayout:
 
 
 def causal_block_count(q_len: int, kv_len: int | None = None, *, block_q: int = 128, block_k: int = 128) -> int:
-    """``causal(q_len, kv_len, ...).num_blocks`` in O(Qb), without building the layout: per query
-    block, the key blocks from 0 through its diagonal block (clipped to the grid)."""
+    """``causal(q_len, kv_len, ...).num_blocks`` without building the layout: per query block, the key blocks
+    from 0 through its diagonal block (clipped to the grid), summed in closed form on Python ints (O(log) steps:
+    the transformers integration counts every sequence of every call, a decoding step's included)."""
     q_len, kv_len = lengths(q_len, kv_len)
     nq, nk = grid(q_len, kv_len, block_q, block_k)
-    diag = diagonal_block(torch.arange(nq), q_len, kv_len, block_q, block_k)
-    return int(torch.clamp(torch.clamp(diag, max=nk - 1) + 1, min=0).sum())
+    if nq == 0 or nk == 0:
+        return 0
+    # query block qb < nq - 1 ends at p = (qb + 1) * block_q - 1 + (kv_len - q_len), its diagonal key block
+    # p // block_k; the last one ends at kv_len - 1 (bottom-right), so it visits every key block
+    return _clipped_floor_sum(nq - 1, block_q, block_q - 1 + kv_len - q_len, block_k, nk) + nk
+
+
+def _clipped_floor_sum(n: int, a: int, b: int, m: int, cap: int) -> int:
+    """``sum(min(max((a * i + b) // m + 1, 0), cap) for i in range(n))`` for ``a, m > 0`` in O(log) steps: the
+    terms grow with ``i``, so they are 0 (``a * i + b < 0``), then ``floor + 1``, then ``cap`` on three runs of
+    ``i``."""
+    if n <= 0:
+        return 0
+    lo = min(n, -(b // a)) if b < 0 else 0  # the first i with a * i + b >= 0
+    need = (cap - 1) * m - b  # the first i whose term is cap: a * i + b >= (cap - 1) * m
+    hi = min(n, max(lo, -(-need // a)))
+    return _floor_sum(hi - lo, m, a, a * lo + b) + (hi - lo) + (n - hi) * cap
+
+
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum((a * i + b) // m for i in range(n))`` for ``n >= 0``, ``m > 0``, ``a, b >= 0`` (the Euclid-like
+    reduction)."""
+    total = 0
+    while n > 0:
+        if a >= m:
+            total += (n - 1) * n // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y = a * n + b
+        if y < m:
+            break
+        n, b, m, a = y // m, y % m, a, m
+    return total
 
 
 def mark_causal(layout: BlockLayout) -> BlockLayout:
