@@ -195,6 +195,81 @@ def test_from_padding_places_queries_bottom_right():
     assert bool((p.unpack(packed)[1, 2:] == 0).all())
 
 
+def _padding_by_rows(mask: torch.Tensor, q_len: int):
+    """from_padding's answer read row by row on the host: (rows, q_starts, q_lens, k_starts, k_lens), or "gap" when a
+    row's real tokens are not one run; ``mask`` bool or int8 key states (UNWRITTEN slots last)."""
+    kv_len = int((mask >= 0).sum(1).max()) if mask.dtype != torch.bool else mask.shape[1]
+    q0, got = kv_len - q_len, ([], [], [], [], [])
+    for row, values in enumerate(mask.tolist()):
+        real = [j for j, x in enumerate(values) if x > 0]
+        if real and real != list(range(real[0], real[-1] + 1)):
+            return "gap"
+        if real and real[-1] + 1 > max(real[0], q0):
+            qs = max(real[0], q0)
+            for part, value in zip(got, (row, qs - q0, real[-1] + 1 - qs, real[0], len(real))):
+                part.append(value)
+    return tuple(tuple(part) for part in got)
+
+
+def test_from_padding_matches_a_row_by_row_reading():
+    """Random left / right / both-sided padding, rows with no real token or no real query, key states with unwritten
+    slots, and rows with a gap (refused, naming the row and its first and last real positions)."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        batch, width = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+        written = width if trial % 3 else int(torch.randint(1, width + 1, (1,), generator=g))
+        mask = torch.zeros(batch, width, dtype=torch.int8)
+        for row in range(batch):
+            a, b = sorted(torch.randint(0, written + 1, (2,), generator=g).tolist())
+            mask[row, a:b] = 1
+            if trial % 7 == 0 and b - a > 2:
+                mask[row, a + 1] = 0  # a gap
+        mask[:, written:] = _unpad.UNWRITTEN
+        if written == width and trial % 2:
+            mask = mask > 0  # a bool padding mask
+        q_len = int(torch.randint(1, written + 1, (1,), generator=g))
+        want = _padding_by_rows(mask, q_len)
+        if want == "gap":
+            with pytest.raises(NotImplementedError, match="has padding between real tokens"):
+                _unpad.from_padding(mask, q_len)
+            continue
+        p = _unpad.from_padding(mask, q_len)
+        if bool((mask > 0).all()):
+            assert p is None
+            continue
+        assert (p.rows, p.q_starts, p.q_lens, p.k_starts, p.k_lens) == want, (mask, q_len)
+        assert p.kv_len == written and p.cu_q.tolist() == [0, *torch.tensor(p.q_lens, dtype=torch.int64).cumsum(0)]
+    gap = torch.tensor([[1, 1, 1, 1], [0, 1, 0, 1]], dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match=r"row 1 has padding between real tokens \(2 real tokens spread over "
+                                                  r"positions 1..3\)"):
+        _unpad.from_padding(gap, 1)
+
+
+def test_the_mask_interface_reads_the_padding_once_for_every_layer(monkeypatch):
+    """The padding marker carries the Packing the mask interface read (one host read a forward): the attention
+    function finds it for every layer and reads nothing again, a marker changed in place is read again, and a
+    padding with a gap is refused by the attention function only (a mask no layer runs raises nothing)."""
+    from transformers.masking_utils import causal_mask_function
+    pad = torch.ones(3, 12, dtype=torch.bool)
+    pad[1, :5] = False
+    pad[2, 9:] = False
+    reads = []
+    real_read = _unpad._read_rows
+    monkeypatch.setattr(_unpad, "_read_rows", lambda mask: reads.append(1) or real_read(mask))
+    marker = sat.sparse_attn_mask(3, 1, 12, q_offset=11, mask_function=causal_mask_function, attention_mask=pad)
+    assert len(reads) == 1
+    packing = sat._mask_packing(marker, 1, 12)
+    assert packing is sat._mask_packing(marker, 1, 12) and len(reads) == 1
+    assert (packing.rows, packing.q_lens, packing.k_lens) == ((0, 1), (1, 1), (12, 7))
+    marker[0, 11] = False  # changed in place: the kept Packing is not used
+    assert sat._mask_packing(marker, 1, 12).rows == (1,) and len(reads) == 2
+    gap = pad.clone()
+    gap[0, 4] = False
+    refused = sat.sparse_attn_mask(3, 1, 12, q_offset=11, mask_function=causal_mask_function, attention_mask=gap)
+    with pytest.raises(NotImplementedError, match="row 0 has padding between real tokens"):
+        sat._mask_packing(refused, 1, 12)
+
+
 def test_mask_interface_returns_the_padding_and_keeps_refusing_custom_functions():
     """No padding: None (plain causal). Padding: the [B, Lk] padding of the call's keys, registered with the
     call's band so another call cannot take it. A custom mask function with padding is still materialised,

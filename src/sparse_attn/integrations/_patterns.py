@@ -7,6 +7,7 @@ position ``i + Lk - Lq`` (bottom-right alignment), which is what a KV-cached dec
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections import OrderedDict
@@ -103,7 +104,7 @@ class PatternSpec:
     def is_dense(self) -> bool:
         return isinstance(self.pattern, str) and self.pattern.strip() in ("dense", "causal")
 
-    @property
+    @functools.cached_property  # (in the instance's __dict__, which a frozen dataclass still has: asked every call)
     def keys_by_position(self) -> bool:
         """Whether the layout places keys by their position in the call (streaming's sinks, bigbird's global
         and random blocks, strides, block diagonals, a callable's own rule, adaptive's ``attention_sink``):
@@ -120,6 +121,10 @@ class PatternSpec:
                 _frozen(self.kwargs))
 
     def describe(self) -> str:
+        return self._described
+
+    @functools.cached_property
+    def _described(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.kwargs)
         return f"{self.name}({opts})" if opts else self.name
 
