@@ -3,10 +3,10 @@ take the CUDA path (the kernels' device plan over a padded batch read in place, 
 with every Triton launch a no-op (the stand-in of ``replay_cpu_probe.py``), so what is timed is our Python: the mask
 interface once a forward (``sparse_attn_mask``) and the attention function once a layer (``sparse_attention_forward``),
 each summed over a generate() of a random 4-layer Llama (8 left-padded prompts of 40-300 tokens, heads of 64, fp16 on
-the CPU). The model's outputs are garbage (no kernel runs); only the host path is real. Medians of ROUNDS generates,
+the CPU; ``--one``: the longest prompt alone, whose calls go through attention() rather than a padded batch's path). The model's outputs are garbage (no kernel runs); only the host path is real. Medians of ROUNDS generates,
 microseconds per decoding step (the prefill's calls left out).
 
-    PYTHONPATH=src python benchmarks/hf_host_cpu_probe.py [--rounds 5] [--tokens 48]
+    PYTHONPATH=src:benchmarks python benchmarks/hf_host_cpu_probe.py [--rounds 5] [--tokens 48] [--one]
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def _model():
     return LlamaForCausalLM(cfg).half().eval()
 
 
-def _inputs():
-    lengths = [300, 260, 220, 180, 140, 100, 70, 40]
+def _inputs(one: bool):
+    lengths = [300] if one else [300, 260, 220, 180, 140, 100, 70, 40]
     width = max(lengths)
     x = torch.randint(1, 512, (len(lengths), width), generator=torch.Generator().manual_seed(1))
     mask = torch.zeros_like(x)
@@ -71,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--one", action="store_true", help="one prompt, no padding (attention() calls, not varlen)")
     args = ap.parse_args()
     _stand_in()
     model = _model()
@@ -88,7 +89,7 @@ def main() -> None:
         return call
     AttentionInterface.register(integ.NAME, timed("attention", integ.sparse_attention_forward))
     AttentionMaskInterface.register(integ.NAME, timed("mask", integ.sparse_attn_mask))
-    x, mask = _inputs()
+    x, mask = _inputs(args.one)
     steps = args.tokens - 1
 
     def prefill_done(*_a, **_kw):  # generate()'s first forward is the prefill: time from the second on
