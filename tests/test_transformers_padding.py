@@ -488,3 +488,27 @@ def test_masks_made_in_inference_mode_are_checked():
             sat.check_mask(plain, 12, 12, True, None)
         out, _ = sat.sparse_attention_forward(torch.nn.Module(), q, k, v, padding, scaling=0.25)
     assert bool((out[1, :4] == 0).all()) and torch.isfinite(out).all()
+
+
+def test_mixed_layers_read_each_padding_mask_once_a_forward(monkeypatch):
+    """Gemma 3's sliding-window and full-attention layers get one padding mask each a forward, and its layers alternate
+    between them. Eager padded generate() gives transformers' eager attention's tokens and logits, and each forward
+    reads the padding twice, in the mask interface (one read a mask), never in a layer: the attention function's
+    one-mask cache used to read one mask's rows again at every alternation."""
+    from test_traced_sliding_window import tiny_gemma3
+    x, mask = left_padded([10, 7, 4], 10, seed=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = tiny_gemma3().generate(x, **kwargs)
+        model = tiny_gemma3()
+        enable(model, SparseAttnConfig())
+        reads, forwards = [], []
+        real_read = _unpad._read_rows
+        monkeypatch.setattr(_unpad, "_read_rows", lambda m: reads.append(1) or real_read(m))
+        model.model.register_forward_hook(lambda *_: forwards.append(1))
+        got = model.generate(x, **kwargs)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(forwards) == 6 and len(reads) == 2 * len(forwards), (len(reads), len(forwards))
