@@ -18,28 +18,14 @@ import time
 os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 
 import torch  # noqa: E402
-from replay_cpu_probe import JITFunction  # noqa: E402
+from replay_cpu_probe import install_stand_in  # noqa: E402
 
 from sparse_attn import api  # noqa: E402
-from sparse_attn.ops import fast_launch  # noqa: E402
-from sparse_attn.ops.block_sparse import launch  # noqa: E402
 
 
 def _stand_in() -> None:
-    """Calls on CPU tensors take the kernels' path, whose launches do nothing (replay_cpu_probe's shim)."""
-    shims: dict = {}
-
-    def shimmed(fn):
-        if type(fn).__name__ == "InterpretedFunction":
-            if fn not in shims:
-                shims[fn] = JITFunction(fn)
-            fn = shims[fn]
-        return fast_launch.launcher(fn)
-    launch.launcher = shimmed
-    fast_launch._device = lambda: 0
-    fast_launch._stream = lambda device: 0
-    fast_launch._checked[:] = [True]
-    fast_launch.ENABLED = True
+    """Calls on CPU tensors take the kernels' path, whose launches do nothing (replay_cpu_probe's stand-in)."""
+    install_stand_in()
     api._use_kernels = lambda q: True
 
 

@@ -770,17 +770,17 @@ def _eager_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
             "holds every written key: use the default DynamicCache")
     # key states: the slots after the last query are not written yet; at a replayed step (above) key states even when
     # the buffer is exactly full, so that the compiled step gets one kind of mask at every step (None was a recompile)
-    states = static or (replayable and mask_function in (None, causal_mask_function))
+    as_states = static or (replayable and mask_function in (None, causal_mask_function))
     padding = None  # [B, kv_length] bool where some row has padding among the call's keys
     packing = None  # its sequences as the attention function runs them, read here once (_padding_packing)
     if attention_mask is not None:
         padding = _unpad.call_padding(attention_mask, kv_length, kv_offset)
-        if states:
+        if as_states:
             padding = None if bool(padding.all()) else padding
         else:
             packing = _padding_packing(padding, q_length)
             padding = None if packing is None else padding
-    if states:
+    if as_states:
         device = padding.device if padding is not None else kwargs.get("device") or "cpu"
         states = _unpad.key_states(padding, batch_size, kv_length, q_end, device)
         return _registered(states, (q_length, kv_length, None, int(kv_offset), True))
