@@ -336,8 +336,7 @@ def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
     at padding, and negative at a static cache's slots not written yet (:func:`key_states`), which come after the
     last query; the queries are the ``q_len`` key positions before the first such slot (else before ``Lk``:
     bottom-right). Each row's real tokens must be one contiguous run (left and / or right padding); None when
-    no row has padding. A few reductions and one host read of three numbers a row (five for a mask that is not
-    bool)."""
+    no row has padding. A few reductions and one or two host reads (:func:`_read_rows`)."""
     batch, width = mask.shape
     if width == 0:
         return None
@@ -374,18 +373,22 @@ def from_padding(mask: torch.Tensor, q_len: int) -> Packing | None:
 
 def _read_rows(mask: torch.Tensor) -> tuple[list, list, list, list, list]:
     """Each row's first real token (0 in a row without one), real-token count and sum of real positions, one past its
-    last written slot (:data:`UNWRITTEN` slots come last; ``Lk`` in a bool mask) and its :data:`REFUSED` slots, read
-    in one host copy after six small reductions (ten for a mask that is not bool)."""
+    last written slot (:data:`UNWRITTEN` slots come last; ``Lk`` in a bool mask) and its :data:`REFUSED` slots. A bool
+    mask is read in two steps: its counts (one reduction and a host read, all a batch without padding costs, as a
+    check of ``mask.all()`` did), then, where some row is padded, its first tokens and position sums (a second read,
+    with the GPU idle since the first); any other mask in one read after ten small reductions."""
     batch, width = mask.shape
-    real = mask > 0
-    pos = torch.arange(width, device=mask.device)
-    parts = [real.view(torch.uint8).argmax(1), real.sum(1), (real * pos).sum(1)]
-    if mask.dtype != torch.bool:
-        parts += [(mask >= 0).sum(1), (mask == REFUSED).sum(1)]
-    read = torch.stack(parts).tolist()
     if mask.dtype == torch.bool:
-        read += [[width] * batch, [0] * batch]
-    return tuple(read)
+        counts = mask.sum(1).tolist()
+        if all(c == width for c in counts):
+            return [0] * batch, counts, [width * (width - 1) // 2] * batch, [width] * batch, [0] * batch
+        pos = torch.arange(width, device=mask.device)
+        firsts, pos_sums = torch.stack([mask.view(torch.uint8).argmax(1), (mask * pos).sum(1)]).tolist()
+        return firsts, counts, pos_sums, [width] * batch, [0] * batch
+    real, pos = mask > 0, torch.arange(width, device=mask.device)
+    parts = [real.view(torch.uint8).argmax(1), real.sum(1), (real * pos).sum(1), (mask >= 0).sum(1),
+             (mask == REFUSED).sum(1)]
+    return tuple(torch.stack(parts).tolist())
 
 
 def from_segments(bounds: list[list[int]], length: int) -> Packing:
