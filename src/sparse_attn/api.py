@@ -181,6 +181,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
         ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that may see no key
         gets output 0 and LSE ``-inf``.
     """
+    entry_key = None
+    if (layout is None and quant is None and adaptive is None and pv_threshold is None and return_layout is False
+            and smooth_k is True and quant_granularity == "per_warp" and type(return_lse) is bool):
+        entry_key = _decode_entry_key(q, k, v, causal, scale, return_lse, window, num_sink)
+        if entry_key is not None:  # a decoding call of a geometry seen before: its kept launches, nothing else
+            from .ops.block_sparse import entry
+            out = entry.run(entry_key, q, k, v, return_lse)
+            if out is not None:
+                return out
     check_qkv(q, k, v)
     scale, causal = check_scale(scale), check_causal(causal)
     check_flags(return_lse=return_lse, return_layout=return_layout, smooth_k=smooth_k)
@@ -214,10 +223,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
     from .ops.block_sparse import attention_op, device_plan_attention_op
     grad = needs_grad(q, k, v)
     if layout is None and not grad:  # the kernel plans the default layout's (or the window's) rows itself
-        return device_plan_attention_op(q, k, v, causal, scale=scale, return_lse=return_lse,
-                                        pv_threshold=pv_threshold or 0.0, window=window, num_sink=num_sink)
+        result = device_plan_attention_op(q, k, v, causal, scale=scale, return_lse=return_lse,
+                                          pv_threshold=pv_threshold or 0.0, window=window, num_sink=num_sink)
+        if entry_key is not None:
+            from .ops.block_sparse import entry
+            entry.learn(entry_key, q, k, v)
+        return result
     kernel_layout = _kernel_layout(layout, causal, q.shape[2], k.shape[2], q.device, exact=grad)
     return attention_op(q, k, v, kernel_layout, scale=scale, return_lse=return_lse, pv_threshold=pv_threshold or 0.0)
+
+
+def _decode_entry_key(q, k, v, causal, scale, return_lse, window, num_sink) -> tuple | None:
+    """The key of ops.block_sparse.entry for a forward-only call on the kernels without a layout (a decoding step's),
+    or None (any other call: it takes the checks and the path below)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None  # (a subclass may behave otherwise; anything else fails the checks below)
+    if not _use_kernels(q) or needs_grad(q, k, v):
+        return None
+    from .ops.block_sparse import entry
+    return entry.key(q, k, v, causal, scale, return_lse, window, num_sink)
 
 
 def _check_unused_granularity(quant, granularity) -> None:

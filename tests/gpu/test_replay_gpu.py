@@ -160,3 +160,35 @@ def test_replayed_calls_do_not_grow_memory():
         _unpad.in_place(packing, q, k, v, causal=True)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=1000, num_sink=64, return_lse=True)])
+def test_decoding_calls_served_at_the_api_give_the_bits_of_the_path(monkeypatch, kw):
+    """ops.block_sparse.entry: from a geometry's third call at the latest, sparse_attn.attention runs the kept launches
+    without reaching the op layers, with the path's bits (fresh inputs each call, poisoned memory)."""
+    from sparse_attn.ops import block_sparse
+    from sparse_attn.ops.block_sparse import entry
+    replay.clear()
+    entry.clear()
+    ops = {"n": 0}
+    real = block_sparse.device_plan_attention_op
+
+    def counted(*args, **kwargs):
+        ops["n"] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(block_sparse, "device_plan_attention_op", counted)
+    g = torch.Generator(device="cuda").manual_seed(16)
+    served = []
+    for i in range(5):
+        q, k, v = _randn(g, 2, 32, 1, 128), _randn(g, 2, 8, 7000 + 3, 128), _randn(g, 2, 8, 7003, 128)
+        _poison()
+        before = ops["n"]
+        got = sparse_attn.attention(q, k, v, **kw)
+        served.append(ops["n"] == before)
+        _poison()
+        want = without_replays(lambda: sparse_attn.attention(q, k, v, **kw))
+        got, want = (got, want) if kw.get("return_lse") else ((got,), (want,))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (kw, i)
+    assert served in ([False, True, True, True, True], [False, False, True, True, True]), served
+    replay.clear()
+    entry.clear()

@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -596,11 +597,13 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             block_k, sm_scale, max_q, max_k, seq_step)
     options = dict(scales=scales, quant=quant, out_dtype=out_dtype, pv_threshold=pv_threshold, out=out, lse=lse,
                    k_scale_span=k_scale_span, device_plan=device_plan, window=window, sinks=sinks)
+    _last_key.value = None
     if not (replay.ENABLED and out is None and lse is None and not quant and 0 < max_q <= SMALL_Q_ROWS):
         return _forward(*args, **options)
     inputs = (q, k, v, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k)
     key = replay.key(inputs, (contiguous, n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, out_dtype,
                               pv_threshold, k_scale_span, device_plan, window, sinks, _replay_settings()))
+    _last_key.value = None if key is None else (key, (id(q), id(k), id(v)))
     found = None if key is None else replay.find(key)
     if found is None or found is replay.NEVER or not replay.usable():  # (not usable: a profiler's hook, say)
         return _forward(*args, **options)
@@ -614,10 +617,23 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     return result
 
 
+_last_key = threading.local()  # this thread's last forward's replay key (take_replay_key)
+
+
+def take_replay_key() -> tuple | None:
+    """(replay key, ids of its q, k, v) of this thread's last :func:`forward` since the last take, or None where it
+    computed none (a call the replay does not serve): what ops.block_sparse.entry learns a decoding call's key from
+    (taking it before the call too, so that a call that never reaches :func:`forward` finds none)."""
+    value = getattr(_last_key, "value", None)
+    _last_key.value = None
+    return value
+
+
 def _replay_settings() -> tuple:
     """What the short-query path reads besides its arguments (module settings that probes and tests reassign, the
-    kernels and launcher in use): part of every replay key."""
-    return (FWD_VARIANT, FORCE_INDEXED, FWD_KV_SPLIT, tuple(SPLIT_CONFIG_OVERRIDE.items()), PACK_GQA, PACK_GQA_MAX_ROWS,
+    kernels and launcher in use, deterministic algorithms, which turn the wave order's clock off): part of every
+    replay key."""
+    return (torch.are_deterministic_algorithms_enabled(), FWD_VARIANT, FORCE_INDEXED, FWD_KV_SPLIT, tuple(SPLIT_CONFIG_OVERRIDE.items()), PACK_GQA, PACK_GQA_MAX_ROWS,
             SMALL_Q_ROWS, KV_SPLIT_MAX, KV_SPLIT_MIN_TILES, KV_SPLIT_WAVES, KV_SPLIT_LONG_WAVES,
             KV_SPLIT_LONG_MIN_TILES, ROW_ORDER, SPLIT_GRID_ABOVE, fast_launch.ENABLED, id(kernels.fwd_kernel),
             id(kernels.split_merge_kernel), id(launcher))

@@ -91,6 +91,23 @@ def find(k: tuple):
     return RECORD if found is SEEN or found is RETRY else found
 
 
+def kept(k: tuple) -> Recipe | None:
+    """The :class:`Recipe` kept for key ``k`` (a hit, as :func:`find` counts one), or None without a side effect: for
+    a caller that takes the path otherwise, which then finds the key itself (ops.block_sparse.entry)."""
+    found = _cache._plans.get(k)
+    if type(found) is not Recipe:
+        return None
+    _cache.find(k)  # now the most recently used
+    _misses[0] = 0
+    return found
+
+
+def streaking() -> bool:
+    """Whether new geometries came :data:`MISS_STREAK` times in a row (a cache growing under one call a step):
+    nothing is recorded at first sight then, and nothing replays."""
+    return _misses[0] >= MISS_STREAK
+
+
 def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, result: tuple) -> None:
     """Keep the recipe of a call recorded under key ``k``: its ``inputs``, the buffers it allocated (``allocs``), the
     fast launches it made (``launches``, of which it meant to make ``expected``) and its ``result`` (out, lse), two
