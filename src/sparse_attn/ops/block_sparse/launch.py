@@ -633,10 +633,11 @@ def _replay_settings() -> tuple:
     """What the short-query path reads besides its arguments (module settings that probes and tests reassign, the
     kernels and launcher in use, deterministic algorithms, which turn the wave order's clock off): part of every
     replay key."""
-    return (torch.are_deterministic_algorithms_enabled(), FWD_VARIANT, FORCE_INDEXED, FWD_KV_SPLIT, tuple(SPLIT_CONFIG_OVERRIDE.items()), PACK_GQA, PACK_GQA_MAX_ROWS,
-            SMALL_Q_ROWS, KV_SPLIT_MAX, KV_SPLIT_MIN_TILES, KV_SPLIT_WAVES, KV_SPLIT_LONG_WAVES,
-            KV_SPLIT_LONG_MIN_TILES, ROW_ORDER, SPLIT_GRID_ABOVE, fast_launch.ENABLED, id(kernels.fwd_kernel),
-            id(kernels.split_merge_kernel), id(launcher))
+    return (torch.are_deterministic_algorithms_enabled(), FWD_VARIANT, FORCE_INDEXED, FWD_KV_SPLIT,
+            tuple(SPLIT_CONFIG_OVERRIDE.items()), PACK_GQA, PACK_GQA_MAX_ROWS, SMALL_Q_ROWS, KV_SPLIT_MAX,
+            KV_SPLIT_MIN_TILES, KV_SPLIT_WAVES, KV_SPLIT_LONG_WAVES, KV_SPLIT_LONG_MIN_TILES, ROW_ORDER,
+            SPLIT_GRID_ABOVE, fast_launch.ENABLED, id(kernels.fwd_kernel), id(kernels.split_merge_kernel),
+            id(launcher))
 
 
 def _forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: bool, terms, n_terms: int,
