@@ -13,7 +13,7 @@ from test_replay import compiled, interpreted  # noqa: F401 -- the fixture, used
 import sparse_attn
 from sparse_attn import api
 from sparse_attn.ops.block_sparse import entry, launch, replay
-from sparse_attn.testing import without_replays
+from sparse_attn.testing import count_op_calls, without_replays
 
 
 @pytest.fixture
@@ -22,15 +22,7 @@ def ops(compiled, monkeypatch):  # noqa: F811
     reached the op layers (``ops["n"]``: not served by the entry)."""
     monkeypatch.setattr(api, "_use_kernels", lambda q: True)
     entry.clear()
-    counts = {"n": 0}
-    from sparse_attn.ops import block_sparse
-    real = block_sparse.device_plan_attention_op
-
-    def counted(*args, **kw):
-        counts["n"] += 1
-        return real(*args, **kw)
-    monkeypatch.setattr(block_sparse, "device_plan_attention_op", counted)
-    yield counts
+    yield count_op_calls(monkeypatch)
     entry.clear()
 
 

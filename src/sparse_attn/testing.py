@@ -249,14 +249,24 @@ def count_forward_paths(monkeypatch) -> dict:
     """Counts the calls that take launch.forward's own path (not replayed) in ``counts["path"]`` from now on, through
     pytest's ``monkeypatch`` (undone after the test)."""
     from .ops.block_sparse import launch
+    return _count_calls(monkeypatch, launch, "_forward", "path")
 
-    counts = {"path": 0}
-    real = launch._forward
+
+def count_op_calls(monkeypatch) -> dict:
+    """Counts the calls of sparse_attn.attention that reach the device-plan op (not served by
+    ops.block_sparse.entry) in ``counts["n"]`` from now on, as :func:`count_forward_paths`."""
+    from .ops import block_sparse
+    return _count_calls(monkeypatch, block_sparse, "device_plan_attention_op", "n")
+
+
+def _count_calls(monkeypatch, owner, name: str, label: str) -> dict:
+    counts = {label: 0}
+    real = getattr(owner, name)
 
     def counted(*args, **kw):
-        counts["path"] += 1
+        counts[label] += 1
         return real(*args, **kw)
-    monkeypatch.setattr(launch, "_forward", counted)
+    monkeypatch.setattr(owner, name, counted)
     return counts
 
 

@@ -15,6 +15,7 @@ from sparse_attn.testing import (
     assert_close_to_oracle,
     capture_graph,
     count_forward_paths,
+    count_op_calls,
     oracle_attention,
     reference_attention,
     without_replays,
@@ -166,17 +167,10 @@ def test_replayed_calls_do_not_grow_memory():
 def test_decoding_calls_served_at_the_api_give_the_bits_of_the_path(monkeypatch, kw):
     """ops.block_sparse.entry: from a geometry's third call at the latest, sparse_attn.attention runs the kept launches
     without reaching the op layers, with the path's bits (fresh inputs each call, poisoned memory)."""
-    from sparse_attn.ops import block_sparse
     from sparse_attn.ops.block_sparse import entry
     replay.clear()
     entry.clear()
-    ops = {"n": 0}
-    real = block_sparse.device_plan_attention_op
-
-    def counted(*args, **kwargs):
-        ops["n"] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(block_sparse, "device_plan_attention_op", counted)
+    ops = count_op_calls(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(16)
     served = []
     for i in range(5):
