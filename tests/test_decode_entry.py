@@ -158,3 +158,26 @@ def test_a_call_whose_inputs_the_prologue_copies_is_never_served(ops):
         got = sparse_attn.attention(q, k, v, causal=True)
         assert ops["n"] == before + 1, i
         assert torch.equal(got, without_replays(lambda: sparse_attn.attention(q, k, v, causal=True))), i
+
+
+@interpreted
+def test_only_the_device_plans_inputs_are_learnt(ops, monkeypatch):
+    """run() hands a recipe the inputs the device plan passes (one int32 stand-in in the six schedule places, no
+    offsets): a replay key recorded over other inputs is not learnt, and the call then always reaches the op."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = _qkv(g)
+    sparse_attn.attention(q, k, v, causal=True)
+    assert len(entry._keys) == 1
+    entry.clear()
+    real = launch.take_replay_key
+
+    def other_inputs():
+        last = real()
+        if last is None:
+            return None
+        (parts, *rest), ids = last
+        return (parts[:9] + (parts[3], None), *rest), ids  # as if offsets had been passed
+    monkeypatch.setattr(launch, "take_replay_key", other_inputs)
+    for _ in range(3):
+        sparse_attn.attention(*_qkv(g), causal=True)
+    assert len(entry._keys) == 0

@@ -63,9 +63,13 @@ def run(k: tuple, q, kk, v, return_lse):
 
 def learn(k: tuple, q, kk, v) -> None:
     """After the path ran the call of key ``k``: remember the replay key ``launch.forward`` computed for it, if it
-    ran on these very tensors (the op's prologue copies a tensor whose head dim is not unit-stride)."""
+    ran on these very tensors (the op's prologue copies a tensor whose head dim is not unit-stride) with the other
+    inputs :func:`run` hands the recipe: one int32 ``[1]`` stand-in in the six schedule places, no offsets."""
     last = launch.take_replay_key()
-    if last is not None and last[1] == (id(q), id(kk), id(v)):
+    if last is None or last[1] != (id(q), id(kk), id(v)):
+        return
+    stand_in = (torch.Size([1]), (1,), torch.int32, q.device, True)
+    if last[0][0][3:] == (stand_in, 3, 3, 3, 3, 3, None, None):
         _keys.put(k, last[0])
 
 
