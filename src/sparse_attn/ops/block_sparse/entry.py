@@ -27,10 +27,6 @@ _keys = PlanCache(replay.MAX_KEPT)  # this module's key -> the launch's replay k
 _stand_ins: dict = {}  # device -> the int32 stand-in the device plan passes for its schedule (never read)
 
 
-def _geometry(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
-
-
 def key(q, k, v, causal, scale, return_lse, window, num_sink) -> tuple | None:
     """This call's key, or None where the entry does not serve it (the caller takes its path)."""
     if not replay.ENABLED or replay.streaking():
@@ -45,8 +41,8 @@ def key(q, k, v, causal, scale, return_lse, window, num_sink) -> tuple | None:
     if q.is_cuda and torch.cuda.is_current_stream_capturing():  # (the stand-in is allocated outside captures)
         return None
     launch.take_replay_key()  # an earlier call's, left where its path computed one and nothing took it
-    return (_geometry(q), _geometry(k), _geometry(v), k is q, v is q, v is k, causal, scale, bool(return_lse),
-            window, num_sink, launch._replay_settings(), fast_launch._device() if q.is_cuda else None)
+    return (replay.geometry(q), replay.geometry(k), replay.geometry(v), k is q, v is q, v is k, causal, scale,
+            bool(return_lse), window, num_sink, launch._replay_settings(), fast_launch._device() if q.is_cuda else None)
 
 
 def run(k: tuple, q, kk, v, return_lse):
@@ -68,8 +64,7 @@ def learn(k: tuple, q, kk, v) -> None:
     last = launch.take_replay_key()
     if last is None or last[1] != (id(q), id(kk), id(v)):
         return
-    stand_in = (torch.Size([1]), (1,), torch.int32, q.device, True)
-    if last[0][0][3:] == (stand_in, 3, 3, 3, 3, 3, None, None):
+    if last[0][0][3:] == (replay.geometry(_stand_in(q.device)), 3, 3, 3, 3, 3, None, None):
         _keys.put(k, last[0])
 
 

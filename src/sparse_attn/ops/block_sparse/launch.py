@@ -597,7 +597,6 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
             block_k, sm_scale, max_q, max_k, seq_step)
     options = dict(scales=scales, quant=quant, out_dtype=out_dtype, pv_threshold=pv_threshold, out=out, lse=lse,
                    k_scale_span=k_scale_span, device_plan=device_plan, window=window, sinks=sinks)
-    _last_key.value = None
     if not (replay.ENABLED and out is None and lse is None and not quant and 0 < max_q <= SMALL_Q_ROWS):
         return _forward(*args, **options)
     inputs = (q, k, v, counts, n_full, full_start, indices, mask_ids, terms, cu_q, cu_k)

@@ -69,11 +69,16 @@ def key(inputs: tuple, scalars: tuple) -> tuple | None:
         if j != i:  # the same tensor as input j (the device plan's stand-ins: five places, one tensor)
             parts.append(j)
         elif type(t) is torch.Tensor:
-            parts.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0))
+            parts.append(geometry(t))
         else:
             return None
     # fast launches keep their kernels per current device (CPU tensors: the interpreter, no device)
     return tuple(parts), scalars, fast_launch._device() if inputs[0].is_cuda else None
+
+
+def geometry(t: torch.Tensor) -> tuple:
+    """What a key holds of a tensor: shape, strides, dtype, device and 16-byte alignment."""
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
 def find(k: tuple):
