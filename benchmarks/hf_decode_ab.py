@@ -4,7 +4,7 @@ one process, and where a decoding step's host time goes (cProfile, top functions
     python benchmarks/hf_decode_ab.py --out $OUT/hf-decode-ab.json [--window 1024] [--num-sink 64] [--rounds 3]
         [--prompts padded|one] [--no-profile] [--cache dynamic|static] [--impls dense,banded,sdpa]
         [--layers 4] [--hidden 2048] [--kv-heads 0] [--scale 1] [--sliding-window 0]
-        [--profile-sort tottime|cumtime] [--profile-filter REGEX] [--profile-lines 25] [--replay-ab]
+        [--profile-sort tottime|cumtime] [--profile-filter REGEX] [--profile-lines 25] [--replay-ab] [--entry-ab]
 
 ``--num-sink S`` runs ``streaming`` (window + S sinks) instead of ``local``. ``--cache static`` passes
 ``cache_implementation="static"``, with which transformers compiles the decoding step by itself on CUDA (inductor,
@@ -71,6 +71,10 @@ def main() -> None:
     ap.add_argument("--replay-ab", action="store_true",
                     help="also time each sparse_attn model with ops.block_sparse.replay off (NAME-noreplay), "
                          "alternated with the others in each round")
+    ap.add_argument("--entry-ab", action="store_true",
+                    help="also time each sparse_attn model with the replay entry (ops.block_sparse.entry: at "
+                         "attention() and at a padded batch's in-place call) off (NAME-noentry; the replay inside "
+                         "launch.forward stays on), alternated likewise")
     args = ap.parse_args()
     x, mask = padded_inputs(args.scale)
     if args.prompts == "one":  # the longest prompt, no padding
@@ -91,25 +95,29 @@ def main() -> None:
     static = {"cache_implementation": "static"} if args.cache == "static" else {}
     gen = lambda m, n=64: m.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                      **static)
-    from sparse_attn.ops.block_sparse import replay
-    runs = [(name, m, True) for name, m in models.items()]
+    from sparse_attn.ops.block_sparse import entry, replay
+    entry_key = entry.key
+    runs = [(name, m, True, True) for name, m in models.items()]  # (name, model, replay on, entry on)
     if args.replay_ab:
-        runs += [(name + "-noreplay", m, False) for name, m in models.items() if name != "sdpa"]
-    times: dict = {name: {"generate": [], "prefill": []} for name, _, _ in runs}
+        runs += [(name + "-noreplay", m, False, True) for name, m in models.items() if name != "sdpa"]
+    if args.entry_ab:
+        runs += [(name + "-noentry", m, True, False) for name, m in models.items() if name != "sdpa"]
+    times: dict = {name: {"generate": [], "prefill": []} for name, *_ in runs}
     with torch.no_grad():
         for m in models.values():
             gen(m)
             if static:
                 gen(m, 1)
         for _ in range(args.rounds):
-            for name, m, replayed in runs:
+            for name, m, replayed, entered in runs:
                 replay.ENABLED = replayed
+                entry.key = entry_key if entered else (lambda *a: None)
                 times[name]["generate"].append(_ms(lambda m=m: gen(m)))
                 if static:  # one generated token: the prefill alone (its logits give the token)
                     times[name]["prefill"].append(_ms(lambda m=m: gen(m, 1)))
                 else:
                     times[name]["prefill"].append(_ms(lambda m=m: m(x, attention_mask=mask, use_cache=True)))
-        replay.ENABLED = True
+        replay.ENABLED, entry.key = True, entry_key
         profiles = {}
         for name, m in ({} if args.no_profile else models).items():
             pr = cProfile.Profile()

@@ -181,3 +181,130 @@ def test_only_the_device_plans_inputs_are_learnt(ops, monkeypatch):
     for _ in range(3):
         sparse_attn.attention(*_qkv(g), causal=True)
     assert len(entry._keys) == 0
+
+
+def _padded_step(g, lengths, h=4, hkv=2, d=32, free_row=False):
+    """A left-padded decoding step as the transformers integration runs it: (packing, q, k, v); ``free_row``: the
+    last row's newest slot is padding (a row that has stopped), so its query is free."""
+    from sparse_attn.integrations import _unpad
+    lk = max(lengths) + 1
+    mask = torch.zeros(len(lengths), lk, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        mask[row, lk - n - 1:] = True
+    if free_row:
+        mask[-1, -1] = False
+    b = len(lengths)
+    q = torch.randn(b, 1, h, d, generator=g).half().transpose(1, 2)  # as models make queries
+    k, v = (torch.randn(b, hkv, lk, d, generator=g).half() for _ in range(2))
+    return _unpad.from_padding(mask, 1), q, k, v
+
+
+def _in_place(packing, q, k, v, **kw):
+    from sparse_attn.integrations import _unpad
+    return _unpad.in_place(packing, q, k, v, **kw)
+
+
+@interpreted
+@pytest.mark.parametrize("kw,free_row", [(dict(causal=True), False), (dict(causal=True), True),
+                                         (dict(causal=True, window=100, num_sink=20, scale=0.2), False)])
+def test_a_padded_step_s_later_layers_are_served_with_the_path_s_bits(compiled, monkeypatch, kw, free_row):  # noqa: F811
+    """integrations._unpad.in_place: a decoding step's layers share one Packing and one geometry; from the call after
+    the one that recorded, the entry runs the kept launches (the varlen op is not reached), each result equal bit for
+    bit to the path's on fresh random tensors, zeros at a free query."""
+    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
+    ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
+    g = torch.Generator().manual_seed(21)
+    packing = _padded_step(g, [250, 120, 33], free_row=free_row)[0]
+    for i in range(5):
+        q, k, v = _padded_step(g, [250, 120, 33], free_row=free_row)[1:]
+        before = ops["n"]
+        got = _in_place(packing, q, k, v, **kw)
+        served = ops["n"] == before
+        want = without_replays(lambda: _in_place(packing, q, k, v, **kw))
+        assert torch.equal(got, want), (kw, i)
+        assert served == (i >= 2), (kw, i)
+        assert free_row == (got[-1] == 0).all().item()
+
+
+@interpreted
+def test_what_a_padded_step_learnt_stays_with_its_batch(compiled, monkeypatch):  # noqa: F811
+    """The entry keeps what it learnt on the Packing: the next step's batch (other lengths, the same tensor geometry)
+    and a call of another geometry on the same batch both reach the op again, with the path's bits."""
+    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
+    ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
+    g = torch.Generator().manual_seed(22)
+    packing, q, k, v = _padded_step(g, [250, 120, 33])
+    for _ in range(3):
+        _in_place(packing, q, k, v, causal=True)
+    before = ops["n"]
+    _in_place(packing, q, k, v, causal=True)
+    assert ops["n"] == before  # served
+    other, q2, k2, v2 = _padded_step(g, [250, 100, 53])  # the same geometry, other sequences
+    mha = _padded_step(g, [250, 120, 33], hkv=4)[1:]  # four kv heads: another geometry on this batch
+    for p, inputs in ((other, (q2, k2, v2)), (packing, mha)):
+        before = ops["n"]
+        got = _in_place(p, *inputs, causal=True)
+        assert ops["n"] == before + 1
+        assert torch.equal(got, without_replays(lambda: _in_place(p, *inputs, causal=True)))
+
+
+@interpreted
+def test_a_padded_step_whose_views_are_copies_is_never_served(compiled, monkeypatch):  # noqa: F811
+    """A key / value that token_view cannot place is copied first, so the path's launches read the copies: the
+    entry learns nothing there, and every call reaches the op with the path's bits."""
+    from sparse_attn.integrations import _unpad
+    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
+    ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
+    g = torch.Generator().manual_seed(23)
+    packing, q, k, v = _padded_step(g, [250, 120, 33])
+    lk = k.shape[2]
+    for i in range(4):
+        # rows 8 elements apart beyond their tokens: a batch stride of no whole number of token strides
+        k, v = (torch.randn(3, lk * 64 + 8, generator=g).half()[:, :lk * 64].unflatten(1, (2, lk, 32))
+                for _ in range(2))
+        assert _unpad.token_view(k) is None
+        before = ops["n"]
+        got = _in_place(packing, q, k, v, causal=True)
+        assert ops["n"] == before + 1, i
+        assert torch.equal(got, without_replays(lambda: _in_place(packing, q, k, v, causal=True))), i
+
+
+@interpreted
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_served_results_are_never_scratch(ops, monkeypatch, return_lse):
+    """replay.run reuses the stream's scratch for what a call does not return (split-KV parts; the LSE where it is
+    dropped): results kept from earlier served calls stay as they were after later ones, with the path's bits. The
+    key walk is split in three (the interpreter has no SMs for the automatic count)."""
+    monkeypatch.setattr(launch, "FWD_KV_SPLIT", "3")
+    g = torch.Generator().manual_seed(8)
+    kept, served = [], []
+    for i in range(6):
+        q, k, v = _qkv(g, lk=1000)
+        before = ops["n"]
+        got = sparse_attn.attention(q, k, v, causal=True, return_lse=return_lse)
+        served.append(ops["n"] == before)
+        want = without_replays(lambda: sparse_attn.attention(q, k, v, causal=True, return_lse=return_lse))
+        kept.append((got, want))
+    assert served == [False, False, True, True, True, True]
+    assert any(len(r.allocs) == 4 for r in replay._kept.values() if isinstance(r, replay.Recipe))  # split
+    for got, want in kept:
+        got, want = (got, want) if return_lse else ((got,), (want,))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(replay._scratch) == (2 if return_lse else 3)
+
+
+@interpreted
+def test_replay_clear_forgets_the_recipes_the_entry_holds(ops):
+    """The entry holds its recipes (no replay key hashed a served call); replay.clear() still makes the next call of
+    a served geometry reach the op."""
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        sparse_attn.attention(*_qkv(g), causal=True)
+    before = ops["n"]
+    sparse_attn.attention(*_qkv(g), causal=True)
+    assert ops["n"] == before
+    replay.clear()
+    q, k, v = _qkv(g)
+    got = sparse_attn.attention(q, k, v, causal=True)
+    assert ops["n"] == before + 1
+    assert torch.equal(got, without_replays(lambda: sparse_attn.attention(q, k, v, causal=True)))

@@ -252,11 +252,12 @@ def count_forward_paths(monkeypatch) -> dict:
     return _count_calls(monkeypatch, launch, "_forward", "path")
 
 
-def count_op_calls(monkeypatch) -> dict:
-    """Counts the calls of sparse_attn.attention that reach the device-plan op (not served by
-    ops.block_sparse.entry) in ``counts["n"]`` from now on, as :func:`count_forward_paths`."""
+def count_op_calls(monkeypatch, op: str = "device_plan_attention_op") -> dict:
+    """Counts the calls that reach the device-plan op ``op`` of ops.block_sparse (not served by ops.block_sparse.entry)
+    in ``counts["n"]`` from now on, as :func:`count_forward_paths`: sparse_attn.attention's, or with
+    ``"varlen_device_plan_op"`` a padded batch's in place (integrations._unpad.in_place)."""
     from .ops import block_sparse
-    return _count_calls(monkeypatch, block_sparse, "device_plan_attention_op", "n")
+    return _count_calls(monkeypatch, block_sparse, op, "n")
 
 
 def _count_calls(monkeypatch, owner, name: str, label: str) -> dict:

@@ -125,7 +125,8 @@ def test_repeated_split_calls_do_not_grow_memory():
     layout = _layout("window", 1, 30000, 32)
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 8, 30000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    sparse_attn.attention(q, k, v, layout)
+    for _ in range(3):  # the kernels' first launch, the recording, the first replay (which takes its scratch)
+        sparse_attn.attention(q, k, v, layout)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for _ in range(20):

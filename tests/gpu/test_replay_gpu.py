@@ -186,3 +186,34 @@ def test_decoding_calls_served_at_the_api_give_the_bits_of_the_path(monkeypatch,
     assert served in ([False, True, True, True, True], [False, False, True, True, True]), served
     replay.clear()
     entry.clear()
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=1000, num_sink=64)])
+def test_a_padded_step_s_layers_served_by_the_entry_give_the_bits_of_the_path(monkeypatch, kw):
+    """integrations._unpad.in_place through ops.block_sparse.entry: one Packing for a step's layers (a stopped row
+    whose query is free among them); from the third call at the latest the kept launches run without reaching the
+    varlen op, with the path's bits and zeros at the free query (fresh inputs each call, poisoned memory)."""
+    from sparse_attn.ops.block_sparse import entry
+    replay.clear()
+    ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
+    g = torch.Generator(device="cuda").manual_seed(17)
+    lengths = [4096, 3500, 1000, 512, 2]
+    mask = torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.bool, device="cuda")
+    for row, n in enumerate(lengths):
+        mask[row, max(lengths) - n:] = True
+    mask[1, -1] = False  # row 1 has stopped: its query is free
+    packing = _unpad.from_padding(mask, 1)
+    served = []
+    for i in range(5):
+        q, k, v = _padded(g, lengths, 32, 8, 128)[1:]
+        _poison()
+        before = ops["n"]
+        got = _unpad.in_place(packing, q, k, v, **kw)
+        served.append(ops["n"] == before)
+        _poison()
+        want = without_replays(lambda: _unpad.in_place(packing, q, k, v, **kw))
+        assert torch.equal(got, want), (kw, i)
+        assert (got[1] == 0).all() and not got.isnan().any(), (kw, i)
+    assert served in ([False, True, True, True, True], [False, False, True, True, True]), served
+    replay.clear()
+    entry.clear()

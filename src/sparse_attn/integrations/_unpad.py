@@ -162,15 +162,42 @@ def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: to
     the queries no sequence holds; each sequence as :func:`sparse_attn.varlen_attention` runs it on its packed
     tokens (the kernels' device plan over (start, end) token pairs). None where that plan does not run (the
     CPU, gradients, a torch.compile trace): the caller packs then. A query or key / value that
-    :func:`token_view` cannot place is copied once to ``[B, L, H, D]``."""
+    :func:`token_view` cannot place is copied once to ``[B, L, H, D]``. A decoding step's later layers (one
+    geometry on one batch) run what its first layer launched, directly (ops.block_sparse.entry; kept on the
+    Packing, which is the step's)."""
     from .. import api
+    from ..ops.block_sparse import entry
     if packing.rows is None or not api._varlen_device_plan(query, key, value, None, None, None):
         return None
+    entry_key = entry.key(query, key, value, causal, scale, False, window, num_sink)
+    kept = None if entry_key is None else packing._built.get(("entry", entry_key))
+    if kept is not None:  # a decoding step's later layer: the first one's launches, nothing else
+        out = _run_kept(kept, query, key, value)
+        if out is not None:
+            return out
     views = _token_views(query, key, value)
     q_pairs, k_pairs = packing.pairs_on(query.device, views[1], views[3])
     free = packing.free_queries_on(query.device)
-    return _run_pairs(query, views, q_pairs, k_pairs, packing.max_q, packing.max_k, free, causal, window, num_sink,
-                      scale)
+    out = _run_pairs(query, views, q_pairs, k_pairs, packing.max_q, packing.max_k, free, causal, window, num_sink,
+                     scale)
+    q, _, k, _, v = views
+    if entry_key is not None and (q.data_ptr(), k.data_ptr(), v.data_ptr()) == (
+            query.data_ptr(), key.data_ptr(), value.data_ptr()):  # views, not copies: as_strided makes them again
+        learnt = entry.learn_pairs((q, k, v), q_pairs, k_pairs)
+        if learnt is not None:
+            placed = tuple((tuple(t.shape), t.stride()) for t in (q, k, v))
+            packing._built["entry", entry_key] = (learnt, placed, q_pairs, k_pairs, free)
+    return out
+
+
+def _run_kept(kept: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+    """:func:`in_place` through what its first call of this geometry on this batch learnt (ops.block_sparse.entry):
+    the same token views (the geometry fixes them), pairs and launches; None where the recipe is gone."""
+    from ..ops.block_sparse import entry
+    learnt, placed, q_pairs, k_pairs, free = kept
+    views = tuple(t.as_strided(*p) for t, p in zip((query, key, value), placed))
+    out = entry.run_pairs(learnt, views, q_pairs, k_pairs)
+    return None if out is None else _unpacked(out, free, query)
 
 
 def row_spans(mask: torch.Tensor, lq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,7 +274,13 @@ def _run_pairs(query: torch.Tensor, views: tuple, q_pairs: torch.Tensor, k_pairs
     q, _, k, _, v = views
     out = varlen_device_plan_op(q, k, v, q_pairs, k_pairs, max_q, max_k, causal, scale=scale, window=window,
                                 num_sink=num_sink, seq_step=2)
-    if free is not None:  # the kernels write only the pairs' queries
+    return _unpacked(out, free, query)
+
+
+def _unpacked(out: torch.Tensor, free: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``[B * Lq, Hq, Dv]`` over the query's token view as ``[B, Lq, Hq, Dv]``, zeros at the ``free``
+    queries (the kernels write only the pairs')."""
+    if free is not None:
         out.masked_fill_(free, 0.0)
     return out.view(query.shape[0], query.shape[2], *out.shape[1:])
 

@@ -6,7 +6,9 @@ half of the call's host time on the H200 (benchmarks/NOTES.md, "The integration'
 Each of those steps is a function of the call's geometry and arguments alone. So the first call of a geometry takes
 them, and ``launch.forward`` reports the replay key it computed (:func:`launch.take_replay_key`); the geometry's
 later calls (a model's other layers within a step) look that key up here, by their own arguments, and run the kept
-recipe (:func:`replay.kept`) directly: the same kernels on the same arguments as the path, so the same bits.
+recipe (:func:`replay.kept`, then held in a :class:`Learnt`) directly: the same kernels on the same arguments as the
+path, so the same bits. A padded batch's in-place call (integrations._unpad.in_place) is served the same way, what it
+learns kept on the batch's Packing (:func:`learn_pairs`, :func:`run_pairs`).
 
 The key here holds what those steps read: the three inputs' shapes, strides, dtypes, devices and 16-byte alignment,
 which of them are one tensor, the call's ``causal`` / ``scale`` / ``return_lse`` / ``window`` / ``num_sink``, the
@@ -23,12 +25,15 @@ from ...plan_cache import PlanCache
 from .. import fast_launch
 from . import launch, replay
 
-_keys = PlanCache(replay.MAX_KEPT)  # this module's key -> the launch's replay key
+_keys = PlanCache(replay.MAX_KEPT)  # this module's key -> its Learnt
 _stand_ins: dict = {}  # device -> the int32 stand-in the device plan passes for its schedule (never read)
 
 
 def key(q, k, v, causal, scale, return_lse, window, num_sink) -> tuple | None:
-    """This call's key, or None where the entry does not serve it (the caller takes its path)."""
+    """This call's key, or None where the entry does not serve it (the caller takes its path). Also the key of a
+    padded batch's in-place call (integrations._unpad.in_place, ``return_lse`` False: :func:`learn_pairs`), whose
+    caller keeps what it learns per batch (the Packing, where the pairs, ``max_q`` / ``max_k`` and the free queries
+    are fixed), so the key needs only the call's own geometry and arguments there too."""
     if not replay.ENABLED or replay.streaking():
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
@@ -45,15 +50,32 @@ def key(q, k, v, causal, scale, return_lse, window, num_sink) -> tuple | None:
             bool(return_lse), window, num_sink, launch._replay_settings(), fast_launch._device() if q.is_cuda else None)
 
 
+class Learnt:
+    """What the entry keeps for a key: the launch's replay key and, once :mod:`.replay` has kept its recipe, the
+    recipe itself, so that a served call hashes no replay key (its ~90 parts took 4.5 us a call on the H200)."""
+    __slots__ = ("launch_key", "recipe", "generation")
+
+    def __init__(self, launch_key: tuple):
+        self.launch_key, self.recipe, self.generation = launch_key, None, replay.generation()
+
+    def recipe_now(self) -> replay.Recipe | None:
+        """The recipe to run now, or None (not recorded yet, or forgotten by replay.clear())."""
+        if self.recipe is not None and replay.fresh(self.generation):
+            replay.hit()
+            return self.recipe
+        self.recipe, self.generation = replay.kept(self.launch_key), replay.generation()
+        return self.recipe
+
+
 def run(k: tuple, q, kk, v, return_lse):
     """The call of key ``k`` (from :func:`key`) through its kept recipe, or None (not learnt, not kept, or replay
     unusable now)."""
-    launch_key = _keys.find(k)
-    recipe = None if launch_key is None else replay.kept(launch_key)
+    learnt = _keys.find(k)
+    recipe = None if learnt is None else learnt.recipe_now()
     if recipe is None or not replay.usable():
         return None
     st = _stand_in(q.device)
-    out, lse = replay.run(recipe, (q, kk, v, st, st, st, st, st, st, None, None), q.device)
+    out, lse = replay.run(recipe, (q, kk, v, st, st, st, st, st, st, None, None), q.device, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -65,7 +87,31 @@ def learn(k: tuple, q, kk, v) -> None:
     if last is None or last[1] != (id(q), id(kk), id(v)):
         return
     if last[0][0][3:] == (replay.geometry(_stand_in(q.device)), 3, 3, 3, 3, 3, None, None):
-        _keys.put(k, last[0])
+        _keys.put(k, Learnt(last[0]))
+
+
+def learn_pairs(views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor) -> Learnt | None:
+    """After the in-place path ran on token ``views`` (q, k, v) with these pairs: what to keep for the call (the
+    launch's replay key), if ``launch.forward`` computed one over exactly these tensors (the pairs in the schedule's
+    six places and as the query offsets, the key pairs as the key offsets), else None."""
+    last = launch.take_replay_key()
+    if last is None or last[1] != (id(views[0]), id(views[1]), id(views[2])):
+        return None
+    if last[0][0][3:] != (replay.geometry(q_pairs), 3, 3, 3, 3, 3, 3, replay.geometry(k_pairs)):
+        return None
+    return Learnt(last[0])
+
+
+def run_pairs(learnt: Learnt, views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor):
+    """The in-place call through ``learnt``'s recipe (from :func:`learn_pairs`): its output, packed ``[T, Hq, Dv]``
+    over the query view's tokens, or None (not kept, or replay unusable now)."""
+    recipe = learnt.recipe_now()
+    if recipe is None or not replay.usable():
+        return None
+    q, k, v = views
+    out, _ = replay.run(recipe, (q, k, v, q_pairs, q_pairs, q_pairs, q_pairs, q_pairs, q_pairs, q_pairs, k_pairs),
+                        q.device, lse_wanted=False)
+    return out
 
 
 def _stand_in(device: torch.device) -> torch.Tensor:

@@ -44,6 +44,11 @@ NEVER = "never"  # a geometry whose recording was incomplete (for good)
 _cache = PlanCache(MAX_KEPT)  # key -> Recipe, SEEN, RETRY or NEVER, least recently used dropped
 _kept = _cache._plans  # the table itself (tests read it)
 _misses = [0]  # new geometries in a row (one count for all threads: a heuristic, races only blur it)
+_generation = [0]  # moved by clear(): a recipe a caller kept from an earlier generation is not run (fresh())
+MAX_SCRATCH = 8  # a few geometries' (a model's full and sliding-window layers alternate)
+# (device, stream, slot, shape, dtype) -> a buffer a recipe's launches use and nothing returns (split-KV parts, an LSE
+# the caller drops): launches on one stream run in order, so each call on that stream may reuse it
+_scratch = PlanCache(MAX_SCRATCH)
 
 
 class Recipe(NamedTuple):
@@ -156,12 +161,22 @@ def usable() -> bool:
     return ENABLED and fast_launch.ENABLED and not fast_launch._hooked()
 
 
-def run(recipe: Recipe, inputs: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch ``recipe`` on this call's ``inputs`` (those of its key): (out, lse)."""
+def run(recipe: Recipe, inputs: tuple, device: torch.device, lse_wanted: bool = True
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch ``recipe`` on this call's ``inputs`` (those of its key): (out, lse). The buffers the call does not
+    return (the split-KV parts; the LSE where not ``lse_wanted``, whose value is then scratch) are the stream's
+    scratch (:data:`_scratch`), except while a CUDA graph is captured: one allocation a call, not four (3 us each on
+    the H200's host, a quarter of a served decoding call; benchmarks/NOTES.md, "Eager decoding's host path")."""
     table = list(inputs)
-    for shape, dtype in recipe.allocs:
-        table.append(torch.empty(shape, dtype=dtype, device=device))
     stream = fast_launch._stream(fast_launch._device())
+    fresh_only = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    for j, (shape, dtype) in enumerate(recipe.allocs):
+        slot = len(inputs) + j
+        if fresh_only or slot == recipe.out or (lse_wanted and slot == recipe.lse):
+            table.append(torch.empty(shape, dtype=dtype, device=device))
+        else:
+            table.append(_scratch.get((device, stream, j, shape, dtype),
+                                      lambda: torch.empty(shape, dtype=dtype, device=device)))
     for launch, template, tensors in recipe.launches:
         values = list(template)
         for pos, s in tensors:
@@ -170,7 +185,25 @@ def run(recipe: Recipe, inputs: tuple, device: torch.device) -> tuple[torch.Tens
     return table[recipe.out], table[recipe.lse]
 
 
-def clear() -> None:
-    """Forget every kept recipe (and the streak of new geometries)."""
-    _cache.clear()
+def fresh(generation: int) -> bool:
+    """Whether a recipe taken at ``generation`` (:func:`generation`) may still run: no clear() since."""
+    return generation == _generation[0]
+
+
+def generation() -> int:
+    return _generation[0]
+
+
+def hit() -> None:
+    """A kept recipe ran for a caller that holds it (ops.block_sparse.entry): the streak of new geometries ends, as a
+    hit in :func:`find` ends it."""
     _misses[0] = 0
+
+
+def clear() -> None:
+    """Forget every kept recipe (and the streak of new geometries, and the scratch buffers); recipes callers hold
+    are no longer :func:`fresh`."""
+    _cache.clear()
+    _scratch.clear()
+    _misses[0] = 0
+    _generation[0] += 1
