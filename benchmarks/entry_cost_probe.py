@@ -3,17 +3,17 @@ beside torch's sdpa on the same inputs: ``attention(q [1, 32, 1, 128], K/V [1, 8
 each piece timed alone in a loop of N calls (medians; the stream synchronized every 50 calls so the launch queue never
 fills). Pieces: the entry's key, its table lookups, replay.run's allocations, each kept launch, and the whole call.
 
-    PYTHONPATH=src python benchmarks/entry_cost_probe.py OUT.json [--lengths 4096,32768]
+    PYTHONPATH=src:benchmarks python benchmarks/entry_cost_probe.py OUT.json [--lengths 4096,32768]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from host_overhead_probe import host_times
 
 import sparse_attn
 from sparse_attn.bench.results import make_header
@@ -22,15 +22,7 @@ from sparse_attn.ops.block_sparse import entry, launch, replay
 
 
 def _us(fn, n: int = 2000) -> float:
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if i % 50 == 49:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return round(statistics.median(times) * 1e6, 2)
+    return round(statistics.median(host_times(fn, n)) * 1e6, 2)
 
 
 def _case(length: int) -> dict:
