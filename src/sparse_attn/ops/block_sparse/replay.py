@@ -191,6 +191,7 @@ def fresh(generation: int) -> bool:
 
 
 def generation() -> int:
+    """How many times :func:`clear` has run: what a caller holding a recipe checks with :func:`fresh`."""
     return _generation[0]
 
 
