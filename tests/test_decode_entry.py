@@ -12,6 +12,7 @@ from test_replay import compiled, interpreted  # noqa: F401 -- the fixture, used
 
 import sparse_attn
 from sparse_attn import api
+from sparse_attn.integrations import _unpad
 from sparse_attn.ops.block_sparse import entry, launch, replay
 from sparse_attn.testing import count_op_calls, without_replays
 
@@ -186,7 +187,6 @@ def test_only_the_device_plans_inputs_are_learnt(ops, monkeypatch):
 def _padded_step(g, lengths, h=4, hkv=2, d=32, free_row=False):
     """A left-padded decoding step as the transformers integration runs it: (packing, q, k, v); ``free_row``: the
     last row's newest slot is padding (a row that has stopped), so its query is free."""
-    from sparse_attn.integrations import _unpad
     lk = max(lengths) + 1
     mask = torch.zeros(len(lengths), lk, dtype=torch.bool)
     for row, n in enumerate(lengths):
@@ -200,7 +200,6 @@ def _padded_step(g, lengths, h=4, hkv=2, d=32, free_row=False):
 
 
 def _in_place(packing, q, k, v, **kw):
-    from sparse_attn.integrations import _unpad
     return _unpad.in_place(packing, q, k, v, **kw)
 
 
@@ -252,7 +251,6 @@ def test_what_a_padded_step_learnt_stays_with_its_batch(compiled, monkeypatch): 
 def test_a_padded_step_whose_views_are_copies_is_never_served(compiled, monkeypatch):  # noqa: F811
     """A key / value that token_view cannot place is copied first, so the path's launches read the copies: the
     entry learns nothing there, and every call reaches the op with the path's bits."""
-    from sparse_attn.integrations import _unpad
     monkeypatch.setattr(api, "_use_kernels", lambda q: True)
     ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
     g = torch.Generator().manual_seed(23)
