@@ -6,7 +6,7 @@ each summed over a generate() of a random 4-layer Llama (8 left-padded prompts o
 the CPU; ``--one``: the longest prompt alone, whose calls go through attention() rather than a padded batch's path). The model's outputs are garbage (no kernel runs); only the host path is real. Medians of ROUNDS generates,
 microseconds per decoding step (the prefill's calls left out).
 
-    PYTHONPATH=src:benchmarks python benchmarks/hf_host_cpu_probe.py [--rounds 5] [--tokens 48] [--one]
+    PYTHONPATH=src:benchmarks python benchmarks/hf_host_cpu_probe.py [--rounds 5] [--tokens 48] [--one] [--new-lengths]
 """
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--one", action="store_true", help="one prompt, no padding (attention() calls, not varlen)")
+    ap.add_argument("--new-lengths", action="store_true",
+                    help="each round's prompts TOKENS + 1 tokens shorter than the last's, so that no step's cache "
+                         "length recurs from an earlier round (whose recorded launches a step's first layer would find)")
     args = ap.parse_args()
     _stand_in()
     model = _model()
@@ -76,6 +79,9 @@ def main() -> None:
     AttentionInterface.register(integ.NAME, timed("attention", integ.sparse_attention_forward))
     AttentionMaskInterface.register(integ.NAME, timed("mask", integ.sparse_attn_mask))
     x, mask = _inputs(args.one)
+    if args.new_lengths and (args.tokens + 1) * args.rounds >= x.shape[1]:
+        raise SystemExit(f"--new-lengths cuts {args.tokens + 1} tokens a round: at most "
+                         f"{(x.shape[1] - 1) // (args.tokens + 1)} rounds of {args.tokens} tokens fit {x.shape[1]}")
     steps = args.tokens - 1
 
     def prefill_done(*_a, **_kw):  # generate()'s first forward is the prefill: time from the second on
@@ -86,7 +92,9 @@ def main() -> None:
         decoding[0] = False
         hook = model.model.layers[-1].register_forward_hook(prefill_done)
         with torch.no_grad():
-            model.generate(x, attention_mask=mask, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
+            cut = (args.tokens + 1) * rnd if args.new_lengths else 0
+            model.generate(x[:, cut:], attention_mask=mask[:, cut:], max_new_tokens=args.tokens,
+                           min_new_tokens=args.tokens,
                            do_sample=False)
         hook.remove()
     for kind in spent:  # round 0 warms up
