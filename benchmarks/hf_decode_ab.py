@@ -5,6 +5,7 @@ one process, and where a decoding step's host time goes (cProfile, top functions
         [--prompts padded|one] [--no-profile] [--cache dynamic|static] [--impls dense,banded,sdpa]
         [--layers 4] [--hidden 2048] [--kv-heads 0] [--scale 1] [--sliding-window 0]
         [--profile-sort tottime|cumtime] [--profile-filter REGEX] [--profile-lines 25] [--replay-ab] [--entry-ab]
+        [--new-lengths]
 
 ``--num-sink S`` runs ``streaming`` (window + S sinks) instead of ``local``. ``--cache static`` passes
 ``cache_implementation="static"``, with which transformers compiles the decoding step by itself on CUDA (inductor,
@@ -71,12 +72,18 @@ def main() -> None:
     ap.add_argument("--replay-ab", action="store_true",
                     help="also time each sparse_attn model with ops.block_sparse.replay off (NAME-noreplay), "
                          "alternated with the others in each round")
+    ap.add_argument("--new-lengths", action="store_true",
+                    help="each round's prompts 65 tokens shorter than the last's, so that no step's cache length recurs "
+                         "from an earlier round (a step's first layer would find its launches recorded then)")
     ap.add_argument("--entry-ab", action="store_true",
                     help="also time each sparse_attn model with the replay entry (ops.block_sparse.entry: at "
                          "attention() and at a padded batch's in-place call) off (NAME-noentry; the replay inside "
                          "launch.forward stays on), alternated likewise")
     args = ap.parse_args()
     x, mask = padded_inputs(args.scale)
+    if args.new_lengths and (args.cache == "static" or 65 * args.rounds >= x.shape[1]):
+        raise SystemExit("--new-lengths cuts 65 tokens a round off the prompts: not with --cache static (each length "
+                         f"compiles again), and at most {(x.shape[1] - 1) // 65} rounds")
     if args.prompts == "one":  # the longest prompt, no padding
         x, mask = x[:1], mask[:1]
     models = {}
@@ -93,8 +100,8 @@ def main() -> None:
     if "sdpa" in impls:
         models["sdpa"] = _model("sdpa", args.layers, args.hidden, args.kv_heads, args.sliding_window)
     static = {"cache_implementation": "static"} if args.cache == "static" else {}
-    gen = lambda m, n=64: m.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                     **static)
+    gen = lambda m, n=64, cut=0: m.generate(x[:, cut:], attention_mask=mask[:, cut:], max_new_tokens=n,
+                                            min_new_tokens=n, do_sample=False, **static)
     from sparse_attn.ops.block_sparse import entry, replay
     entry_key = entry.key
     runs = [(name, m, True, True) for name, m in models.items()]  # (name, model, replay on, entry on)
@@ -108,15 +115,17 @@ def main() -> None:
             gen(m)
             if static:
                 gen(m, 1)
-        for _ in range(args.rounds):
+        for rnd in range(args.rounds):
+            cut = 65 * (rnd + 1) if args.new_lengths else 0  # (past the 64 tokens a generate() adds)
             for name, m, replayed, entered in runs:
                 replay.ENABLED = replayed
                 entry.key = entry_key if entered else (lambda *a: None)
-                times[name]["generate"].append(_ms(lambda m=m: gen(m)))
+                times[name]["generate"].append(_ms(lambda m=m, cut=cut: gen(m, cut=cut)))
                 if static:  # one generated token: the prefill alone (its logits give the token)
                     times[name]["prefill"].append(_ms(lambda m=m: gen(m, 1)))
                 else:
-                    times[name]["prefill"].append(_ms(lambda m=m: m(x, attention_mask=mask, use_cache=True)))
+                    times[name]["prefill"].append(_ms(lambda m=m, cut=cut: m(x[:, cut:], attention_mask=mask[:, cut:],
+                                                                             use_cache=True)))
         replay.ENABLED, entry.key = True, entry_key
         profiles = {}
         for name, m in ({} if args.no_profile else models).items():

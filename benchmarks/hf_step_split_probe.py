@@ -11,6 +11,7 @@ device time summed by name over the decoding steps, per step. No cProfile: its p
 integration's share in earlier profiles.
 
     PYTHONPATH=src:benchmarks python benchmarks/hf_step_split_probe.py --out OUT.json [--prompts one|padded] [--layers 4]
+        [--new-lengths]
 """
 from __future__ import annotations
 
@@ -43,10 +44,15 @@ def main() -> None:
     ap.add_argument("--prompts", choices=("padded", "one"), default="one")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--new-lengths", action="store_true",
+                    help="each round's prompts TOKENS + 1 tokens shorter than the last's: no step's cache length "
+                         "recurs from an earlier round, as in real use (a step's first layer then records)")
     args = ap.parse_args()
     x, mask = padded_inputs()
     if args.prompts == "one":
         x, mask = x[:1], mask[:1]
+    if args.new_lengths and (TOKENS + 1) * args.rounds >= x.shape[1]:
+        raise SystemExit(f"--new-lengths: at most {(x.shape[1] - 1) // (TOKENS + 1)} rounds")
     models = {"sparse_attn": _model("sparse_attn", args.layers), "sdpa": _model("sdpa", args.layers)}
     integ.enable(models["sparse_attn"], integ.SparseAttnConfig("dense"))
     spent: dict = defaultdict(float)
@@ -74,11 +80,12 @@ def main() -> None:
     AttentionMaskInterface.register("sdpa", timed("sdpa mask", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]))
     AttentionMaskInterface.register(integ.NAME, timed("sparse_attn mask", integ.sparse_attn_mask))
 
-    def gen(m):
+    def gen(m, cut=0):
         forwards[0] = 0
         hook = m.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
         try:
-            m.generate(x, attention_mask=mask, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+            m.generate(x[:, cut:], attention_mask=mask[:, cut:], max_new_tokens=TOKENS, min_new_tokens=TOKENS,
+                       do_sample=False)
         finally:
             hook.remove()
     steps = TOKENS - 1
@@ -86,13 +93,14 @@ def main() -> None:
     with torch.no_grad():
         for m in models.values():
             gen(m)
-        for _ in range(args.rounds):
+        for rnd in range(args.rounds):
+            cut = (TOKENS + 1) * (rnd + 1) if args.new_lengths else 0
             for name, m in models.items():
                 spent.clear()
                 calls.clear()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                gen(m)
+                gen(m, cut)
                 torch.cuda.synchronize()
                 rounds[f"{name} generate ms"].append((time.perf_counter() - t0) * 1e3)
                 for part, s in spent.items():
@@ -120,7 +128,7 @@ def main() -> None:
             print(f"   {v:9.2f}  {k}")
     with open(args.out, "w") as f:
         header = make_header("cuda", "hf-step-split", transformers=transformers.__version__, prompts=args.prompts,
-                             layers=args.layers)
+                             layers=args.layers, new_lengths=args.new_lengths)
         json.dump({**header, "summary": summary, "rounds": rounds, "kernels": kernels}, f, indent=1)
 
 
