@@ -199,60 +199,60 @@ def _padded_step(g, lengths, h=4, hkv=2, d=32, free_row=False):
     return _unpad.from_padding(mask, 1), q, k, v
 
 
-def _in_place(packing, q, k, v, **kw):
-    return _unpad.in_place(packing, q, k, v, **kw)
+@pytest.fixture
+def varlen_ops(compiled, monkeypatch):  # noqa: F811
+    """As ``ops``, for a padded batch's in-place calls: the count of those that reached the varlen device-plan op."""
+    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
+    return count_op_calls(monkeypatch, "varlen_device_plan_op")
 
 
 @interpreted
 @pytest.mark.parametrize("kw,free_row", [(dict(causal=True), False), (dict(causal=True), True),
                                          (dict(causal=True, window=100, num_sink=20, scale=0.2), False)])
-def test_a_padded_step_s_later_layers_are_served_with_the_path_s_bits(compiled, monkeypatch, kw, free_row):  # noqa: F811
+def test_a_padded_step_s_later_layers_are_served_with_the_path_s_bits(varlen_ops, kw, free_row):
     """integrations._unpad.in_place: a decoding step's layers share one Packing and one geometry; from the call after
     the one that recorded, the entry runs the kept launches (the varlen op is not reached), each result equal bit for
     bit to the path's on fresh random tensors, zeros at a free query."""
-    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
-    ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
+    ops = varlen_ops
     g = torch.Generator().manual_seed(21)
     packing = _padded_step(g, [250, 120, 33], free_row=free_row)[0]
     for i in range(5):
         q, k, v = _padded_step(g, [250, 120, 33], free_row=free_row)[1:]
         before = ops["n"]
-        got = _in_place(packing, q, k, v, **kw)
+        got = _unpad.in_place(packing, q, k, v, **kw)
         served = ops["n"] == before
-        want = without_replays(lambda: _in_place(packing, q, k, v, **kw))
+        want = without_replays(lambda: _unpad.in_place(packing, q, k, v, **kw))
         assert torch.equal(got, want), (kw, i)
         assert served == (i >= 2), (kw, i)
         assert free_row == (got[-1] == 0).all().item()
 
 
 @interpreted
-def test_what_a_padded_step_learnt_stays_with_its_batch(compiled, monkeypatch):  # noqa: F811
+def test_what_a_padded_step_learnt_stays_with_its_batch(varlen_ops):
     """The entry keeps what it learnt on the Packing: the next step's batch (other lengths, the same tensor geometry)
     and a call of another geometry on the same batch both reach the op again, with the path's bits."""
-    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
-    ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
+    ops = varlen_ops
     g = torch.Generator().manual_seed(22)
     packing, q, k, v = _padded_step(g, [250, 120, 33])
     for _ in range(3):
-        _in_place(packing, q, k, v, causal=True)
+        _unpad.in_place(packing, q, k, v, causal=True)
     before = ops["n"]
-    _in_place(packing, q, k, v, causal=True)
+    _unpad.in_place(packing, q, k, v, causal=True)
     assert ops["n"] == before  # served
     other, q2, k2, v2 = _padded_step(g, [250, 100, 53])  # the same geometry, other sequences
     mha = _padded_step(g, [250, 120, 33], hkv=4)[1:]  # four kv heads: another geometry on this batch
     for p, inputs in ((other, (q2, k2, v2)), (packing, mha)):
         before = ops["n"]
-        got = _in_place(p, *inputs, causal=True)
+        got = _unpad.in_place(p, *inputs, causal=True)
         assert ops["n"] == before + 1
-        assert torch.equal(got, without_replays(lambda: _in_place(p, *inputs, causal=True)))
+        assert torch.equal(got, without_replays(lambda: _unpad.in_place(p, *inputs, causal=True)))
 
 
 @interpreted
-def test_a_padded_step_whose_views_are_copies_is_never_served(compiled, monkeypatch):  # noqa: F811
+def test_a_padded_step_whose_views_are_copies_is_never_served(varlen_ops):
     """A key / value that token_view cannot place is copied first, so the path's launches read the copies: the
     entry learns nothing there, and every call reaches the op with the path's bits."""
-    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
-    ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
+    ops = varlen_ops
     g = torch.Generator().manual_seed(23)
     packing, q, k, v = _padded_step(g, [250, 120, 33])
     lk = k.shape[2]
@@ -262,9 +262,9 @@ def test_a_padded_step_whose_views_are_copies_is_never_served(compiled, monkeypa
                 for _ in range(2))
         assert _unpad.token_view(k) is None
         before = ops["n"]
-        got = _in_place(packing, q, k, v, causal=True)
+        got = _unpad.in_place(packing, q, k, v, causal=True)
         assert ops["n"] == before + 1, i
-        assert torch.equal(got, without_replays(lambda: _in_place(packing, q, k, v, causal=True))), i
+        assert torch.equal(got, without_replays(lambda: _unpad.in_place(packing, q, k, v, causal=True))), i
 
 
 @interpreted

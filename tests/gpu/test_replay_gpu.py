@@ -28,12 +28,15 @@ def _randn(g, *shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda", generator=g).to(dtype)
 
 
-def _padded(g, lengths, h, hkv, d):
-    """A left-padded decoding step as the transformers integration runs it: (packing, q, k, v)."""
+def _padded(g, lengths, h, hkv, d, stopped=None):
+    """A left-padded decoding step as the transformers integration runs it: (packing, q, k, v); row ``stopped``'s
+    newest slot is padding (a row that has stopped), so its query is free."""
     lk = max(lengths) + 1
     mask = torch.zeros(len(lengths), lk, dtype=torch.bool, device="cuda")
     for row, n in enumerate(lengths):
         mask[row, lk - n - 1:] = True
+    if stopped is not None:
+        mask[stopped, -1] = False
     return (_unpad.from_padding(mask, 1), _randn(g, len(lengths), h, 1, d), _randn(g, len(lengths), hkv, lk, d),
             _randn(g, len(lengths), hkv, lk, d))
 
@@ -198,11 +201,7 @@ def test_a_padded_step_s_layers_served_by_the_entry_give_the_bits_of_the_path(mo
     ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
     g = torch.Generator(device="cuda").manual_seed(17)
     lengths = [4096, 3500, 1000, 512, 2]
-    mask = torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.bool, device="cuda")
-    for row, n in enumerate(lengths):
-        mask[row, max(lengths) - n:] = True
-    mask[1, -1] = False  # row 1 has stopped: its query is free
-    packing = _unpad.from_padding(mask, 1)
+    packing = _padded(g, lengths, 32, 8, 128, stopped=1)[0]
     served = []
     for i in range(5):
         q, k, v = _padded(g, lengths, 32, 8, 128)[1:]
