@@ -26,6 +26,8 @@ from .. import fast_launch
 from . import launch, replay
 
 _keys = PlanCache(replay.MAX_KEPT)  # this module's key -> its Learnt
+# a key without the key length (_family) -> the Learnt of its latest length: what a new length derives from
+_families = PlanCache(16)
 _stand_ins: dict = {}  # device -> the int32 stand-in the device plan passes for its schedule (never read)
 
 
@@ -52,25 +54,38 @@ def key(q, k, v, causal, scale, return_lse, window, num_sink) -> tuple | None:
 
 class Learnt:
     """What the entry keeps for a key: the launch's replay key and, once :mod:`.replay` has kept its recipe, the
-    recipe itself, so that a served call hashes no replay key (its ~90 parts took 4.5 us a call on the H200)."""
+    recipe itself, so that a served call hashes no replay key (its ~90 parts took 4.5 us a call on the H200). A
+    recipe derived for a new key length (:func:`_derive`) has no replay key: a replay.clear() forgets it."""
     __slots__ = ("launch_key", "recipe", "generation")
 
-    def __init__(self, launch_key: tuple):
-        self.launch_key, self.recipe, self.generation = launch_key, None, replay.generation()
+    def __init__(self, launch_key: tuple | None, recipe: replay.Recipe | None = None):
+        self.launch_key, self.recipe, self.generation = launch_key, recipe, replay.generation()
 
     def recipe_now(self) -> replay.Recipe | None:
         """The recipe to run now, or None (not recorded yet, or forgotten by replay.clear())."""
         if self.recipe is not None and replay.fresh(self.generation):
             replay.hit()
             return self.recipe
+        if self.launch_key is None:
+            return None
         self.recipe, self.generation = replay.kept(self.launch_key), replay.generation()
         return self.recipe
+
+    def peek(self) -> replay.Recipe | None:
+        """The recipe :meth:`recipe_now` would run, counting no hit (what a new length derives from: a derivation that
+        fails leaves replay's streak of new geometries going)."""
+        if self.recipe is not None and replay.fresh(self.generation):
+            return self.recipe
+        found = None if self.launch_key is None else replay._kept.get(self.launch_key)
+        return found if type(found) is replay.Recipe else None
 
 
 def run(k: tuple, q, kk, v, return_lse):
     """The call of key ``k`` (from :func:`key`) through its kept recipe, or None (not learnt, not kept, or replay
     unusable now)."""
     learnt = _keys.find(k)
+    if learnt is None:
+        learnt = _derive(k, q, kk, v)
     recipe = None if learnt is None else learnt.recipe_now()
     if recipe is None or not replay.usable():
         return None
@@ -87,7 +102,35 @@ def learn(k: tuple, q, kk, v) -> None:
     if last is None or last[1] != (id(q), id(kk), id(v)):
         return
     if last[0][0][3:] == (replay.geometry(_stand_in(q.device)), 3, 3, 3, 3, 3, None, None):
-        _keys.put(k, Learnt(last[0]))
+        learnt = Learnt(last[0])
+        _keys.put(k, learnt)
+        _families.put(_family(k, kk.shape[2]), learnt)
+
+
+def _family(k: tuple, lk: int) -> tuple:
+    """Key ``k`` (of a call whose K/V have ``lk`` tokens) without what the key length sets: K's and V's length and
+    their batch and head strides; with the length's specialization class (ops.fast_launch), so that the lengths
+    16 divides and the others derive each from their own latest."""
+    def without_length(g):
+        shape, stride = g[0], g[1]
+        return shape[:2], shape[3:], stride[2:], g[2:]
+    return k[0], without_length(k[1]), without_length(k[2]), k[3:], fast_launch._int_class(lk)
+
+
+def _derive(k: tuple, q, kk, v) -> Learnt | None:
+    """A decoding call whose key length is new (a growing cache's next step): the recipe of the latest length of
+    its family (:func:`_family`), rewritten for this length by launch.derive_for_length where that shows it is
+    what the path would launch; kept under ``k`` (the step's later layers find it) and as the family's latest."""
+    family = _family(k, kk.shape[2])
+    latest = _families.find(family)
+    recipe = None if latest is None else latest.peek()
+    derived = None if recipe is None else launch.derive_for_length(recipe, q, kk, v)
+    if derived is None:
+        return None
+    learnt = Learnt(None, derived)
+    _keys.put(k, learnt)
+    _families.put(family, learnt)
+    return learnt
 
 
 def learn_pairs(views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor) -> Learnt | None:
@@ -123,3 +166,4 @@ def _stand_in(device: torch.device) -> torch.Tensor:
 
 def clear() -> None:
     _keys.clear()
+    _families.clear()

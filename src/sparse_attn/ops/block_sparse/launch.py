@@ -612,8 +612,78 @@ def forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous: 
     trace: dict = {}
     with fast_launch.recording() as launches:
         result = _forward(*args, **options, trace=trace)
-    replay.keep(key, inputs, trace.get("allocs", []), launches, trace.get("expected", -1), result)
+    replay.keep(key, inputs, trace.get("allocs", []), launches, trace.get("expected", -1), result,
+                trace.get("length_spec"))
     return result
+
+
+def _device_plan_blocks(device_plan: int, lk: int, block_q: int, block_k: int, window: int, sinks: int) -> int:
+    """The most key blocks a device-planned row visits (the split-KV count is planned on it)."""
+    blocks = _cdiv(lk, block_k)
+    if device_plan == 3:  # a query block's windows span window + block_q - 1 keys, unaligned, after the sinks
+        blocks = min(blocks, _cdiv(window + block_q - 1, block_k) + 1 + _cdiv(sinks, block_k))
+    return blocks
+
+
+class LengthSpec(NamedTuple):
+    """What a recorded device-planned short forward (dense [B, H, L, D] inputs) decided from its key length
+    (derive_for_length): short_query_plan's arguments before and after its ``max_k``, the plan it gave, and the
+    device plan's kind, window and sinks."""
+    plan_head: tuple  # (B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads)
+    plan: ShortQueryPlan
+    plan_tail: tuple  # (variant, device, varlen): the variant as _forward chose it (TMA or pointer loads)
+    device_plan: int
+    window: int
+    sinks: int
+
+
+# the fwd_kernel arguments a dense device-planned call takes from its key length, in the order derive_for_length
+# computes them: K's and V's strides, Lk, the autotune key's length class, the key tokens
+_LENGTH_ARGS = ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_vd", "Lk",
+                "TUNE_CLASS", "T_K")
+_fwd_positions: dict = {}  # fwd_kernel's parameter name -> its position among a launch's values (signature order)
+
+
+def derive_for_length(recipe: replay.Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> replay.Recipe | None:
+    """The recipe of a device-planned short forward on ``q``, ``k``, ``v``, made from ``recipe``, recorded for a
+    call that differed from this one only in the key length (K/V's length and the strides it scales): what
+    :func:`_forward` would launch here, or None where that cannot be shown without taking its path. A decoding
+    step's first layer meets a new cache length, whose path and recording took 212-268 us of host time on the H200
+    against 44 for a replay (benchmarks/new_length_probe.py; NOTES, "A cache length never seen").
+
+    Only the fwd launch's length arguments (_LENGTH_ARGS) may differ, so this redoes what depends on the length:
+    short_query_plan, whose split count steps with it, must give the same plan (then the grid, the allocations and
+    the merge launch are the recorded ones), the variant (TMA or pointer loads) the same, and each new integer the
+    recorded one's specialization class (ops.fast_launch keys its kept kernels by it): otherwise None, and the call
+    takes the path, which records anew."""
+    spec = recipe.length_spec
+    lk = k.shape[2]
+    if spec is None or lk < 1 or v.shape[2] != lk:
+        return None
+    if (FWD_VARIANT if _tma_ok(q, k, v) else "ptr") != spec.plan_tail[0]:  # as _forward chooses it
+        return None
+    head = spec.plan_head
+    plan = short_query_plan(*head, _device_plan_blocks(spec.device_plan, lk, head[4], head[5], spec.window,
+                                                       spec.sinks), *spec.plan_tail)
+    old = spec.plan
+    if (plan is None or plan[1:] != old[1:]
+            or plan.config.all_kwargs() != old.config.all_kwargs()):
+        return None
+    if not _fwd_positions:
+        _fwd_positions.update((n, i) for i, n in enumerate(inspect.signature(kernels.fwd_kernel.fn).parameters))
+    fwd, template, tensors = recipe.launches[0]
+    values = list(template)
+    if len(values) != len(_fwd_positions):
+        return None
+    new = (*_qkv_strides(k, False), *_v_strides(v, False, False), lk, _tune_class(head[3], lk), lk)
+    for name, value in zip(_LENGTH_ARGS, new, strict=True):
+        i = _fwd_positions[name]
+        was = values[i]
+        if type(was) is not int or fast_launch._int_class(was) != fast_launch._int_class(value):
+            return None
+        values[i] = value
+    return recipe._replace(launches=((fwd, tuple(values), tensors),) + recipe.launches[1:])
 
 
 _last_key = threading.local()  # this thread's last forward's replay key (take_replay_key)
@@ -700,9 +770,8 @@ def _forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous:
     contiguous = bool(device_plan) or (contiguous and not FORCE_INDEXED)  # a bool: the constexpr's variants
     rows, split = grid_rows(B, H)
     if device_plan:  # one row set for every sequence and head, at most the longest sequence's key blocks
-        layout_heads, max_count, layout_strides = 1, _cdiv(Lk, block_k), (0, 0, 0, 0, 0)
-        if device_plan == 3:  # a query block's windows span window + block_q - 1 keys, unaligned, after the sinks
-            max_count = min(max_count, _cdiv(window + block_q - 1, block_k) + 1 + _cdiv(sinks, block_k))
+        layout_heads, layout_strides = 1, (0, 0, 0, 0, 0)
+        max_count = _device_plan_blocks(device_plan, Lk, block_q, block_k, window, sinks)
     else:
         layout_heads, max_count, layout_strides = counts.shape[1], indices.shape[-1], _layout_strides(counts, indices)
     t_q, t_k = (q.shape[0], k.shape[0]) if varlen else (Lq, Lk)
@@ -730,6 +799,9 @@ def _forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous:
         grid = (plan.tiles * plan.parts, *plan_rows)
         if trace is not None:
             trace["allocs"], trace["expected"] = [out, lse], 1 if plan.parts == 1 else 2
+            if device_plan and not varlen:  # what derive_for_length needs to redo for another key length
+                trace["length_spec"] = LengthSpec((B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads), plan,
+                                                  (variant, q.device, varlen), device_plan, window, sinks)
         if plan.parts == 1:  # the small tile alone, written in place
             run_fwd(kern, grid, out, _qkv_strides(out, varlen), lse, l_strides, 0, False, 1, (0, 0), plan.heads,
                     plan_split, REVERSE=False, KV_SPLIT=False, PACK_GQA=plan.pack)

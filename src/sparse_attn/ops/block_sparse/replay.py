@@ -54,11 +54,13 @@ _scratch = PlanCache(MAX_SCRATCH)
 class Recipe(NamedTuple):
     """A recorded short forward: ``allocs`` the (shape, dtype) of each buffer it allocated (contiguous), in
     slots after the inputs'; ``launches`` (fast_launch.Launch, arguments with None at each tensor, (position,
-    slot) of each tensor); ``out`` / ``lse`` the slots of the results."""
+    slot) of each tensor); ``out`` / ``lse`` the slots of the results; ``length_spec``: what launch.forward decided
+    from the key length (launch.LengthSpec, for launch.derive_for_length), where it recorded that."""
     allocs: tuple
     launches: tuple
     out: int
     lse: int
+    length_spec: object = None
 
 
 def key(inputs: tuple, scalars: tuple) -> tuple | None:
@@ -118,10 +120,11 @@ def streaking() -> bool:
     return _misses[0] >= MISS_STREAK
 
 
-def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, result: tuple) -> None:
+def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, result: tuple,
+         length_spec=None) -> None:
     """Keep the recipe of a call recorded under key ``k``: its ``inputs``, the buffers it allocated (``allocs``), the
-    fast launches it made (``launches``, of which it meant to make ``expected``) and its ``result`` (out, lse), two
-    of its buffers. An incomplete recording is kept as :data:`NEVER`, or as :data:`RETRY` where the only gap is a
+    fast launches it made (``launches``, of which it meant to make ``expected``), its ``result`` (out, lse), two
+    of its buffers, and ``length_spec`` (Recipe). An incomplete recording is kept as :data:`NEVER`, or as :data:`RETRY` where the only gap is a
     launch that took Triton's path (None in ``launches``) and the key was not already RETRY."""
     # plain loops, no generator expressions: this runs on a decoding call's host path (9.5 us with them on the
     # CI machine, of a 39 us call)
@@ -149,7 +152,7 @@ def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, r
     recipe = None
     if complete:
         recipe = Recipe(tuple([(tuple(t.shape), t.dtype) for t in allocs]), tuple(recorded), slot[id(result[0])],
-                        slot[id(result[1])])
+                        slot[id(result[1])], length_spec)
     elif through_triton and _cache.find(k) is not RETRY:
         recipe = RETRY  # whether the rest was complete shows on the next try
     _cache.put(k, recipe if recipe is not None else NEVER)
@@ -176,7 +179,7 @@ def run(recipe: Recipe, inputs: tuple, device: torch.device, lse_wanted: bool = 
             table.append(torch.empty(shape, dtype=dtype, device=device))
         else:
             table.append(_scratch.get((device, stream, j, shape, dtype),
-                                      lambda: torch.empty(shape, dtype=dtype, device=device)))
+                                      lambda s=shape, d=dtype: torch.empty(s, dtype=d, device=device)))
     for launch, template, tensors in recipe.launches:
         values = list(template)
         for pos, s in tensors:
