@@ -13,7 +13,8 @@ for our ``attention(causal=True)`` (and with the replay off: every call on the p
 Each step calls LAYERS layers, each with its own q [1, 32, 1, 128] and K/V [1, 8, L, 128] (bf16, contiguous,
 made before the timing as a cache's ``torch.cat`` makes them), times each call's host time with ``perf_counter``,
 and synchronizes at the step's end (a step's wall time is the last column). With ``--profile`` it also writes the
-top functions of one ``new`` pass of ours under cProfile.
+top functions of one ``new`` pass of ours under cProfile; with ``--pieces`` the pieces of a new length's
+derivation (ops.block_sparse.entry._derive) timed in tight loops.
 
     PYTHONPATH=src:benchmarks python benchmarks/new_length_probe.py --out OUT.json [--steps 48 --layers 4]
 """
@@ -88,6 +89,45 @@ def _pass(fn, steps) -> dict:
             "step wall us": us(walls)}
 
 
+def _pieces(start: int, n: int = 400) -> dict:
+    """Medians (us) of the pieces a call at a new length spends in ops.block_sparse.entry before its launches: one
+    call per length, each length new (a rotation of ``n`` prepared lengths is never repeated within a loop)."""
+    from sparse_attn.ops.block_sparse import entry, launch
+
+    def med(fn, args_list):
+        times = []
+        for args in args_list:
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        return round(statistics.median(times) * 1e6, 2)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    kvs = [(torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16),) * 2 for n in range(start, start + n)]
+    for k, v in kvs[:3]:  # the family's first lengths take the path and record
+        sparse_attn.attention(q, k, v, causal=True)
+    k0, v0 = kvs[2]
+    key0 = entry.key(q, k0, v0, True, None, False, None, 0)
+    recipe = entry._keys.find(key0).peek()
+    assert recipe is not None, "no recipe to derive from"
+    head, tail = recipe.length_spec.plan_head, recipe.length_spec.plan_tail
+    rows = {
+        "entry.key": med(lambda k, v: entry.key(q, k, v, True, None, False, None, 0), kvs),
+        "entry._family": med(lambda k, v: entry._family(key0, k.shape[2]), kvs),
+        "launch._tma_ok": med(lambda k, v: launch._tma_ok(q, k, v), kvs),
+        "launch.short_query_plan": med(lambda k, v: launch.short_query_plan(*head, k.shape[2] // 128, *tail), kvs),
+        "launch.derive_for_length": med(lambda k, v: launch.derive_for_length(recipe, q, k, v), kvs),
+    }
+    entry.clear()
+    fresh = [(torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16),) * 2
+             for n in range(start + n, start + 2 * n)]
+    rows["attention() at a new length, one call a length"] = med(
+        lambda k, v: sparse_attn.attention(q, k, v, causal=True), fresh[3:])
+    rows["attention() at a seen length"] = med(lambda k, v: sparse_attn.attention(q, k, v, causal=True),
+                                               fresh[-1:] * len(fresh))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -96,6 +136,8 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=4096, help="the first step's cache length")
     ap.add_argument("--providers", default="sparse_attn,sparse_attn-noreplay," + ",".join(BACKENDS))
     ap.add_argument("--profile", action="store_true", help="also cProfile one new pass of ours")
+    ap.add_argument("--pieces", action="store_true",
+                    help="also time the pieces of a new length's derivation (entry._derive) in tight loops")
     args = ap.parse_args()
     providers = args.providers.split(",")
     rows = []
@@ -135,6 +177,9 @@ def main() -> None:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
         result["profile_new_tottime"] = text.getvalue().splitlines()
         print(text.getvalue())
+    if args.pieces:
+        result["pieces_us"] = _pieces(args.start + offset + 2 * args.steps)
+        print(result["pieces_us"])
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -102,10 +102,13 @@ def test_replayed_decoding_calls_give_the_bits_of_the_path(monkeypatch, name):
 
 
 def test_a_growing_cache_replays_from_each_step_s_second_layer(monkeypatch):
-    """A dynamic cache, one key longer each step, is a new geometry each step: recorded at the step's first layer,
-    replayed by the second (bits of the path); with one layer a step, past replay.MISS_STREAK steps, recorded at a
-    geometry's second call only, which never comes (every call takes the path, with its bits). The kernels are
+    """A dynamic cache, one key longer each step, is a new geometry each step: where its recipe does not derive from
+    the previous length's (stubbed here: test_a_growing_cache_derives_each_new_length), recorded at the step's first
+    layer, replayed by the second (bits of the path); with one layer a step, past replay.MISS_STREAK steps, recorded
+    at a geometry's second call only, which never comes (every call takes the path, with its bits). The kernels are
     launched once beforehand: a kernel's first launch goes through Triton and leaves the recording to the next call."""
+    from sparse_attn.ops.block_sparse import launch
+    monkeypatch.setattr(launch, "derive_for_length", lambda *a: None)
     g = torch.Generator(device="cuda").manual_seed(15)
     k_all, v_all = _randn(g, 2, 8, 6000, 128), _randn(g, 2, 8, 6000, 128)
     steps = [(layers, step, 5000 + step + 40 * layers) for layers in (2, 1) for step in range(replay.MISS_STREAK + 4)]
@@ -127,6 +130,40 @@ def test_a_growing_cache_replays_from_each_step_s_second_layer(monkeypatch):
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (layers, step, layer)
             assert replayed == (layer == 1), (layers, step, layer)
     replay.clear()
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=1000, num_sink=64, return_lse=True),
+                                dict(causal=True, dtype=torch.float16, d=64)])
+def test_a_growing_cache_derives_each_new_length(monkeypatch, kw):
+    """One call a step, fresh contiguous K/V one token longer each step (as a cache's torch.cat makes them), across a
+    length 16 divides (2944) and a change of the split-KV count (2945: 23 -> 24 key blocks, 2 -> 3 parts for 8 packed
+    kv heads on 132 SMs; a window's rows keep their count): each new length's call is served by the entry with a
+    recipe derived from the previous length's (ops.block_sparse.entry._derive), except the first, the first of the
+    other specialization class and the split step; every result has the path's bits, on poisoned memory."""
+    from sparse_attn.ops.block_sparse import entry
+    kw = dict(kw)
+    dtype, d = kw.pop("dtype", torch.bfloat16), kw.pop("d", 128)
+    replay.clear()
+    entry.clear()
+    ops = count_op_calls(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(17)
+    path = []
+    for n in range(2936, 2956):
+        q, k, v = _randn(g, 1, 32, 1, d, dtype=dtype), _randn(g, 1, 8, n, d, dtype=dtype), _randn(g, 1, 8, n, d,
+                                                                                                    dtype=dtype)
+        _poison()
+        before = ops["n"]
+        got = sparse_attn.attention(q, k, v, **kw)
+        if ops["n"] != before:
+            path.append(n)
+        _poison()
+        want = without_replays(lambda: sparse_attn.attention(q, k, v, **kw))  # noqa: B023 -- called at once
+        got, want = (got, want) if kw.get("return_lse") else ((got,), (want,))
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (kw, n)
+    split_step = [] if "window" in kw else [2945]
+    assert {2936, 2944, *split_step} <= set(path) <= {2936, 2937, 2944, 2945}, path
+    replay.clear()
+    entry.clear()
 
 
 def test_a_replayed_decoding_step_meets_the_oracle():

@@ -288,8 +288,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     """On-device TMA descriptors need sm_90+, 16-byte aligned bases and row strides."""
     if INTERPRET or not tensors[0].is_cuda or _sm_major(tensors[0].device) < 9:
         return False
-    return all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
-               for t in tensors)
+    return all(t.data_ptr() % 16 == 0 and _tma_strides(t) for t in tensors)
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -627,21 +626,23 @@ def _device_plan_blocks(device_plan: int, lk: int, block_q: int, block_k: int, w
 
 class LengthSpec(NamedTuple):
     """What a recorded device-planned short forward (dense [B, H, L, D] inputs) decided from its key length
-    (derive_for_length): short_query_plan's arguments before and after its ``max_k``, the plan it gave, and the
-    device plan's kind, window and sinks."""
+    (derive_for_length): short_query_plan's arguments before and after its ``max_k``, the plan it gave, the device
+    plan's kind, window and sinks, and the key blocks it planned for."""
     plan_head: tuple  # (B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads)
     plan: ShortQueryPlan
     plan_tail: tuple  # (variant, device, varlen): the variant as _forward chose it (TMA or pointer loads)
     device_plan: int
     window: int
     sinks: int
+    blocks: int  # the key blocks the plan was made for (_device_plan_blocks)
 
 
 # the fwd_kernel arguments a dense device-planned call takes from its key length, in the order derive_for_length
 # computes them: K's and V's strides, Lk, the autotune key's length class, the key tokens
 _LENGTH_ARGS = ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_vd", "Lk",
                 "TUNE_CLASS", "T_K")
-_fwd_positions: dict = {}  # fwd_kernel's parameter name -> its position among a launch's values (signature order)
+# once: (their positions among a fwd launch's values, which are in signature order; the count of those values)
+_fwd_args: list = []
 
 
 def derive_for_length(recipe: replay.Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -653,37 +654,48 @@ def derive_for_length(recipe: replay.Recipe, q: torch.Tensor, k: torch.Tensor, v
     against 44 for a replay (benchmarks/new_length_probe.py; NOTES, "A cache length never seen").
 
     Only the fwd launch's length arguments (_LENGTH_ARGS) may differ, so this redoes what depends on the length:
-    short_query_plan, whose split count steps with it, must give the same plan (then the grid, the allocations and
-    the merge launch are the recorded ones), the variant (TMA or pointer loads) the same, and each new integer the
-    recorded one's specialization class (ops.fast_launch keys its kept kernels by it): otherwise None, and the call
-    takes the path, which records anew."""
+    short_query_plan, whose split count steps with the key blocks, must give the same plan (then the grid, the
+    allocations and the merge launch are the recorded ones), the variant (TMA or pointer loads) must be the same,
+    and each new integer must have the recorded one's specialization class (ops.fast_launch keys its kept kernels by
+    it): otherwise None, and the call takes the path, which records anew."""
     spec = recipe.length_spec
     lk = k.shape[2]
     if spec is None or lk < 1 or v.shape[2] != lk:
         return None
-    if (FWD_VARIANT if _tma_ok(q, k, v) else "ptr") != spec.plan_tail[0]:  # as _forward chooses it
+    if spec.plan_tail[0] != "ptr":  # q and the K/V bases are the recorded call's: only K/V's strides may differ
+        if not (_tma_strides(k) and _tma_strides(v)):
+            return None
+    elif FWD_VARIANT != "ptr" and _tma_ok(q, k, v):
         return None
     head = spec.plan_head
-    plan = short_query_plan(*head, _device_plan_blocks(spec.device_plan, lk, head[4], head[5], spec.window,
-                                                       spec.sinks), *spec.plan_tail)
-    old = spec.plan
-    if (plan is None or plan[1:] != old[1:]
-            or plan.config.all_kwargs() != old.config.all_kwargs()):
-        return None
-    if not _fwd_positions:
-        _fwd_positions.update((n, i) for i, n in enumerate(inspect.signature(kernels.fwd_kernel.fn).parameters))
-    fwd, template, tensors = recipe.launches[0]
-    values = list(template)
-    if len(values) != len(_fwd_positions):
-        return None
-    new = (*_qkv_strides(k, False), *_v_strides(v, False, False), lk, _tune_class(head[3], lk), lk)
-    for name, value in zip(_LENGTH_ARGS, new, strict=True):
-        i = _fwd_positions[name]
-        was = values[i]
-        if type(was) is not int or fast_launch._int_class(was) != fast_launch._int_class(value):
+    blocks = _device_plan_blocks(spec.device_plan, lk, head[4], head[5], spec.window, spec.sinks)
+    if blocks != spec.blocks:  # the split count is planned on them
+        plan, old = short_query_plan(*head, blocks, *spec.plan_tail), spec.plan
+        if plan is None or plan[1:] != old[1:] or plan.config.all_kwargs() != old.config.all_kwargs():
             return None
-        values[i] = value
-    return recipe._replace(launches=((fwd, tuple(values), tensors),) + recipe.launches[1:])
+        spec = spec._replace(blocks=blocks)
+    if not _fwd_args:
+        names = tuple(inspect.signature(kernels.fwd_kernel.fn).parameters)
+        _fwd_args.append((tuple(names.index(n) for n in _LENGTH_ARGS), len(names)))
+    positions, count = _fwd_args[0]
+    fwd, template, tensors = recipe.launches[0]
+    if len(template) != count:
+        return None
+    values = list(template)
+    new = (*_qkv_strides(k, False), *_v_strides(v, False, False), lk, _tune_class(head[3], lk), lk)
+    for i, value in zip(positions, new, strict=True):
+        was = values[i]
+        if value != was:
+            if type(was) is not int or fast_launch._int_class(was) != fast_launch._int_class(value):
+                return None
+            values[i] = value
+    return recipe._replace(launches=((fwd, tuple(values), tensors),) + recipe.launches[1:], length_spec=spec)
+
+
+def _tma_strides(t: torch.Tensor) -> bool:
+    """_tma_ok's condition on a tensor's strides (every one but the last a multiple of 16 bytes)."""
+    size = t.element_size()
+    return all((st * size) % 16 == 0 for st in t.stride()[:-1])
 
 
 _last_key = threading.local()  # this thread's last forward's replay key (take_replay_key)
@@ -801,7 +813,7 @@ def _forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous:
             trace["allocs"], trace["expected"] = [out, lse], 1 if plan.parts == 1 else 2
             if device_plan and not varlen:  # what derive_for_length needs to redo for another key length
                 trace["length_spec"] = LengthSpec((B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads), plan,
-                                                  (variant, q.device, varlen), device_plan, window, sinks)
+                                                  (variant, q.device, varlen), device_plan, window, sinks, max_count)
         if plan.parts == 1:  # the small tile alone, written in place
             run_fwd(kern, grid, out, _qkv_strides(out, varlen), lse, l_strides, 0, False, 1, (0, 0), plan.heads,
                     plan_split, REVERSE=False, KV_SPLIT=False, PACK_GQA=plan.pack)
