@@ -1,11 +1,13 @@
 """What a decoding step costs when its cache length is new, as in real eager decoding, against a length seen before.
 
 A model's ``generate()`` grows its cache by one token a step, and every layer of the step calls attention with
-that length: the step's first layer meets a geometry nobody has seen (our path: checks, plan, recording of the
-launches; cuDNN's sdpa: a new graph for the new shape), its later layers one seen a moment ago. The generate()
+that length: the step's first layer meets a geometry nobody has seen (ours: the recipe derived from the previous
+length's, or where that is refused the path and a recording of its launches; cuDNN's sdpa: a new graph for the new
+shape), its later layers one seen a moment ago. The generate()
 probes (hf_decode_ab.py, hf_step_split_probe.py) repeat their prompts each round, so without ``--new-lengths``
 their steps meet lengths seen in the previous round. This probe times the two cases apart, per layer position,
-for our ``attention(causal=True)`` (and with the replay off: every call on the path) and for ``F.scaled_dot_product_attention`` under each backend:
+for our ``attention(causal=True)`` (and with the replay off: every call on the path) and for
+``F.scaled_dot_product_attention`` under each backend:
 
 - ``new``: steps at lengths no call has seen (each provider gets lengths it never saw);
 - ``seen``: the same steps again, every length now seen.
@@ -121,6 +123,8 @@ def _pieces(start: int, n: int = 400) -> dict:
     entry.clear()
     fresh = [(torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16),) * 2
              for n in range(start + n, start + 2 * n)]
+    for k, v in fresh[:3]:  # the family learnt again (the path, recorded) before the timing
+        sparse_attn.attention(q, k, v, causal=True)
     rows["attention() at a new length, one call a length"] = med(
         lambda k, v: sparse_attn.attention(q, k, v, causal=True), fresh[3:])
     rows["attention() at a seen length"] = med(lambda k, v: sparse_attn.attention(q, k, v, causal=True),

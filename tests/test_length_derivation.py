@@ -130,7 +130,8 @@ def test_no_derivation_where_anything_but_the_length_differs(ops):
         before = ops["n"]
         got = sparse_attn.attention(q2, k2, v2, causal=True)
         assert ops["n"] == before + 1, label
-        assert torch.equal(got, without_replays(lambda: sparse_attn.attention(q2, k2, v2, causal=True))), label  # noqa: B023
+        want = without_replays(lambda: sparse_attn.attention(q2, k2, v2, causal=True))  # noqa: B023
+        assert torch.equal(got, want), label
     before = ops["n"]
     sparse_attn.attention(q, k, v, causal=True)  # the family's next length: derived
     assert ops["n"] == before

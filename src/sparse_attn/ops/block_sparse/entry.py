@@ -8,7 +8,9 @@ them, and ``launch.forward`` reports the replay key it computed (:func:`launch.t
 later calls (a model's other layers within a step) look that key up here, by their own arguments, and run the kept
 recipe (:func:`replay.kept`, then held in a :class:`Learnt`) directly: the same kernels on the same arguments as the
 path, so the same bits. A padded batch's in-place call (integrations._unpad.in_place) is served the same way, what it
-learns kept on the batch's Packing (:func:`learn_pairs`, :func:`run_pairs`).
+learns kept on the batch's Packing (:func:`learn_pairs`, :func:`run_pairs`). A call whose key length is new (a growing
+cache's next step, at its first layer) runs the recipe of its family's latest length rewritten for this length
+(:func:`_derive`, launch.derive_for_length), where that is shown to be what the path would launch.
 
 The key here holds what those steps read: the three inputs' shapes, strides, dtypes, devices and 16-byte alignment,
 which of them are one tensor, the call's ``causal`` / ``scale`` / ``return_lse`` / ``window`` / ``num_sink``, the

@@ -22,7 +22,9 @@ On the CI machine a call on the path takes 39 us of host time, a replayed one 17
 call, keyed and recorded, 59-60 us. A growing cache makes a new geometry every step, which pays off from the step's
 second layer on; a cache growing under one call a step never does. So after MISS_STREAK new geometries
 in a row a new one is only marked :data:`SEEN` and recorded when it comes back, as the first build did always
-(benchmarks/NOTES.md, "Replay, recorded at first sight").
+(benchmarks/NOTES.md, "Replay, recorded at first sight"). Calls through ``sparse_attn.attention`` do better at a
+new length: ops.block_sparse.entry derives its recipe from the previous length's (launch.derive_for_length, from the
+:class:`Recipe`'s ``length_spec``), so a step's first layer, and a cache growing under one call a step, replay too.
 """
 from __future__ import annotations
 
@@ -124,8 +126,9 @@ def keep(k: tuple, inputs: tuple, allocs: list, launches: list, expected: int, r
          length_spec=None) -> None:
     """Keep the recipe of a call recorded under key ``k``: its ``inputs``, the buffers it allocated (``allocs``), the
     fast launches it made (``launches``, of which it meant to make ``expected``), its ``result`` (out, lse), two
-    of its buffers, and ``length_spec`` (Recipe). An incomplete recording is kept as :data:`NEVER`, or as :data:`RETRY` where the only gap is a
-    launch that took Triton's path (None in ``launches``) and the key was not already RETRY."""
+    of its buffers, and ``length_spec`` (Recipe). An incomplete recording is kept as :data:`NEVER`, or as
+    :data:`RETRY` where the only gap is a launch that took Triton's path (None in ``launches``) and the key was not
+    already RETRY."""
     # plain loops, no generator expressions: this runs on a decoding call's host path (9.5 us with them on the
     # CI machine, of a 39 us call)
     slot = {}
