@@ -155,3 +155,81 @@ def test_replay_clear_forgets_derived_recipes(ops):
         got = sparse_attn.attention(*args, causal=True)
         assert ops["n"] == before + path, args[1].shape[2]
         assert torch.equal(got, without_replays(lambda: sparse_attn.attention(*args, causal=True)))  # noqa: B023
+
+
+def _padded(g, lengths, h=4, hkv=2, free_row=False):
+    """test_decode_entry's padded decoding step: (packing, q, k, v), the keys one slot past the longest row."""
+    from test_decode_entry import _padded_step
+    return _padded_step(g, lengths, h=h, hkv=hkv, free_row=free_row)
+
+
+@pytest.fixture
+def varlen_ops(compiled, monkeypatch):  # noqa: F811
+    """As ``ops``, for a padded batch's in-place calls: the count of those that reached the varlen device-plan op."""
+    monkeypatch.setattr(api, "_use_kernels", lambda q: True)
+    entry.clear()
+    yield count_op_calls(monkeypatch, "varlen_device_plan_op")
+    entry.clear()
+
+
+@interpreted
+@pytest.mark.parametrize("kw,free_row", [(dict(causal=True), False), (dict(causal=True), True),
+                                         (dict(causal=True, window=100, num_sink=20, scale=0.2), False)])
+def test_a_padded_decoding_loop_derives_each_step_s_first_layer(varlen_ops, kw, free_row):
+    """A padded batch's decoding steps (a new Packing each step, every row one token longer, two layers a step, the
+    longest row crossing 256 keys): from the second step on the first layer runs the previous step's launches
+    derived for its cache length, except at the first length 16 divides (its layers record, the first through a
+    kernel's first launch); every result has the path's bits, zeros at a free query."""
+    from sparse_attn.integrations import _unpad
+    ops = varlen_ops
+    g = torch.Generator().manual_seed(31)
+    path = []
+    for step in range(8):
+        lengths = [250 + step, 120 + step, 33 + step]  # keys: 251 + step
+        packing = _padded(g, lengths, free_row=free_row)[0]
+        for layer in range(2):
+            q, k, v = _padded(g, lengths, free_row=free_row)[1:]
+            before = ops["n"]
+            got = _unpad.in_place(packing, q, k, v, **kw)
+            if ops["n"] != before:
+                path.append((step, layer))
+            want = without_replays(lambda: _unpad.in_place(packing, q, k, v, **kw))  # noqa: B023
+            assert torch.equal(got, want), (kw, step, layer)
+            assert free_row == (got[-1] == 0).all().item()
+    assert path == [(0, 0), (0, 1), (5, 0), (5, 1)], path  # step 5: 256 keys
+
+
+@interpreted
+@pytest.mark.parametrize("name", list(CALLS))
+def test_a_padded_step_s_derived_recipe_is_the_one_the_path_records(varlen_ops, monkeypatch, name):
+    """As test_a_derived_recipe_is_the_one_the_path_records, for a padded batch's in-place call (token views, the
+    pairs as inputs, the longest row's keys as the length): a derived recipe equals the path's recording launch by
+    launch, and exactly the split step (384 -> 385 keys: one part, then two, on 12 stand-in SMs) and the lengths of
+    the other specialization class are refused."""
+    from sparse_attn.integrations import _unpad
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 12)
+    kw = dict(CALLS[name])
+    kw.pop("return_lse", None)
+    causal = kw.pop("causal", False)
+    g = torch.Generator().manual_seed(32)
+    previous, refused, parts = None, [], []
+    for lk in (254, 255, 258, 259, 300, 383, 386, 387, 400, 401):
+        packing, q, k, v = _padded(g, [lk - 1, 120, 33], hkv=1)
+        views = _unpad._token_views(q, k, v)
+        q_pairs, k_pairs = packing.pairs_on(q.device, views[1], views[3])
+        for _ in range(2):  # the path (a kernel's first launch is never kept), recorded
+            _unpad._run_pairs(q, views, q_pairs, k_pairs, packing.max_q, packing.max_k, None, causal,
+                              kw.get("window"), kw.get("num_sink", 0), kw.get("scale"))
+        key, _ = launch.take_replay_key()
+        recipe = replay._kept.get(key)
+        assert isinstance(recipe, replay.Recipe) and packing.max_k == lk
+        parts.append(len(recipe.launches))
+        if previous is not None:
+            derived = launch.derive_for_length(previous, views[0], views[2], views[4], max_k=lk)
+            if derived is None:
+                refused.append(lk)
+            else:
+                assert _same(derived, recipe), (name, lk)
+        previous = recipe
+    assert parts == [1] * 6 + [2] * 4, name  # (a window of 100 keys after 20 sinks spans 4 key blocks too)
+    assert refused == [386, 400, 401], name

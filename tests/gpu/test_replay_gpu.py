@@ -253,3 +253,34 @@ def test_a_padded_step_s_layers_served_by_the_entry_give_the_bits_of_the_path(mo
     assert served in ([False, True, True, True, True], [False, False, True, True, True]), served
     replay.clear()
     entry.clear()
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=1000, num_sink=64)])
+def test_a_padded_decoding_loop_derives_each_step_s_first_layer(monkeypatch, kw):
+    """A padded batch's decoding steps (a new Packing each step, every row one token longer, a stopped row whose
+    query is free, two layers a step) across 4096 keys (a length 16 divides, then back): every step's first layer
+    but the first step's and the first of each specialization class runs the previous step's launches derived for
+    its cache length (entry.derive_pairs), with the path's bits on poisoned memory and zeros at the free query."""
+    from sparse_attn.ops.block_sparse import entry
+    replay.clear()
+    entry.clear()
+    ops = count_op_calls(monkeypatch, "varlen_device_plan_op")
+    g = torch.Generator(device="cuda").manual_seed(18)
+    first_layer_path = []
+    for step in range(8):
+        lengths = [4090 + step, 3500 + step, 1000 + step, 512 + step, 2]  # keys: 4091 + step
+        packing = _padded(g, lengths, 32, 8, 128, stopped=4)[0]
+        for layer in range(2):
+            q, k, v = _padded(g, lengths, 32, 8, 128)[1:]
+            _poison()
+            before = ops["n"]
+            got = _unpad.in_place(packing, q, k, v, **kw)
+            if layer == 0 and ops["n"] != before:
+                first_layer_path.append(step)
+            _poison()
+            want = without_replays(lambda: _unpad.in_place(packing, q, k, v, **kw))  # noqa: B023
+            assert torch.equal(got, want), (kw, step, layer)
+            assert (got[4] == 0).all() and not got.isnan().any(), (kw, step, layer)
+    assert first_layer_path == [0, 5], first_layer_path  # step 5: 4096 keys
+    replay.clear()
+    entry.clear()

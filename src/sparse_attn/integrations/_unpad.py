@@ -164,7 +164,8 @@ def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: to
     CPU, gradients, a torch.compile trace): the caller packs then. A query or key / value that
     :func:`token_view` cannot place is copied once to ``[B, L, H, D]``. A decoding step's later layers (one
     geometry on one batch) run what its first layer launched, directly (ops.block_sparse.entry; kept on the
-    Packing, which is the step's)."""
+    Packing, which is the step's); its first layer runs the previous step's launches rewritten for this step's cache
+    length, where they show to be the path's (entry.derive_pairs)."""
     from .. import api
     from ..ops.block_sparse import entry
     if packing.rows is None or not api._varlen_device_plan(query, key, value, None, None, None):
@@ -178,16 +179,32 @@ def in_place(packing: Packing, query: torch.Tensor, key: torch.Tensor, value: to
     views = _token_views(query, key, value)
     q_pairs, k_pairs = packing.pairs_on(query.device, views[1], views[3])
     free = packing.free_queries_on(query.device)
-    out = _run_pairs(query, views, q_pairs, k_pairs, packing.max_q, packing.max_k, free, causal, window, num_sink,
-                     scale)
     q, _, k, _, v = views
+    family = None
     if entry_key is not None and (q.data_ptr(), k.data_ptr(), v.data_ptr()) == (
             query.data_ptr(), key.data_ptr(), value.data_ptr()):  # views, not copies: as_strided makes them again
-        learnt = entry.learn_pairs((q, k, v), q_pairs, k_pairs)
+        family = entry.pairs_family(entry_key, q_pairs, k_pairs, packing.max_q, packing.max_k)
+        # a step's first layer: the previous step's launches, rewritten for this cache length (the pairs are inputs)
+        learnt = entry.derive_pairs(family, (q, k, v), packing.max_k)
+        out = None if learnt is None else entry.run_pairs(learnt, (q, k, v), q_pairs, k_pairs)
+        if out is not None:
+            _remember(packing, entry_key, learnt, (q, k, v), q_pairs, k_pairs, free)
+            return _unpacked(out, free, query)
+    out = _run_pairs(query, views, q_pairs, k_pairs, packing.max_q, packing.max_k, free, causal, window, num_sink,
+                     scale)
+    if family is not None:
+        learnt = entry.learn_pairs((q, k, v), q_pairs, k_pairs, family)
         if learnt is not None:
-            placed = tuple((tuple(t.shape), t.stride()) for t in (q, k, v))
-            packing._built["entry", entry_key] = (learnt, placed, q_pairs, k_pairs, free)
+            _remember(packing, entry_key, learnt, (q, k, v), q_pairs, k_pairs, free)
     return out
+
+
+def _remember(packing: Packing, entry_key: tuple, learnt, views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor,
+              free: torch.Tensor | None) -> None:
+    """Keep on the step's Packing what the step's later layers of this geometry run (:func:`_run_kept`): the learnt
+    launches, the token views' sizes and strides, the pairs and the free queries."""
+    placed = tuple((tuple(t.shape), t.stride()) for t in views)
+    packing._built["entry", entry_key] = (learnt, placed, q_pairs, k_pairs, free)
 
 
 def _run_kept(kept: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:

@@ -135,16 +135,43 @@ def _derive(k: tuple, q, kk, v) -> Learnt | None:
     return learnt
 
 
-def learn_pairs(views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor) -> Learnt | None:
+def learn_pairs(views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor, family: tuple | None = None
+                ) -> Learnt | None:
     """After the in-place path ran on token ``views`` (q, k, v) with these pairs: what to keep for the call (the
     launch's replay key), if ``launch.forward`` computed one over exactly these tensors (the pairs in the schedule's
-    six places and as the query offsets, the key pairs as the key offsets), else None."""
+    six places and as the query offsets, the key pairs as the key offsets), else None; also the latest of its
+    ``family`` (:func:`pairs_family`), what the next step derives from."""
     last = launch.take_replay_key()
     if last is None or last[1] != (id(views[0]), id(views[1]), id(views[2])):
         return None
     if last[0][0][3:] != (replay.geometry(q_pairs), 3, 3, 3, 3, 3, 3, replay.geometry(k_pairs)):
         return None
-    return Learnt(last[0])
+    learnt = Learnt(last[0])
+    if family is not None:
+        _families.put(family, learnt)
+    return learnt
+
+
+def pairs_family(k: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor, max_q: int, max_k: int) -> tuple:
+    """The family (:func:`_family`) of a padded batch's in-place call of key ``k`` (from :func:`key`, over the padded
+    tensors) with these pairs and longest sequences: the next step's batch, one key longer, derives from it. The
+    pairs' geometry (their count, alignment) and ``max_q`` are part of it; their values are inputs of the launch."""
+    return "pairs", _family(k, max_k), replay.geometry(q_pairs), replay.geometry(k_pairs), max_q
+
+
+def derive_pairs(family: tuple, views: tuple, max_k: int) -> Learnt | None:
+    """A padded batch's in-place call on token ``views`` whose key length (``max_k``) or batch is new (a decoding
+    step's first layer): the recipe of its family's latest (:func:`pairs_family`), rewritten for ``max_k`` and the
+    views by launch.derive_for_length where that shows it is what the path would launch; the family's latest then.
+    Run it with :func:`run_pairs` on this batch's pairs."""
+    latest = _families.find(family)
+    recipe = None if latest is None else latest.peek()
+    derived = None if recipe is None else launch.derive_for_length(recipe, *views, max_k=max_k)
+    if derived is None:
+        return None
+    learnt = Learnt(None, derived)
+    _families.put(family, learnt)
+    return learnt
 
 
 def run_pairs(learnt: Learnt, views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor):

@@ -625,7 +625,7 @@ def _device_plan_blocks(device_plan: int, lk: int, block_q: int, block_k: int, w
 
 
 class LengthSpec(NamedTuple):
-    """What a recorded device-planned short forward (dense [B, H, L, D] inputs) decided from its key length
+    """What a recorded device-planned short forward (dense or packed inputs) decided from its key length
     (derive_for_length): short_query_plan's arguments before and after its ``max_k``, the plan it gave, the device
     plan's kind, window and sinks, and the key blocks it planned for."""
     plan_head: tuple  # (B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads)
@@ -637,21 +637,24 @@ class LengthSpec(NamedTuple):
     blocks: int  # the key blocks the plan was made for (_device_plan_blocks)
 
 
-# the fwd_kernel arguments a dense device-planned call takes from its key length, in the order derive_for_length
-# computes them: K's and V's strides, Lk, the autotune key's length class, the key tokens
+# the fwd_kernel arguments a device-planned call takes from its key length, in the order derive_for_length
+# computes them: K's and V's strides, Lk (a packed call's longest sequence), the autotune key's length class, the
+# key tokens
 _LENGTH_ARGS = ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_vd", "Lk",
                 "TUNE_CLASS", "T_K")
 # once: (their positions among a fwd launch's values, which are in signature order; the count of those values)
 _fwd_args: list = []
 
 
-def derive_for_length(recipe: replay.Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                      ) -> replay.Recipe | None:
-    """The recipe of a device-planned short forward on ``q``, ``k``, ``v``, made from ``recipe``, recorded for a
-    call that differed from this one only in the key length (K/V's length and the strides it scales): what
-    :func:`_forward` would launch here, or None where that cannot be shown without taking its path. A decoding
-    step's first layer meets a new cache length, whose path and recording took 212-268 us of host time on the H200
-    against 44 for a replay (benchmarks/new_length_probe.py; NOTES, "A cache length never seen").
+def derive_for_length(recipe: replay.Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      max_k: int | None = None) -> replay.Recipe | None:
+    """The recipe of a device-planned short forward on ``q``, ``k``, ``v`` (dense ``[B, H, L, D]``, or packed token
+    views with the longest sequence's ``max_k`` keys), made from ``recipe``, recorded for a call that differed from
+    this one only in the key length (K/V's length or ``max_k``, their tokens and the strides the length scales; a
+    packed call's offsets are inputs): what :func:`_forward` would launch here, or None where that cannot be shown
+    without taking its path. A decoding step's first layer meets a new cache length, whose path and recording took
+    212-268 us of host time on the H200 against 44 for a replay (benchmarks/new_length_probe.py; NOTES, "A cache
+    length never seen").
 
     Only the fwd launch's length arguments (_LENGTH_ARGS) may differ, so this redoes what depends on the length:
     short_query_plan, whose split count steps with the key blocks, must give the same plan (then the grid, the
@@ -659,8 +662,18 @@ def derive_for_length(recipe: replay.Recipe, q: torch.Tensor, k: torch.Tensor, v
     and each new integer must have the recorded one's specialization class (ops.fast_launch keys its kept kernels by
     it): otherwise None, and the call takes the path, which records anew."""
     spec = recipe.length_spec
-    lk = k.shape[2]
-    if spec is None or lk < 1 or v.shape[2] != lk:
+    if spec is None:
+        return None
+    varlen = spec.plan_tail[2]
+    if varlen:
+        if max_k is None or v.shape[0] != k.shape[0]:
+            return None
+        lk, t_k = max_k, k.shape[0]
+    else:
+        lk = t_k = k.shape[2]
+        if v.shape[2] != lk:
+            return None
+    if lk < 1:
         return None
     if spec.plan_tail[0] != "ptr":  # q and the K/V bases are the recorded call's: only K/V's strides may differ
         if not (_tma_strides(k) and _tma_strides(v)):
@@ -682,7 +695,7 @@ def derive_for_length(recipe: replay.Recipe, q: torch.Tensor, k: torch.Tensor, v
     if len(template) != count:
         return None
     values = list(template)
-    new = (*_qkv_strides(k, False), *_v_strides(v, False, False), lk, _tune_class(head[3], lk), lk)
+    new = (*_qkv_strides(k, varlen), *_v_strides(v, varlen, False), lk, _tune_class(head[3], lk), t_k)
     for i, value in zip(positions, new, strict=True):
         was = values[i]
         if value != was:
@@ -811,7 +824,7 @@ def _forward(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous:
         grid = (plan.tiles * plan.parts, *plan_rows)
         if trace is not None:
             trace["allocs"], trace["expected"] = [out, lse], 1 if plan.parts == 1 else 2
-            if device_plan and not varlen:  # what derive_for_length needs to redo for another key length
+            if device_plan:  # what derive_for_length needs to redo for another key length
                 trace["length_spec"] = LengthSpec((B, H, hkv, Lq, block_q, block_k, d_pad, layout_heads), plan,
                                                   (variant, q.device, varlen), device_plan, window, sinks, max_count)
         if plan.parts == 1:  # the small tile alone, written in place
