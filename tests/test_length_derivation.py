@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode_entry import _padded_step
 from test_replay import compiled, interpreted  # noqa: F401 -- the fixture, used by name
 
 import sparse_attn
@@ -47,8 +48,8 @@ def _outputs(x):
 def test_a_growing_cache_is_served_at_new_lengths_with_the_paths_bits(ops, name):
     """One call a step, the cache one token longer each step, over a stretch holding a length 16 divides: the first
     two calls take the path (a kernel's first launch, then the recording), and so does the first length of the other
-    specialization class (304) and the one after it (its kernel's first launch); every other call is served, its
-    result equal bit for bit to the path's."""
+    specialization class (304: nothing of its class to derive from, and its kernel's first launch); every other call
+    is served, its result equal bit for bit to the path's."""
     kw = CALLS[name]
     g = torch.Generator().manual_seed(11)
     lq = 3 if "3 query" in name else 1
@@ -157,15 +158,10 @@ def test_replay_clear_forgets_derived_recipes(ops):
         assert torch.equal(got, without_replays(lambda: sparse_attn.attention(*args, causal=True)))  # noqa: B023
 
 
-def _padded(g, lengths, h=4, hkv=2, free_row=False):
-    """test_decode_entry's padded decoding step: (packing, q, k, v), the keys one slot past the longest row."""
-    from test_decode_entry import _padded_step
-    return _padded_step(g, lengths, h=h, hkv=hkv, free_row=free_row)
-
-
 @pytest.fixture
 def varlen_ops(compiled, monkeypatch):  # noqa: F811
-    """As ``ops``, for a padded batch's in-place calls: the count of those that reached the varlen device-plan op."""
+    """As ``ops``, for a padded batch's in-place calls (test_decode_entry's ``_padded_step``): the count of those that
+    reached the varlen device-plan op."""
     monkeypatch.setattr(api, "_use_kernels", lambda q: True)
     entry.clear()
     yield count_op_calls(monkeypatch, "varlen_device_plan_op")
@@ -186,9 +182,9 @@ def test_a_padded_decoding_loop_derives_each_step_s_first_layer(varlen_ops, kw, 
     path = []
     for step in range(8):
         lengths = [250 + step, 120 + step, 33 + step]  # keys: 251 + step
-        packing = _padded(g, lengths, free_row=free_row)[0]
+        packing = _padded_step(g, lengths, free_row=free_row)[0]
         for layer in range(2):
-            q, k, v = _padded(g, lengths, free_row=free_row)[1:]
+            q, k, v = _padded_step(g, lengths, free_row=free_row)[1:]
             before = ops["n"]
             got = _unpad.in_place(packing, q, k, v, **kw)
             if ops["n"] != before:
@@ -214,7 +210,7 @@ def test_a_padded_step_s_derived_recipe_is_the_one_the_path_records(varlen_ops, 
     g = torch.Generator().manual_seed(32)
     previous, refused, parts = None, [], []
     for lk in (254, 255, 258, 259, 300, 383, 386, 387, 400, 401):
-        packing, q, k, v = _padded(g, [lk - 1, 120, 33], hkv=1)
+        packing, q, k, v = _padded_step(g, [lk - 1, 120, 33], hkv=1)
         views = _unpad._token_views(q, k, v)
         q_pairs, k_pairs = packing.pairs_on(q.device, views[1], views[3])
         for _ in range(2):  # the path (a kernel's first launch is never kept), recorded
