@@ -134,7 +134,7 @@ def test_no_key_during_a_streak_of_new_geometries(ops, monkeypatch):
     """A cache growing under one call a step whose new lengths do not derive (every split count changing, say; a new
     length derives from the last as a rule: test_length_derivation.py) never replays: after replay's streak of new
     geometries the entry computes no key (nothing to find), and a geometry that comes back ends the streak."""
-    monkeypatch.setattr(launch, "derive_for_length", lambda *a: None)
+    monkeypatch.setattr(launch, "derive_for_length", lambda *a, **kw: None)
     g = torch.Generator().manual_seed(4)
     q, k, v = _qkv(g, lk=400)
     for n in range(200, 200 + replay.MISS_STREAK + 1):

@@ -108,7 +108,7 @@ def test_a_growing_cache_replays_from_each_step_s_second_layer(monkeypatch):
     at a geometry's second call only, which never comes (every call takes the path, with its bits). The kernels are
     launched once beforehand: a kernel's first launch goes through Triton and leaves the recording to the next call."""
     from sparse_attn.ops.block_sparse import launch
-    monkeypatch.setattr(launch, "derive_for_length", lambda *a: None)
+    monkeypatch.setattr(launch, "derive_for_length", lambda *a, **kw: None)
     g = torch.Generator(device="cuda").manual_seed(15)
     k_all, v_all = _randn(g, 2, 8, 6000, 128), _randn(g, 2, 8, 6000, 128)
     steps = [(layers, step, 5000 + step + 40 * layers) for layers in (2, 1) for step in range(replay.MISS_STREAK + 4)]

@@ -123,14 +123,21 @@ def _derive(k: tuple, q, kk, v) -> Learnt | None:
     """A decoding call whose key length is new (a growing cache's next step): the recipe of the latest length of
     its family (:func:`_family`), rewritten for this length by launch.derive_for_length where that shows it is
     what the path would launch; kept under ``k`` (the step's later layers find it) and as the family's latest."""
-    family = _family(k, kk.shape[2])
+    learnt = _from_family(_family(k, kk.shape[2]), (q, kk, v))
+    if learnt is not None:
+        _keys.put(k, learnt)
+    return learnt
+
+
+def _from_family(family: tuple, inputs: tuple, max_k: int | None = None) -> Learnt | None:
+    """The recipe of ``family``'s latest rewritten for ``inputs`` (q, k, v; with ``max_k`` packed token views) by
+    launch.derive_for_length, kept as the family's latest; or None (no latest, or the derivation refused)."""
     latest = _families.find(family)
     recipe = None if latest is None else latest.peek()
-    derived = None if recipe is None else launch.derive_for_length(recipe, q, kk, v)
+    derived = None if recipe is None else launch.derive_for_length(recipe, *inputs, max_k=max_k)
     if derived is None:
         return None
     learnt = Learnt(None, derived)
-    _keys.put(k, learnt)
     _families.put(family, learnt)
     return learnt
 
@@ -164,14 +171,7 @@ def derive_pairs(family: tuple, views: tuple, max_k: int) -> Learnt | None:
     step's first layer): the recipe of its family's latest (:func:`pairs_family`), rewritten for ``max_k`` and the
     views by launch.derive_for_length where that shows it is what the path would launch; the family's latest then.
     Run it with :func:`run_pairs` on this batch's pairs."""
-    latest = _families.find(family)
-    recipe = None if latest is None else latest.peek()
-    derived = None if recipe is None else launch.derive_for_length(recipe, *views, max_k=max_k)
-    if derived is None:
-        return None
-    learnt = Learnt(None, derived)
-    _families.put(family, learnt)
-    return learnt
+    return _from_family(family, views, max_k)
 
 
 def run_pairs(learnt: Learnt, views: tuple, q_pairs: torch.Tensor, k_pairs: torch.Tensor):
