@@ -397,7 +397,7 @@ def test_unknown_wave_setting_is_a_clear_error():
 
 @pytest.mark.parametrize("name, value", [("BWD_WAVE", False), ("BWD_DKDV_DELTA_ACC", True),
                                          ("BWD_VARIANT", "fast"), ("BWD_DKDV_HEADS", 1),
-                                         ("BWD_DKDV_MASKED", "1")])
+                                         ("BWD_DKDV_MASKED", "1"), ("BWD_TERMS", True)])
 def test_backward_refuses_settings_assigned_outside_their_choices(name, value, monkeypatch):
     """The backward's string settings reassigned at run time (as probes and tests do) to a value
     outside their choices: a clear error before any launch, never a silently chosen branch (a bool
@@ -458,3 +458,17 @@ def test_unknown_masked_pass_setting_is_a_clear_error():
 def test_unknown_deep_index_setting_is_a_clear_error():
     stderr = launch_import_stderr("SPARSE_ATTN_BWD_IDX_DEEP", "yes")
     assert "SPARSE_ATTN_BWD_IDX_DEEP must be 'auto', '0' or '1', got 'yes'" in stderr
+
+
+def test_unknown_terms_setting_is_a_clear_error():
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD_TERMS", "desc")
+    assert "SPARSE_ATTN_BWD_TERMS must be 'ptr' or 'tma', got 'desc'" in stderr
+
+
+@pytest.mark.parametrize("setting, qdo_tma, expect", [("tma", True, True), ("tma", False, False),
+                                                      ("ptr", True, False), ("ptr", False, False)])
+def test_row_terms_go_by_tma_only_beside_qdo_by_tma(setting, qdo_tma, expect, monkeypatch):
+    """launch.terms_by_tma: the dK/dV kernel's row terms take TMA descriptors only where Q/dO do
+    (their checks: sm_90+, alignment, the descriptor allocator), and never under BWD_TERMS "ptr"."""
+    monkeypatch.setattr(launch, "BWD_TERMS", setting)
+    assert launch.terms_by_tma(qdo_tma) is expect

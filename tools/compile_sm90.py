@@ -98,6 +98,8 @@ def _usual_grid_variants():
     for fn, consts in _variants_as_written():
         if fn is K.bwd_dkdv_kernel:  # launch.BWD_DKDV_MASKED "auto": one-stage with element masks or GQA's heads inside
             consts = dict(consts, MASKED_ONE_STAGE=consts["N_TERMS"] > 0 or consts["HEADS_INSIDE"])
+            # launch.terms_by_tma: the row terms by TMA wherever Q/dO are (BWD_TERMS "tma")
+            consts.setdefault("TERMS_TMA", consts["QDO_TMA"])
         yield fn, consts
 
 
@@ -301,7 +303,8 @@ def report_residency(target) -> None:
             consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=bq, BLOCK_K=bq, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                           IS_VARLEN=False, IDX_CHUNK=64, CONTIGUOUS=False, WAVE=True, IDX_DEEP=False)
             consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True, DELTA_ACC=False,
-                               MASKED_ONE_STAGE=True) if kind == "dkdv" else dict(KV_TMA=True, REVERSE=True))
+                               MASKED_ONE_STAGE=True, TERMS_TMA=True) if kind == "dkdv"
+                          else dict(KV_TMA=True, REVERSE=True))
             fn = K.bwd_dkdv_kernel if kind == "dkdv" else K.bwd_dq_kernel
             line(f"{kind} d{d} {m}x{n} {s} stages {w} warps", *_residency(target, fn, consts, w, s),
                  K._bwd_resident_per_sm.fn(m, n, d))
@@ -322,7 +325,7 @@ def main(filters: list[str]):
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
                                                                  "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC", "IDX_DEEP",
                                                                  "SPLIT_GRID", "KV_SPLIT", "PACK_GQA", "BLOCK_M", "BLOCK_R",
-                                                                 "DEVICE_PLAN")}
+                                                                 "DEVICE_PLAN", "TERMS_TMA")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

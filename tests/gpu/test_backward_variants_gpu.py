@@ -186,3 +186,31 @@ def test_deep_index_loads_bitwise_equal_to_register_chunks(hkv, monkeypatch):
     for name, a, b in zip(("dq", "dk", "dv"), deep, chunks):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), f"{name} differs between deep index loads and register chunks"
+
+
+@pytest.mark.parametrize("kind", ["random-mha", "random-gqa", "causal", "window-gqa", "block_diagonal"])
+def test_row_terms_by_tma_bitwise_equal_to_pointer_loads(kind):
+    """launch.BWD_TERMS: the dK/dV kernel reads each query tile's row terms (LSE2, delta) through TMA
+    descriptors ("tma", the default) or pointer loads ("ptr"): the same values, so gradients bitwise
+    equal on every walk. Random blocks walk the deep indexed loop (an odd length puts the last block
+    through the masked pass); causal with Lq != Lk and GQA's window the arithmetic walk and the
+    one-stage masked pass; block-diagonal the pipelined pass. Rule 3 with the default: the cases above
+    and tests/gpu/test_fuzz_gpu.py."""
+    from sparse_attn import patterns
+
+    if kind.startswith("random"):
+        layout, q, k, v, do = _random_blocks_case(4096 - 37, 32 if kind == "random-mha" else 8, seed=23)
+    else:
+        lq, lk, hkv = {"causal": (1000, 1400, 8), "window-gqa": (1500, 1500, 2),
+                       "block_diagonal": (2048, 2048, 8)}[kind]
+        layout = {"causal": lambda: patterns.causal(lq, lk),
+                  "window-gqa": lambda: patterns.local(lq, 384),
+                  "block_diagonal": lambda: patterns.block_diagonal(lq, 512)}[kind]().to("cuda")
+        mk = lambda h, n: torch.randn(1, h, n, 128, device="cuda").bfloat16().requires_grad_()  # noqa: E731
+        q, k, v = mk(8, lq), mk(hkv, lk), mk(hkv, lk)
+        do = torch.randn_like(q)
+    assert launch.terms_by_tma(launch._tma_ok(q, do)), "the TMA branch must run on these inputs"
+    by_tma, by_pointer = grads_per_launch_setting(q, k, v, layout, do, "BWD_TERMS", ("tma", "ptr"))
+    for name, a, b in zip(("dq", "dk", "dv"), by_tma, by_pointer):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name} differs between the row terms by TMA and by pointer loads"

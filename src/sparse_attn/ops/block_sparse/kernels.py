@@ -227,6 +227,18 @@ def _rows_desc(P, offset, n_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM
 
 
 @triton.jit
+def _terms_desc(P, offset, q_len, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
+    """A 1-D TMA descriptor over one head's padded row terms (LSE2 or DELTA of bwd_delta_kernel) at
+    ``P + offset``, ``roundup(q_len, BLOCK_Q)`` floats read ``BLOCK_M`` at a time; without USE_TMA,
+    ``P`` itself (pointer loads)."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(P + offset, shape=[(q_len + BLOCK_Q - 1) // BLOCK_Q * BLOCK_Q], strides=[1],
+                                         block_shape=[BLOCK_M])
+    else:
+        return P
+
+
+@triton.jit
 def _load_kv_tile(K, V, desc_k, desc_v, kv_base, vv_base, start_n, o_d, k_len, stride_kn, stride_vn, stride_vd,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   USE_TMA: tl.constexpr, BOUND: tl.constexpr, V_TRANS: tl.constexpr):
@@ -761,11 +773,11 @@ def _dp_product(b_v, b_do, b_delta, BLOCK_M: tl.constexpr, DELTA_ACC: tl.constex
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, q_base, do_base, l_base,
-               dq_base, start_m, q_len, k_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqm, qk_scale,
-               sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
+def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq, desc_lse, desc_delta, q_base,
+               do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqm,
+               qk_scale, sm_scale, TERMS, mid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, N_TERMS: tl.constexpr,
                MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr,
-               DP_FIRST: tl.constexpr, DELTA_ACC: tl.constexpr):
+               DP_FIRST: tl.constexpr, DELTA_ACC: tl.constexpr, TERMS_TMA: tl.constexpr):
     """Accumulate one query tile's contribution to dK, dV of the key tile (transposed products).
     FUSED_DQ: also add the tile's dQ share, sm_scale * dS @ K, into the fp32 accumulator DQA (TMA
     reduce-add with DQ_TMA, else pointer atomics); rows past q_len carry dS = 0, and so do keys past
@@ -786,8 +798,12 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, d
     # Q and dO rows read as 0), so those rows get P = 0 and add nothing. A mask on these loads cost a
     # compare and select per element per iteration, and on packed inputs (q_len not known to be a
     # multiple of 16) 4-byte instead of 16-byte copies: 23% more instructions in the loop.
-    b_lse = tl.load(LSE2 + l_base + o_m)
-    b_delta = tl.load(DELTA + l_base + o_m)
+    if TERMS_TMA:  # (_terms_desc) by TMA, as Q/dO: no per-thread address from the tile's block index
+        b_lse = desc_lse.load([start_m])
+        b_delta = desc_delta.load([start_m])
+    else:
+        b_lse = tl.load(LSE2 + l_base + o_m)
+        b_delta = tl.load(DELTA + l_base + o_m)
     b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
     if FUSED_DQ:
         b_pt = tl.where(pos_k < k_len, b_pt, 0.0)
@@ -826,7 +842,8 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                N_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr, DP_FIRST: tl.constexpr, PHASE_LO: tl.constexpr,
                PHASE_HI: tl.constexpr, CONTIGUOUS: tl.constexpr, wave_r, period, seg, WAVE: tl.constexpr,
-               DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr, MASKED_ONE_STAGE: tl.constexpr):
+               DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr, MASKED_ONE_STAGE: tl.constexpr,
+               TERMS_TMA: tl.constexpr):
     """bwd_dkdv_kernel's work for query head i_h: phases PHASE_LO until PHASE_HI of the transposed
     layout row of key block kb (phase 0: unmasked query blocks, 1: masked ones), added to b_dk, b_dv.
     WAVE (indexed walks only): phase 0 walks the piece seg (SEG_*) of the row, with its start slot
@@ -851,6 +868,8 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
     # this head's rows of the sequence, [q_len, D]
     desc_q = _rows_desc(Q, q_base, q_len, stride_qm, BLOCK_M, HEAD_DIM, D_PAD, QDO_TMA)
     desc_do = _rows_desc(DO, do_base, q_len, stride_dom, BLOCK_M, HEAD_DIM, D_PAD, QDO_TMA)
+    desc_lse = _terms_desc(LSE2, l_base, q_len, BLOCK_Q, BLOCK_M, TERMS_TMA)
+    desc_delta = _terms_desc(DELTA, l_base, q_len, BLOCK_Q, BLOCK_M, TERMS_TMA)
     # phase 0: the query blocks no element mask touches; phase 1: masked ones or crossing the end.
     # (In phase 0 the mask ids are never used: their loads are dead code and compile away.)
     for phase in tl.static_range(PHASE_LO, PHASE_HI):
@@ -869,9 +888,10 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
             run0 = _run_start(T_INDICES, p_row, n_full, BLOCK_Q)
             for it in tl.range(0, n_full * SUB, num_stages=NUM_STAGES):
                 b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
-                                        q_base, do_base, l_base, dq_base, run0 + it * BLOCK_M, q_len, k_len, offset,
-                                        o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS, -1,
-                                        BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, DELTA_ACC)
+                                        desc_lse, desc_delta, q_base, do_base, l_base, dq_base, run0 + it * BLOCK_M,
+                                        q_len, k_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
+                                        sm_scale, TERMS, -1, BLOCK_M, HEAD_DIM, N_TERMS, False, FUSED_DQ, DQ_TMA, QDO_TMA,
+                                        DP_FIRST, DELTA_ACC, TERMS_TMA)
         elif IDX_CHUNK > 0 and not (CONTIGUOUS and MASKED_ONE_STAGE):
             # Indices come from registers, one chunk at a time: an index load inside the pipelined
             # loop makes the Q/dO loads indirect, and the pipeliner then issued them only at the end
@@ -883,11 +903,11 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                 for it in tl.range(0, tl.minimum(hi - c0, IDX_CHUNK) * SUB, num_stages=NUM_STAGES):
                     start_m = _pick(blocks, o_c, it // SUB) * BLOCK_Q + (it % SUB) * BLOCK_M
                     b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do,
-                                            desc_dq, q_base, do_base, l_base, dq_base, start_m, q_len, k_len,
-                                            offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
+                                            desc_dq, desc_lse, desc_delta, q_base, do_base, l_base, dq_base, start_m,
+                                            q_len, k_len, offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale,
                                             sm_scale, TERMS, _pick(mids, o_c, it // SUB), BLOCK_M, HEAD_DIM,
                                             N_TERMS, phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA,
-                                            DP_FIRST, DELTA_ACC)
+                                            DP_FIRST, DELTA_ACC, TERMS_TMA)
         else:
             # One index load per iteration. IDX_DEEP (the unmasked pass): pipelined as the forward's
             # indexed rows, with 2 * NUM_STAGES - 1 stages the index goes two iterations ahead and
@@ -903,10 +923,11 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
                 slot = _rotated(it // SUB, rot, n_full, WAVE and phase == 0)
                 start_m = tl.load(T_INDICES + p_row + slot) * BLOCK_Q + (it % SUB) * BLOCK_M
                 b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, Q, DO, LSE2, DELTA, DQA, desc_q, desc_do, desc_dq,
-                                        q_base, do_base, l_base, dq_base, start_m, q_len, k_len, offset, o_d,
-                                        pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
+                                        desc_lse, desc_delta, q_base, do_base, l_base, dq_base, start_m, q_len, k_len,
+                                        offset, o_d, pos_k, stride_qm, stride_dom, stride_dqam, qk_scale, sm_scale, TERMS,
                                         tl.load(T_MASK_IDS + p_row + slot), BLOCK_M, HEAD_DIM, N_TERMS,
-                                        phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, DELTA_ACC)
+                                        phase == 1 and N_TERMS > 0, FUSED_DQ, DQ_TMA, QDO_TMA, DP_FIRST, DELTA_ACC,
+                                        TERMS_TMA)
     return b_dk, b_dv
 
 
@@ -932,6 +953,7 @@ def bwd_dkdv_kernel(
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
     DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr, SPLIT_GRID: tl.constexpr, MASKED_ONE_STAGE: tl.constexpr,
+    TERMS_TMA: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv; SPLIT_GRID: Hkv, B): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -942,7 +964,8 @@ def bwd_dkdv_kernel(
     seven).
     IDX_CHUNK > 0: indexed walks read the query-block indices IDX_CHUNK at a time into registers; else one
     index load per iteration, which IDX_DEEP pipelines two levels deep in the unmasked pass (_dkdv_head;
-    MASKED_ONE_STAGE: how a contiguous schedule's masked pass is walked). WAVE (indexed rows): the wave order
+    MASKED_ONE_STAGE: how a contiguous schedule's masked pass is walked). TERMS_TMA (with QDO_TMA): the row
+    terms LSE2 / DELTA by TMA (_terms_desc) instead of pointer loads. WAVE (indexed rows): the wave order
     of fwd_kernel, here over the query blocks of the transposed rows, so the programs running at once read
     one stretch of Q / dO (_bwd_wave). With G query heads a program's unmasked walks are one walk of G rows,
     started at the fraction t / P of it: head h0 = floor(G t / P) from slot s0 on, the other heads in turn,
@@ -998,7 +1021,7 @@ def bwd_dkdv_kernel(
                                     BLOCK_M, N_TERMS, NUM_STAGES, FUSED_DQ, DQ_TMA, QDO_TMA, IDX_CHUNK, DP_FIRST,
                                     p if HEADS_INSIDE else 0, p + 1 if HEADS_INSIDE else 2, CONTIGUOUS,
                                     wave_t * G % period if SPLIT else wave_t, period, seg, WAVE, DELTA_ACC,
-                                    IDX_DEEP, MASKED_ONE_STAGE)
+                                    IDX_DEEP, MASKED_ONE_STAGE, TERMS_TMA)
     b_dk = b_dk * sm_scale
     if IS_VARLEN:
         dk0 = tl.load(CU_DK + i_b * SEQ_STEP)

@@ -31,7 +31,7 @@ _BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("a
                  "BWD_QDO": ("tma", "ptr"), "BWD_DQ_KV": ("tma", "ptr"), "BWD_IDX_DEEP": ("auto", "0", "1"),
                  "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
                  "BWD_DKDV_HEADS": ("auto", "inside", "outside"),
-                 "BWD_DKDV_MASKED": ("auto", "one-stage", "pipelined")}
+                 "BWD_DKDV_MASKED": ("auto", "one-stage", "pipelined"), "BWD_TERMS": ("ptr", "tma")}
 
 
 def _bwd_setting(name: str, env: str, default: str, choices_text: str | None = None) -> str:
@@ -190,6 +190,12 @@ BWD_DKDV_HEADS = _bwd_setting("BWD_DKDV_HEADS", "SPARSE_ATTN_BWD_DKDV_HEADS", "a
 # was 4-7% slower (dense 16K and 32K, block-diagonal), though its SASS spills less there too (NOTES
 # backward 32).
 BWD_DKDV_MASKED = _bwd_setting("BWD_DKDV_MASKED", "SPARSE_ATTN_BWD_DKDV_MASKED", "auto")
+# dK/dV kernel: each query tile's row terms (LSE2, delta) through 1-D TMA descriptors beside Q/dO ("tma",
+# where Q/dO go by TMA: terms_by_tma) or by pointer loads ("ptr"). On an indexed walk a pointer load's
+# addresses hang on the loaded block index in every thread; by TMA one thread issues it, as for Q/dO.
+# H200, 16K-32K, per kernel (NOTES backward 33): dK/dV 4-8% faster on random blocks (MHA; GQA 1%), 2-9%
+# on causal, 4% on window 4096, 1% on dense and streaming; block-diagonal 1% slower.
+BWD_TERMS = _bwd_setting("BWD_TERMS", "SPARSE_ATTN_BWD_TERMS", "tma")
 # backward kernels on contiguous schedules (every row's unmasked blocks one run: dense, causal, windows,
 # block-diagonal): walk the run by arithmetic ("1") or through the register index chunks like any
 # other layout ("0", benchmarks). H100 bf16 16K, per kernel (results/bwd-contig-h100.json): dQ 2-6%
@@ -1097,6 +1103,13 @@ def deep_index_loads(fused: bool, d_pad: int, n_terms: int, varlen: bool) -> boo
     return BWD_IDX_DEEP == "1" or (d_pad == 128 and n_terms == 0 and not varlen)
 
 
+def terms_by_tma(qdo_tma: bool) -> bool:
+    """Whether the dK/dV kernel reads the row terms (LSE2, delta) through TMA descriptors (BWD_TERMS):
+    only beside Q/dO read by TMA, whose checks (device, alignment, allocator) cover the terms too."""
+    _check_bwd_settings("BWD_TERMS")
+    return qdo_tma and BWD_TERMS == "tma"
+
+
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
              terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int,
              seq_step: int = 1, cu_dk=None, dk_rows=None, dkv_dtype: torch.dtype | None = None,
@@ -1168,7 +1181,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     dkdv_order, dq_order = bwd_wave(q.device, d_pad, q.element_size(), Lq, Lk)
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
                   _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "DELTA_ACC",
-                           "IDX_DEEP"),
+                           "IDX_DEEP", "TERMS_TMA"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
@@ -1190,7 +1203,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
         hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=0 if dkdv_deep else BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first",
         HEADS_INSIDE=heads_inside, CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc,
-        IDX_DEEP=dkdv_deep, SPLIT_GRID=kv_split, MASKED_ONE_STAGE=masked_one_stage, **common)
+        IDX_DEEP=dkdv_deep, SPLIT_GRID=kv_split, MASKED_ONE_STAGE=masked_one_stage,
+        TERMS_TMA=terms_by_tma(qdo_tma), **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
