@@ -98,7 +98,7 @@ def _usual_grid_variants():
     for fn, consts in _variants_as_written():
         if fn is K.bwd_dkdv_kernel:  # launch.BWD_DKDV_MASKED "auto": one-stage with element masks or GQA's heads inside
             consts = dict(consts, MASKED_ONE_STAGE=consts["N_TERMS"] > 0 or consts["HEADS_INSIDE"])
-            # launch.terms_by_tma: the row terms by TMA wherever Q/dO are (BWD_TERMS "tma")
+            # launch.terms_by_tma: the row terms by TMA wherever Q/dO go by TMA (BWD_TERMS "tma")
             consts.setdefault("TERMS_TMA", consts["QDO_TMA"])
         yield fn, consts
 
