@@ -6,7 +6,8 @@ them.
 
     python benchmarks/launch_setting_probe.py --setting ROW_ORDER --values grid reverse-dq --rounds 9 \
         --cases causal:16384:32 dense:16384:32 causal:32768:8 --out $OUT/x.json
-    # cases are case:seq_len:kv_heads (32 query heads, d128, bf16; cases of fwdbwd_timeline_probe.py)
+    # cases are case:seq_len:kv_heads (32 query heads, d128, bf16; cases of fwdbwd_timeline_probe.py);
+    # --batch B puts B rows under one layout
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["causal:16384:32", "dense:16384:32", "random0.25:16384:32",
                                                    "streaming:16384:32", "causal:32768:32", "causal:16384:8"])
     ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="batch rows (the layout broadcast over them)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--label", default="default")
     ap.add_argument("--setting", default="ROW_ORDER", help="the launch attribute that --values sets")
@@ -42,8 +44,8 @@ def main():
         case, seq_len, kv_heads = spec.split(":")
         seq_len, kv_heads = int(seq_len), int(kv_heads)
         torch.manual_seed(0)
-        q = torch.randn(1, a.heads, seq_len, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(1, kv_heads, seq_len, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q = torch.randn(a.batch, a.heads, seq_len, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(a.batch, kv_heads, seq_len, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 for _ in range(2))
         grad = torch.randn_like(q)
         layout = layout_for(case, seq_len, a.heads)
@@ -58,7 +60,7 @@ def main():
             finally:
                 setattr(launch, a.setting, saved)
         for label, med in times.items():
-            row = dict(case=case, seq_len=seq_len, kv_heads=kv_heads, label=label,
+            row = dict(case=case, seq_len=seq_len, kv_heads=kv_heads, batch=a.batch, label=label,
                        setting=a.setting if a.values else None, median_ms=med)
             print(json.dumps(row), flush=True)
             rows.append(row)
