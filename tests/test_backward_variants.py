@@ -397,7 +397,8 @@ def test_unknown_wave_setting_is_a_clear_error():
 
 @pytest.mark.parametrize("name, value", [("BWD_WAVE", False), ("BWD_DKDV_DELTA_ACC", True),
                                          ("BWD_VARIANT", "fast"), ("BWD_DKDV_HEADS", 1),
-                                         ("BWD_DKDV_MASKED", "1"), ("BWD_TERMS", True)])
+                                         ("BWD_DKDV_MASKED", "1"), ("BWD_TERMS", True),
+                                         ("BWD_TILE_ORDER", "longest")])
 def test_backward_refuses_settings_assigned_outside_their_choices(name, value, monkeypatch):
     """The backward's string settings reassigned at run time (as probes and tests do) to a value
     outside their choices: a clear error before any launch, never a silently chosen branch (a bool
@@ -472,3 +473,55 @@ def test_row_terms_go_by_tma_only_beside_qdo_by_tma(setting, qdo_tma, expect, mo
     (their checks: sm_90+, alignment, the descriptor allocator), and never under BWD_TERMS "ptr"."""
     monkeypatch.setattr(launch, "BWD_TERMS", setting)
     assert launch.terms_by_tma(qdo_tma) is expect
+
+
+def test_tile_order_puts_each_rows_longest_walks_first():
+    """launch.tile_order: per (batch, kv head) row, the key blocks sorted by the walk a dK/dV program
+    makes there (the transposed schedule's counts summed over the kv head's query heads), longest first,
+    ties in block order; a layout broadcast over batch or heads gives stride 0 on that axis."""
+    counts = torch.tensor([[[1, 3, 2, 3], [2, 0, 0, 1], [0, 4, 1, 1], [5, 0, 0, 0]]], dtype=torch.int32)
+    order, ob, oh = launch.tile_order(counts, 2)  # heads 0-1 and 2-3 share a kv head
+    assert order.dtype == torch.int32 and order.shape == (1, 2, 4)
+    assert order.tolist() == [[[3, 0, 1, 2], [0, 1, 2, 3]]]  # row sums [3, 3, 2, 4] and [5, 4, 1, 1]
+    assert (ob, oh) == (0, order.stride(1))
+
+
+def test_tile_order_sums_over_the_kv_heads_query_heads():
+    counts = torch.tensor([[[1, 3, 2, 3], [2, 0, 0, 1], [0, 4, 1, 1], [5, 0, 0, 0]]], dtype=torch.int32)
+    order, _, _ = launch.tile_order(counts, 2)
+    sums = counts.view(1, 2, 2, 4).sum(2)  # [[3, 3, 2, 4], [5, 4, 1, 1]]
+    for row, s in zip(order[0].tolist(), sums[0].tolist()):
+        assert [s[i] for i in row] == sorted(s, reverse=True)
+        assert row == sorted(range(4), key=lambda i: -s[i])  # stable: ties keep block order
+    broadcast, ob, oh = launch.tile_order(counts[:, :1], 4)  # one layout row for every head and batch
+    assert broadcast.tolist() == [[[1, 3, 2, 0]]] and (ob, oh) == (0, 0)
+
+
+@pytest.mark.parametrize("hq, hkv, block_k", [(4, 2, 32), (4, 4, 64), (4, 1, 64)])
+def test_longest_walks_first_does_not_change_gradients(hq, hkv, block_k, monkeypatch):
+    """launch.BWD_TILE_ORDER "work": the dK/dV programs take their row's key tiles longest walk first
+    (block_k 64 holds two 32-key tiles of the interpreter's config, so a place maps to a block and a
+    tile within it, and the grid spans whole blocks: the last block's second tile lies past the 200
+    keys and returns). Each key tile's walk is the same, so gradients are bitwise those of grid order; a
+    tile left out or taken twice would change dK/dV."""
+    g = torch.Generator().manual_seed(41)
+    L = 200  # a partial last key block
+    nq, nk = -(-L // 16), -(-L // block_k)
+    # later key blocks denser, so that longest-first is far from grid order
+    bm = torch.rand(1, hq, nq, nk, generator=g) < torch.linspace(0.2, 0.8, nk)
+    layout = BlockLayout.from_block_mask(bm, block_q=16, block_k=block_k, q_len=L, kv_len=L)
+    from sparse_attn.ops.block_sparse import layout_inputs
+    t_counts = layout_inputs(layout, True)[6]
+    order, _, _ = launch.tile_order(t_counts, hkv)  # it must differ from grid order, or the test proves nothing
+    assert not torch.equal(order, torch.arange(nk, dtype=torch.int32).expand_as(order))
+    q, k, v = _qkv(hq, hkv, L, L, 16, seed=42, dtype=torch.float32)
+    do = torch.randn(1, hq, L, 16, generator=torch.Generator().manual_seed(43))
+    work, grid = grads_per_launch_setting(q, k, v, layout, do, "BWD_TILE_ORDER", ("work", "grid"))
+    for name, a, b in zip(("dq", "dk", "dv"), work, grid):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name} differs between longest-first and grid order"
+
+
+def test_unknown_tile_order_setting_is_a_clear_error():
+    stderr = launch_import_stderr("SPARSE_ATTN_BWD_TILE_ORDER", "lpt")
+    assert "SPARSE_ATTN_BWD_TILE_ORDER must be 'grid' or 'work', got 'lpt'" in stderr

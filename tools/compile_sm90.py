@@ -22,7 +22,7 @@ from sparse_attn.ops.block_sparse import kernels as K
 from sparse_attn.ops.block_sparse import launch as L
 
 POINTERS_I32 = {"COUNTS", "N_FULL", "FULL_START", "INDICES", "MASK_IDS", "T_COUNTS", "T_N_FULL", "T_INDICES",
-                "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK", "CU_L"}
+                "T_MASK_IDS", "TERMS", "CU_Q", "CU_K", "CU_DK", "CU_L", "T_ORDER"}
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may have
 SCALES_F32 = {"LSE", "LSE2", "DELTA", "Q_SCALE", "K_SCALE", "V_SCALE", "DQA", "O_PART", "LSE_PART"}
 
@@ -100,6 +100,7 @@ def _usual_grid_variants():
             consts = dict(consts, MASKED_ONE_STAGE=consts["N_TERMS"] > 0 or consts["HEADS_INSIDE"])
             # launch.terms_by_tma: the row terms by TMA wherever Q/dO go by TMA (BWD_TERMS "tma")
             consts.setdefault("TERMS_TMA", consts["QDO_TMA"])
+            consts.setdefault("TILE_ORDER", False)  # launch.BWD_TILE_ORDER's default, "grid"
         yield fn, consts
 
 
@@ -214,6 +215,12 @@ def _variants_as_written():
     for n_terms, varlen in itertools.product((0, 2), (False, True)):
         yield K.bwd_dq_kernel, dict(dq, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=64, N_TERMS=n_terms, IS_VARLEN=varlen,
                                     IDX_CHUNK=0, KV_TMA=True, CONTIGUOUS=False, WAVE=not varlen, IDX_DEEP=True)
+    # key tiles longest walk first (launch.BWD_TILE_ORDER "work"): the deep indexed walks, MHA and GQA
+    for g, inside in ((1, False), (None, True)):
+        yield K.bwd_dkdv_kernel, dict(dkdv, NUM_STAGES=3, BLOCK_M=64, BLOCK_N=128, N_TERMS=0, IS_VARLEN=False,
+                                      FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, IDX_CHUNK=0, DP_FIRST=True,
+                                      HEADS_INSIDE=inside, CONTIGUOUS=False, DELTA_ACC=True, IDX_DEEP=True,
+                                      TILE_ORDER=True, **({"G": g} if g else {}))
     for varlen, dlse in itertools.product((False, True), (False, True)):
         yield K.bwd_delta_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_M=64, BLOCK_Q=128, IS_VARLEN=varlen,
                                        HAS_DLSE=dlse)
@@ -303,7 +310,7 @@ def report_residency(target) -> None:
             consts = dict(HEAD_DIM=d, D_PAD=d, BLOCK_Q=bq, BLOCK_K=bq, NUM_STAGES=s, BLOCK_M=m, BLOCK_N=n, N_TERMS=0,
                           IS_VARLEN=False, IDX_CHUNK=64, CONTIGUOUS=False, WAVE=True, IDX_DEEP=False)
             consts.update(dict(FUSED_DQ=False, DQ_TMA=False, QDO_TMA=True, DP_FIRST=True, HEADS_INSIDE=True, DELTA_ACC=False,
-                               MASKED_ONE_STAGE=True, TERMS_TMA=True) if kind == "dkdv"
+                               MASKED_ONE_STAGE=True, TERMS_TMA=True, TILE_ORDER=False) if kind == "dkdv"
                           else dict(KV_TMA=True, REVERSE=True))
             fn = K.bwd_dkdv_kernel if kind == "dkdv" else K.bwd_dq_kernel
             line(f"{kind} d{d} {m}x{n} {s} stages {w} warps", *_residency(target, fn, consts, w, s),
@@ -325,7 +332,7 @@ def main(filters: list[str]):
                                                                  "PV_SKIP", "K_SCALE_SPAN", "FUSED_DQ", "DQ_TMA", "QDO_TMA", "IDX_CHUNK", "KV_TMA",
                                                                  "DP_FIRST", "G", "HEADS_INSIDE", "WAVE", "DELTA_ACC", "IDX_DEEP",
                                                                  "SPLIT_GRID", "KV_SPLIT", "PACK_GQA", "BLOCK_M", "BLOCK_R",
-                                                                 "DEVICE_PLAN", "TERMS_TMA")}
+                                                                 "DEVICE_PLAN", "TERMS_TMA", "TILE_ORDER")}
         try:
             sig = signature(fn, consts)
             c = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=divisibility(fn, sig)), target=target,

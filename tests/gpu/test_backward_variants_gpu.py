@@ -214,3 +214,23 @@ def test_row_terms_by_tma_bitwise_equal_to_pointer_loads(kind):
     for name, a, b in zip(("dq", "dk", "dv"), by_tma, by_pointer):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), f"{name} differs between the row terms by TMA and by pointer loads"
+
+
+@pytest.mark.parametrize("hkv, block_k", [(32, 128), (8, 128), (8, 256)])
+def test_longest_walks_first_bitwise_equal_to_grid_order(hkv, block_k):
+    """launch.BWD_TILE_ORDER "work": the dK/dV programs of a (batch, kv head) row take its key tiles
+    longest walk first (launch.tile_order); block_k 256 holds two of the kernel's 128-key tiles, and
+    the odd length leaves the last block's second tile past the end. Each tile's walk is unchanged, so
+    gradients are bitwise those of grid order; a tile left out or taken twice would change dK/dV."""
+    L, H = 4096 - 37, 32
+    nq, nk = -(-L // 128), -(-L // block_k)
+    bm = torch.rand(1, H, nq, nk, generator=torch.Generator().manual_seed(29)) < torch.linspace(0.1, 0.5, nk)
+    bm |= torch.eye(nq, nk, dtype=torch.bool)
+    layout = BlockLayout.from_block_mask(bm, block_q=128, block_k=block_k, q_len=L, kv_len=L).to("cuda")
+    q = torch.randn(1, H, L, 128, device="cuda").bfloat16().requires_grad_()
+    k, v = (torch.randn(1, hkv, L, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
+    do = torch.randn_like(q)
+    work, grid = grads_per_launch_setting(q, k, v, layout, do, "BWD_TILE_ORDER", ("work", "grid"))
+    for name, a, b in zip(("dq", "dk", "dv"), work, grid):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name} differs between longest-first and grid order"

@@ -934,7 +934,7 @@ def _dkdv_head(b_dk, b_dv, i_h, b_k, b_v, Q, DO, LSE2, DELTA, DQA, T_COUNTS, T_N
 @triton.jit(do_not_specialize=["TUNE_CLASS"])
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
-    T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K, CU_DK, CU_L,
+    T_COUNTS, T_N_FULL, T_INDICES, T_MASK_IDS, TERMS, CU_Q, CU_K, CU_DK, CU_L, T_ORDER,
     sm_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -946,6 +946,7 @@ def bwd_dkdv_kernel(
     stride_dqab, stride_dqah, stride_dqam,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
+    stride_ob, stride_oh,
     HKV, G, Lq, Lk, SEQ_STEP, TUNE_CLASS, N_SM,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -953,7 +954,7 @@ def bwd_dkdv_kernel(
     FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr, QDO_TMA: tl.constexpr, IDX_CHUNK: tl.constexpr,
     DP_FIRST: tl.constexpr, HEADS_INSIDE: tl.constexpr, CONTIGUOUS: tl.constexpr, WAVE: tl.constexpr,
     DELTA_ACC: tl.constexpr, IDX_DEEP: tl.constexpr, SPLIT_GRID: tl.constexpr, MASKED_ONE_STAGE: tl.constexpr,
-    TERMS_TMA: tl.constexpr,
+    TERMS_TMA: tl.constexpr, TILE_ORDER: tl.constexpr,
 ):
     """Grid (key tiles, B * Hkv; SPLIT_GRID: Hkv, B): one key tile of one kv head, looping over the G query heads that
     share it and over the transposed layout's query blocks, so dK/dV need no atomics. Varlen: dK/dV
@@ -965,14 +966,22 @@ def bwd_dkdv_kernel(
     IDX_CHUNK > 0: indexed walks read the query-block indices IDX_CHUNK at a time into registers; else one
     index load per iteration, which IDX_DEEP pipelines two levels deep in the unmasked pass (_dkdv_head;
     MASKED_ONE_STAGE: how a contiguous schedule's masked pass is walked). TERMS_TMA (with QDO_TMA): the row
-    terms LSE2 / DELTA by TMA (_terms_desc) instead of pointer loads. WAVE (indexed rows): the wave order
+    terms LSE2 / DELTA by TMA (_terms_desc) instead of pointer loads. TILE_ORDER: program i of a (batch,
+    kv head) row takes the key tiles of block T_ORDER[b, h, i // (BLOCK_K // BLOCK_N)] (launch.tile_order:
+    the row's key blocks, longest walk first; the grid then has whole blocks of tiles, those past k_len
+    return at once). WAVE (indexed rows): the wave order
     of fwd_kernel, here over the query blocks of the transposed rows, so the programs running at once read
     one stretch of Q / dO (_bwd_wave). With G query heads a program's unmasked walks are one walk of G rows,
     started at the fraction t / P of it: head h0 = floor(G t / P) from slot s0 on, the other heads in turn,
     then h0 up to s0. (Rotating each head's row on its own put the programs running at once on different
     heads: 4x the Q / dO, and GQA's 32K random 0.5 backward 12% slower than in grid order, H100.)"""
-    i_n = tl.program_id(0)
+    i_slot = tl.program_id(0)  # the program's place in the dispatch order (the wave order's clock)
     i_b, i_hk = _batch_head(HKV, SPLIT_GRID)
+    if TILE_ORDER:  # the key tile this place takes: the row's longest walks go first (launch.tile_order)
+        SUBK: tl.constexpr = BLOCK_K // BLOCK_N
+        i_n = tl.load(T_ORDER + i_b * stride_ob + i_hk * stride_oh + i_slot // SUBK) * SUBK + i_slot % SUBK
+    else:
+        i_n = i_slot
     q0, q_len, k0, k_len = _seq_bounds(CU_Q, CU_K, i_b, Lq, Lk, SEQ_STEP, IS_VARLEN)
     if i_n * BLOCK_N >= k_len:
         return
@@ -995,7 +1004,7 @@ def bwd_dkdv_kernel(
     # waited for every wgmma right after issuing it whenever G > 1 (the JIT specializes G == 1 away),
     # with no warning: GQA's dK/dV kernel ran 9-20% slower (NOTES.md, backward 16)
     PASSES: tl.constexpr = 2 if HEADS_INSIDE else 1
-    wave_t, period = _bwd_wave(i_n, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE, SPLIT_GRID)
+    wave_t, period = _bwd_wave(i_slot, BLOCK_M, BLOCK_N, D_PAD, N_SM, WAVE, SPLIT_GRID)
     # the wave order over G heads (heads inside): pass 0 walks G + 1 pieces, h0's row split in two.
     # Pass 1 then takes G + 1 steps too, the last one empty: with G + 1 steps in pass 0 and G in pass
     # 1, ptxas (triton 3.6, sm_90) waited for every wgmma right after issuing it

@@ -31,7 +31,8 @@ _BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("a
                  "BWD_QDO": ("tma", "ptr"), "BWD_DQ_KV": ("tma", "ptr"), "BWD_IDX_DEEP": ("auto", "0", "1"),
                  "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
                  "BWD_DKDV_HEADS": ("auto", "inside", "outside"),
-                 "BWD_DKDV_MASKED": ("auto", "one-stage", "pipelined"), "BWD_TERMS": ("ptr", "tma")}
+                 "BWD_DKDV_MASKED": ("auto", "one-stage", "pipelined"), "BWD_TERMS": ("ptr", "tma"),
+                 "BWD_TILE_ORDER": ("grid", "work")}
 
 
 def _bwd_setting(name: str, env: str, default: str, choices_text: str | None = None) -> str:
@@ -196,6 +197,12 @@ BWD_DKDV_MASKED = _bwd_setting("BWD_DKDV_MASKED", "SPARSE_ATTN_BWD_DKDV_MASKED",
 # H200, 16K-32K, per kernel (NOTES backward 33): dK/dV 4-8% faster on random blocks (MHA; GQA 1%), 2-9%
 # on causal, 4% on window 4096, 1% on dense and streaming; block-diagonal 1% slower.
 BWD_TERMS = _bwd_setting("BWD_TERMS", "SPARSE_ATTN_BWD_TERMS", "tma")
+# dK/dV kernel on indexed schedules (random blocks): the programs of a (batch, kv head) row take its key tiles in
+# grid order ("grid") or longest walk first ("work": tile_order). A greedy simulation of the dispatch (132 SMs,
+# one program each, a program's time its walk) puts the grid order's tail at 6-7% of the kernel for GQA's
+# four-head programs (random 0.1-0.25 at 16K) and 2.5-3% for MHA, longest-first at 1.4-2% / 0.5%
+# (NOTES backward 33). Not measured on a GPU yet: "grid" stays the default until it is.
+BWD_TILE_ORDER = _bwd_setting("BWD_TILE_ORDER", "SPARSE_ATTN_BWD_TILE_ORDER", "grid")
 # backward kernels on contiguous schedules (every row's unmasked blocks one run: dense, causal, windows,
 # block-diagonal): walk the run by arithmetic ("1") or through the register index chunks like any
 # other layout ("0", benchmarks). H100 bf16 16K, per kernel (results/bwd-contig-h100.json): dQ 2-6%
@@ -1110,6 +1117,17 @@ def terms_by_tma(qdo_tma: bool) -> bool:
     return qdo_tma and BWD_TERMS == "tma"
 
 
+def tile_order(t_counts: torch.Tensor, hkv: int) -> tuple[torch.Tensor, int, int]:
+    """(order, batch stride, head stride): int32 ``[Bl, Hl', n_key_blocks]``, each (batch, kv head) row's key
+    blocks sorted by the dK/dV walk's length, longest first (ties in block order), the length being the
+    transposed schedule's block counts summed over the kv head's query heads. A layout broadcast over batch
+    or heads (size 1) gives one row for all (stride 0)."""
+    bl, hl, nkb = t_counts.shape
+    work = t_counts if hl == 1 else t_counts.view(bl, hkv, hl // hkv, nkb).sum(2)
+    order = torch.argsort(work, dim=-1, descending=True, stable=True).to(torch.int32)
+    return order, order.stride(0) if bl > 1 else 0, order.stride(1) if order.shape[1] > 1 else 0
+
+
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
              terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int,
              seq_step: int = 1, cu_dk=None, dk_rows=None, dkv_dtype: torch.dtype | None = None,
@@ -1181,7 +1199,7 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     dkdv_order, dq_order = bwd_wave(q.device, d_pad, q.element_size(), Lq, Lk)
     kern = _tuned(kernels.bwd_dkdv_kernel, "dkdv-fused" if fused else "dkdv", block_q, block_k, d_pad,
                   _KEY + ("FUSED_DQ", "DQ_TMA", "QDO_TMA", "HEADS_INSIDE", "CONTIGUOUS", "WAVE", "DELTA_ACC",
-                           "IDX_DEEP", "TERMS_TMA"),
+                           "IDX_DEEP", "TERMS_TMA", "TILE_ORDER"),
                   variant=f"dq-{'tma' if dq_tma else 'ptr'}/qdo-{qdo_tma}/{BWD_DKDV_ORDER}",
                   reset_to_zero=("DQA",) if fused else ())
     fork = None if fused else _fork(q)  # the dQ kernel needs only delta: it may start beside dK/dV
@@ -1193,18 +1211,25 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     masked_one_stage = BWD_DKDV_MASKED == "one-stage" or (
         BWD_DKDV_MASKED == "auto" and (n_terms > 0 or heads_inside))
     kv_rows, kv_split = grid_rows(B, hkv)
-    grid = lambda meta: (_cdiv(Lk, meta["BLOCK_N"]), *kv_rows)  # noqa: E731
+    # longest walks first (BWD_TILE_ORDER): indexed schedules only (a contiguous one's walks shrink or stay
+    # level along the grid), not packed inputs (their rows' lengths differ by sequence)
+    ordered = BWD_TILE_ORDER == "work" and not dkdv_contiguous and not varlen and not fused
+    order, o_b, o_h = tile_order(t_counts, hkv) if ordered else (None, 0, 0)
+    if ordered:  # whole layout blocks of key tiles; the tiles past Lk return at once
+        grid = lambda meta: (_cdiv(Lk, block_k) * (block_k // meta["BLOCK_N"]), *kv_rows)  # noqa: E731
+    else:
+        grid = lambda meta: (_cdiv(Lk, meta["BLOCK_N"]), *kv_rows)  # noqa: E731
     kern[grid](
         q, k, v, do, lse2, delta, dk, dv, dqa, t_counts, t_n_full, t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
-        l_starts,
+        l_starts, order,
         sm_scale, *_qkv_strides(q, varlen), *_qkv_strides(k, varlen), *_qkv_strides(v, varlen),
         *_qkv_strides(do, varlen), *l_strides, *_qkv_strides(dk, varlen), *_qkv_strides(dv, varlen),
-        *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices),
+        *(_qkv_strides(dqa, varlen) if fused else (0, 0, 0)), *_layout_strides(t_counts, t_indices), o_b, o_h,
         hkv, H // hkv, Lq, Lk, seq_step, _tune_class(Lq, Lk), _sm_count(q.device), FUSED_DQ=fused, DQ_TMA=dq_tma,
         QDO_TMA=qdo_tma, IDX_CHUNK=0 if dkdv_deep else BWD_IDX_CHUNK, DP_FIRST=BWD_DKDV_ORDER == "dp-first",
         HEADS_INSIDE=heads_inside, CONTIGUOUS=dkdv_contiguous, WAVE=dkdv_wave, DELTA_ACC=delta_acc,
         IDX_DEEP=dkdv_deep, SPLIT_GRID=kv_split, MASKED_ONE_STAGE=masked_one_stage,
-        TERMS_TMA=terms_by_tma(qdo_tma), **common)
+        TERMS_TMA=terms_by_tma(qdo_tma), TILE_ORDER=ordered, **common)
     if fused:
         dq = dqa.to(q.dtype)
     else:
