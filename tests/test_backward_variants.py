@@ -475,11 +475,16 @@ def test_row_terms_go_by_tma_only_beside_qdo_by_tma(setting, qdo_tma, expect, mo
     assert launch.terms_by_tma(qdo_tma) is expect
 
 
+# transposed-schedule counts [batch 1, 4 query heads, 4 key blocks]: kv heads of two query heads sum to
+# [3, 3, 2, 4] and [5, 4, 1, 1]
+_TILE_COUNTS = ((1, 3, 2, 3), (2, 0, 0, 1), (0, 4, 1, 1), (5, 0, 0, 0))
+
+
 def test_tile_order_puts_each_rows_longest_walks_first():
     """launch.tile_order: per (batch, kv head) row, the key blocks sorted by the walk a dK/dV program
     makes there (the transposed schedule's counts summed over the kv head's query heads), longest first,
     ties in block order; a layout broadcast over batch or heads gives stride 0 on that axis."""
-    counts = torch.tensor([[[1, 3, 2, 3], [2, 0, 0, 1], [0, 4, 1, 1], [5, 0, 0, 0]]], dtype=torch.int32)
+    counts = torch.tensor([_TILE_COUNTS], dtype=torch.int32)
     order, ob, oh = launch.tile_order(counts, 2)  # heads 0-1 and 2-3 share a kv head
     assert order.dtype == torch.int32 and order.shape == (1, 2, 4)
     assert order.tolist() == [[[3, 0, 1, 2], [0, 1, 2, 3]]]  # row sums [3, 3, 2, 4] and [5, 4, 1, 1]
@@ -487,7 +492,7 @@ def test_tile_order_puts_each_rows_longest_walks_first():
 
 
 def test_tile_order_sums_over_the_kv_heads_query_heads():
-    counts = torch.tensor([[[1, 3, 2, 3], [2, 0, 0, 1], [0, 4, 1, 1], [5, 0, 0, 0]]], dtype=torch.int32)
+    counts = torch.tensor([_TILE_COUNTS], dtype=torch.int32)
     order, _, _ = launch.tile_order(counts, 2)
     sums = counts.view(1, 2, 2, 4).sum(2)  # [[3, 3, 2, 4], [5, 4, 1, 1]]
     for row, s in zip(order[0].tolist(), sums[0].tolist()):
@@ -498,7 +503,7 @@ def test_tile_order_sums_over_the_kv_heads_query_heads():
 
 
 @pytest.mark.parametrize("hq, hkv, block_k", [(4, 2, 32), (4, 4, 64), (4, 1, 64)])
-def test_longest_walks_first_does_not_change_gradients(hq, hkv, block_k, monkeypatch):
+def test_longest_walks_first_does_not_change_gradients(hq, hkv, block_k):
     """launch.BWD_TILE_ORDER "work": the dK/dV programs take their row's key tiles longest walk first
     (block_k 64 holds two 32-key tiles of the interpreter's config, so a place maps to a block and a
     tile within it, and the grid spans whole blocks: the last block's second tile lies past the 200
