@@ -21,6 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sparse_attn.bench.results import make_header
+from sparse_attn.ops.block_sparse.launch import _ensure_allocator
 
 
 @triton.jit
@@ -47,10 +48,6 @@ def _walks(P, OUT, h0, h1, h2, h3, rows, n_walks, WALK: tl.constexpr, MODE: tl.c
     tl.store(OUT + pid.to(tl.int64) * 64 * 128 + o, acc)
 
 
-def _scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--walks", type=int, default=4096, help="walks (programs of the attention kernels)")
@@ -59,7 +56,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     a = ap.parse_args()
-    triton.set_allocator(_scratch)
+    _ensure_allocator()  # the kernels' scratch for device-made descriptors
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     p = torch.randn(a.rows, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(n_sm, 64, 128, device="cuda", dtype=torch.float32)

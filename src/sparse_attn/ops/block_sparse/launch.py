@@ -1214,6 +1214,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     # longest walks first (BWD_TILE_ORDER): indexed schedules only (a contiguous one's walks shrink or stay
     # level along the grid), not packed inputs (their rows' lengths differ by sequence)
     ordered = BWD_TILE_ORDER == "work" and not dkdv_contiguous and not varlen and not fused
+    # (an argsort on the device each call, no sync; to be cached with the transposed schedule if "work" is
+    # made the default)
     order, o_b, o_h = tile_order(t_counts, hkv) if ordered else (None, 0, 0)
     if ordered:  # whole layout blocks of key tiles; the tiles past Lk return at once
         grid = lambda meta: (_cdiv(Lk, block_k) * (block_k // meta["BLOCK_N"]), *kv_rows)  # noqa: E731
