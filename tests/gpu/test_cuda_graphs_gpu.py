@@ -88,6 +88,31 @@ def test_forward_and_backward_replay_bitwise(case):
         _replay_matches_eager(_qkv(grad=True), attention_runner(causal=True, quant="int8-fp8", backward=True))
 
 
+def test_gqa_backward_first_seen_inside_a_capture_sorts_its_tiles_there():
+    """GQA on random blocks takes its key tiles longest walk first (launch.BWD_TILE_ORDER "auto"), in an
+    order cached per layout, but never from inside a capture (a tensor made there holds values only after
+    a replay): a prepared layout whose first backward is captured sorts inside the graph, replays
+    bitwise, and is cached by the next eager call."""
+    from sparse_attn.ops.block_sparse import layout_inputs
+    make = _qkv(HKV, grad=True)
+    attention_runner(_layout("random"), backward=True)(make())()  # these sizes compiled and tuned
+    layout = sparse_attn.prepare(patterns.random(L, density=0.3, heads=H, seed=2, device=DEV))
+    t_counts = layout_inputs(layout, True)[6]
+    assert launch.longest_walks_first(True, False, False, H, HKV) and t_counts not in launch._TILE_ORDERS
+    static = make()
+    graph, outs = capture_graph(attention_runner(layout, backward=True)(static), 0)
+    assert t_counts not in launch._TILE_ORDERS
+    fresh = make()
+    with torch.no_grad():
+        for s, f in zip(static, fresh, strict=True):
+            s.copy_(f)
+    graph.replay()
+    eager = attention_runner(layout, backward=True)(fresh)()
+    for i, (r, e) in enumerate(zip(outs, eager, strict=True)):
+        assert torch.equal(r, e), f"output {i}: replay differs from eager by {(r.float() - e.float()).abs().max()}"
+    assert t_counts in launch._TILE_ORDERS
+
+
 def test_a_layout_first_used_inside_the_capture_needs_prepare():
     """Warm-up on one layout, capture on another of the same sizes (no autotuning: the sizes were
     seen). The second's schedule would be built inside the capture, reading it on the host: a named

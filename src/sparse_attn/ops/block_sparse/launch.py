@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ...validation import capturing
 from .. import fast_launch
@@ -32,7 +33,7 @@ _BWD_SETTINGS = {"BWD_VARIANT": ("split", "fused", "fused-ptr"), "BWD_WAVE": ("a
                  "BWD_DKDV_DELTA_ACC": ("auto", "0", "1"), "BWD_DKDV_ORDER": ("dp-first", "dv-first"),
                  "BWD_DKDV_HEADS": ("auto", "inside", "outside"),
                  "BWD_DKDV_MASKED": ("auto", "one-stage", "pipelined"), "BWD_TERMS": ("ptr", "tma"),
-                 "BWD_TILE_ORDER": ("grid", "work")}
+                 "BWD_TILE_ORDER": ("auto", "grid", "work")}
 
 
 def _bwd_setting(name: str, env: str, default: str, choices_text: str | None = None) -> str:
@@ -198,11 +199,12 @@ BWD_DKDV_MASKED = _bwd_setting("BWD_DKDV_MASKED", "SPARSE_ATTN_BWD_DKDV_MASKED",
 # on causal, 4% on window 4096, 1% on dense and streaming; block-diagonal 1% slower.
 BWD_TERMS = _bwd_setting("BWD_TERMS", "SPARSE_ATTN_BWD_TERMS", "tma")
 # dK/dV kernel on indexed schedules (random blocks): the programs of a (batch, kv head) row take its key tiles in
-# grid order ("grid") or longest walk first ("work": tile_order). A greedy simulation of the dispatch (132 SMs,
-# one program each, a program's time its walk) puts the grid order's tail at 6-7% of the kernel for GQA's
-# four-head programs (random 0.1-0.25 at 16K) and 2.5-3% for MHA, longest-first at 1.4-2% / 0.5%
-# (NOTES backward 33). Not measured on a GPU yet: "grid" stays the default until it is.
-BWD_TILE_ORDER = _bwd_setting("BWD_TILE_ORDER", "SPARSE_ATTN_BWD_TILE_ORDER", "grid")
+# grid order ("grid") or longest walk first ("work": tile_order); "auto": longest first for GQA / MQA only. A
+# greedy simulation of the dispatch (132 SMs, one program each, a program's time its walk) put the grid order's
+# tail at 6-7% of the kernel for GQA's four-head programs and 2.5-3% for MHA. H200, 16K, Hkv 8 (NOTES backward
+# 34): longest first made the dK/dV kernel 9-10% faster on random 0.1-0.5; with MHA 1% faster at 16K and 2%
+# slower at 32K (random 0.5), so MHA keeps grid order.
+BWD_TILE_ORDER = _bwd_setting("BWD_TILE_ORDER", "SPARSE_ATTN_BWD_TILE_ORDER", "auto")
 # backward kernels on contiguous schedules (every row's unmasked blocks one run: dense, causal, windows,
 # block-diagonal): walk the run by arithmetic ("1") or through the register index chunks like any
 # other layout ("0", benchmarks). H100 bf16 16K, per kernel (results/bwd-contig-h100.json): dQ 2-6%
@@ -1128,6 +1130,34 @@ def tile_order(t_counts: torch.Tensor, hkv: int) -> tuple[torch.Tensor, int, int
     return order, order.stride(0) if bl > 1 else 0, order.stride(1) if order.shape[1] > 1 else 0
 
 
+# tile_order's results per transposed schedule's counts tensor: a layout caches its schedules, so its backward
+# sorts once instead of launching the sort's five small kernels on every call (each entry goes with its
+# tensor). Nothing is stored during CUDA graph capture: a tensor made there holds values only after replay.
+_TILE_ORDERS = WeakTensorKeyDictionary()
+
+
+def cached_tile_order(t_counts: torch.Tensor, hkv: int) -> tuple[torch.Tensor, int, int]:
+    """tile_order(t_counts, hkv), computed once per counts tensor, kv head count and in-place version."""
+    key = (hkv, t_counts._version)
+    found = _TILE_ORDERS.get(t_counts, {}).get(key)
+    if found is not None:
+        return found
+    found = tile_order(t_counts, hkv)
+    if not capturing(t_counts):
+        _TILE_ORDERS.setdefault(t_counts, {})[key] = found
+    return found
+
+
+def longest_walks_first(indexed: bool, varlen: bool, fused: bool, heads: int, hkv: int) -> bool:
+    """Whether the dK/dV programs take their row's key tiles longest walk first (BWD_TILE_ORDER): on indexed
+    schedules only (a contiguous one's walks shrink or stay level along the grid), not on packed inputs (their
+    rows' lengths differ by sequence) nor the fused variant; "auto" for GQA / MQA (heads > hkv) only."""
+    _check_bwd_settings("BWD_TILE_ORDER")
+    if not indexed or varlen or fused or BWD_TILE_ORDER == "grid":
+        return False
+    return BWD_TILE_ORDER == "work" or heads > hkv
+
+
 def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts, t_n_full, t_indices, t_mask_ids,
              terms, n_terms: int, cu_q, cu_k, block_q: int, block_k: int, sm_scale: float, max_q: int, max_k: int,
              seq_step: int = 1, cu_dk=None, dk_rows=None, dkv_dtype: torch.dtype | None = None,
@@ -1211,12 +1241,8 @@ def backward(do, q, k, v, out, lse, counts, n_full, indices, mask_ids, t_counts,
     masked_one_stage = BWD_DKDV_MASKED == "one-stage" or (
         BWD_DKDV_MASKED == "auto" and (n_terms > 0 or heads_inside))
     kv_rows, kv_split = grid_rows(B, hkv)
-    # longest walks first (BWD_TILE_ORDER): indexed schedules only (a contiguous one's walks shrink or stay
-    # level along the grid), not packed inputs (their rows' lengths differ by sequence)
-    ordered = BWD_TILE_ORDER == "work" and not dkdv_contiguous and not varlen and not fused
-    # (an argsort on the device each call, no sync; to be cached with the transposed schedule if "work" is
-    # made the default)
-    order, o_b, o_h = tile_order(t_counts, hkv) if ordered else (None, 0, 0)
+    ordered = longest_walks_first(not dkdv_contiguous, varlen, fused, H, hkv)
+    order, o_b, o_h = cached_tile_order(t_counts, hkv) if ordered else (None, 0, 0)
     if ordered:  # whole layout blocks of key tiles; the tiles past Lk return at once
         grid = lambda meta: (_cdiv(Lk, block_k) * (block_k // meta["BLOCK_N"]), *kv_rows)  # noqa: E731
     else:
