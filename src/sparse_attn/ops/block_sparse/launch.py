@@ -202,7 +202,7 @@ BWD_TERMS = _bwd_setting("BWD_TERMS", "SPARSE_ATTN_BWD_TERMS", "tma")
 # grid order ("grid") or longest walk first ("work": tile_order); "auto": longest first for GQA / MQA only. A
 # greedy simulation of the dispatch (132 SMs, one program each, a program's time its walk) put the grid order's
 # tail at 6-7% of the kernel for GQA's four-head programs and 2.5-3% for MHA. H200, 16K, Hkv 8 (NOTES backward
-# 34): longest first made the dK/dV kernel 9-10% faster on random 0.1-0.5; with MHA 1% faster at 16K and 2%
+# 34): longest first made the dK/dV kernel 7-10% faster on random 0.1-0.5; with MHA 1% faster at 16K and 2%
 # slower at 32K (random 0.5), so MHA keeps grid order.
 BWD_TILE_ORDER = _bwd_setting("BWD_TILE_ORDER", "SPARSE_ATTN_BWD_TILE_ORDER", "auto")
 # backward kernels on contiguous schedules (every row's unmasked blocks one run: dense, causal, windows,
