@@ -534,3 +534,27 @@ def test_a_nan_in_k_reaches_only_the_rows_that_see_it_one_in_v_its_visiting_bloc
     layout = sparse_attn.patterns.local(1000, 150, block_q=128, block_k=64).to("cuda")
     q, k, v = (_rand((1, 2, 1000, 64), dtype) for _ in range(3))
     check_non_finite_spread(lambda q, k, v: sparse_attn.attention(q, k, v, layout), layout, q, k, v, key=500)
+
+
+@pytest.mark.parametrize("first_use", ["evaluated", "prepared"])
+def test_a_layout_first_used_under_inference_mode_then_trained(first_use):
+    """An evaluation pass under torch.inference_mode (Lightning's default) caches inference tensors on the
+    layout, which autograd cannot save: the next training call failed in its forward. Gradients must be
+    those of a layout never seen under inference mode (GQA random blocks: the cached tile order too)."""
+    def make():
+        return sparse_attn.patterns.random(1000, density=0.3, heads=8, seed=3, device="cuda")
+
+    layout = make()
+    q = _rand((1, 8, 1000, 128), torch.bfloat16).requires_grad_()
+    k, v = (_rand((1, 2, 1000, 128), torch.bfloat16).requires_grad_() for _ in range(2))
+    do = _rand((1, 8, 1000, 128), torch.bfloat16)
+    with torch.inference_mode():
+        if first_use == "evaluated":
+            sparse_attn.attention(q.detach(), k.detach(), v.detach(), layout)
+        else:
+            sparse_attn.prepare(layout)
+    got = torch.autograd.grad(sparse_attn.attention(q, k, v, layout), (q, k, v), do)
+    want = torch.autograd.grad(sparse_attn.attention(q, k, v, make()), (q, k, v), do)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert torch.isfinite(a.float()).all(), name
+        assert torch.equal(a, b), f"{name} differs from a layout never used under inference mode"

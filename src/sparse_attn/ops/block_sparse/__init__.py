@@ -9,7 +9,7 @@ from ...layout import BlockLayout
 from ...validation import capturing
 from . import launch
 from .function import forward_op, needs_grad as _needs_grad
-from .schedule import schedule, schedule_key
+from .schedule import made_trainable, schedule, schedule_key
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -66,10 +66,15 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     terms, _ = layout.mask_table()
     n_terms = terms.shape[1] if layout.masks else 0
     fwd = schedule(layout, kv_lens)
+    if needs_grad:  # what autograd saves must not be inference tensors (made_trainable)
+        made_trainable(fwd)
+        if terms.is_inference():
+            layout._table = tuple(t.clone() for t in layout._table)
+            terms = layout._table[0]
     rows = (fwd.counts, fwd.n_full, fwd.full_start, fwd.indices, fwd.mask_ids, fwd.contiguous)
     if needs_grad:
         t = layout.transpose()
-        ts = schedule(t, bound_tail=False)  # dK/dV: rows past the query end are zeroed by lse, not masks
+        ts = made_trainable(schedule(t, bound_tail=False))  # dK/dV: rows past the query end are zeroed by lse
         trans = (ts.counts, ts.n_full, ts.indices, ts.mask_ids, ts.contiguous)
     else:
         trans = (None, None, None, None, False)

@@ -26,6 +26,18 @@ class Schedule:
     contiguous: bool          # every row's unmasked blocks are one run full_start .. full_start + n_full - 1
 
 
+def made_trainable(sched: Schedule) -> Schedule:
+    """``sched`` with each tensor made under torch.inference_mode replaced, in place and so once, by a normal
+    copy: a layout first run in an evaluation pass under inference mode (Lightning's sanity check and
+    validation loops use it), or built there, caches such tensors, and autograd refuses to save them when
+    the layout is later trained with."""
+    for name in ("counts", "n_full", "full_start", "indices", "mask_ids"):
+        t = getattr(sched, name)
+        if t.is_inference():
+            setattr(sched, name, t.clone())
+    return sched
+
+
 def schedule_key(kv_lens, bound_tail: bool = True) -> tuple:
     """Cache key of a schedule; ``kv_lens`` as Python ints so a lookup never syncs with the GPU."""
     if isinstance(kv_lens, torch.Tensor):
