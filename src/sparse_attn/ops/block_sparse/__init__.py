@@ -66,15 +66,20 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     terms, _ = layout.mask_table()
     n_terms = terms.shape[1] if layout.masks else 0
     fwd = schedule(layout, kv_lens)
-    if needs_grad:  # what autograd saves must not be inference tensors (made_trainable)
+    # what autograd saves must not be inference tensors (made_trainable); not while tracing, which cannot ask:
+    # a layout compiled for training was prepared for backward (or ran with gradients) eagerly, which copied them
+    if needs_grad and not compiling:
         made_trainable(fwd)
         if terms.is_inference():
-            layout._table = tuple(t.clone() for t in layout._table)
+            with torch.inference_mode(False):
+                layout._table = tuple(t.clone() for t in layout._table)
             terms = layout._table[0]
     rows = (fwd.counts, fwd.n_full, fwd.full_start, fwd.indices, fwd.mask_ids, fwd.contiguous)
     if needs_grad:
         t = layout.transpose()
-        ts = made_trainable(schedule(t, bound_tail=False))  # dK/dV: rows past the query end are zeroed by lse
+        ts = schedule(t, bound_tail=False)  # dK/dV: rows past the query end are zeroed by lse, not masks
+        if not compiling:
+            made_trainable(ts)
         trans = (ts.counts, ts.n_full, ts.indices, ts.mask_ids, ts.contiguous)
     else:
         trans = (None, None, None, None, False)

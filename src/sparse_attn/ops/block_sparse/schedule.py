@@ -28,13 +28,15 @@ class Schedule:
 
 def made_trainable(sched: Schedule) -> Schedule:
     """``sched`` with each tensor made under torch.inference_mode replaced, in place and so once, by a normal
-    copy: a layout first run in an evaluation pass under inference mode (Lightning's sanity check and
-    validation loops use it), or built there, caches such tensors, and autograd refuses to save them when
-    the layout is later trained with."""
+    copy (made outside inference mode even when called inside it, as prepare() may be): a layout first run
+    in an evaluation pass under inference mode (Lightning's sanity check and validation loops use it), or
+    built there, caches such tensors, and autograd refuses to save them when the layout is later trained
+    with."""
     for name in ("counts", "n_full", "full_start", "indices", "mask_ids"):
         t = getattr(sched, name)
         if t.is_inference():
-            setattr(sched, name, t.clone())
+            with torch.inference_mode(False):
+                setattr(sched, name, t.clone())
     return sched
 
 
