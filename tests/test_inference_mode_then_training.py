@@ -28,8 +28,8 @@ pytestmark = [
 ]
 
 
-def _random(**kw):
-    return patterns.random(64, density=0.5, heads=4, seed=1, block_q=16, block_k=16, **kw)
+def _random():
+    return patterns.random(64, density=0.5, heads=4, seed=1, block_q=16, block_k=16)
 
 
 def _causal():  # element masks: a term table, cached on the layout too
