@@ -9,7 +9,7 @@ from ...layout import BlockLayout
 from ...validation import capturing
 from . import launch
 from .function import forward_op, needs_grad as _needs_grad
-from .schedule import made_trainable, schedule, schedule_key
+from .schedule import made_trainable, schedule, schedule_key, trainable
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -71,8 +71,7 @@ def layout_inputs(layout: BlockLayout, needs_grad: bool, kv_lens=None) -> tuple:
     if needs_grad and not compiling:
         made_trainable(fwd)
         if terms.is_inference():
-            with torch.inference_mode(False):
-                layout._table = tuple(t.clone() for t in layout._table)
+            layout._table = tuple(map(trainable, layout._table))
             terms = layout._table[0]
     rows = (fwd.counts, fwd.n_full, fwd.full_start, fwd.indices, fwd.mask_ids, fwd.contiguous)
     if needs_grad:

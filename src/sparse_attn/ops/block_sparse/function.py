@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ...validation import needs_grad
 from . import launch
+from .schedule import trainable
 
 
 def _fwd_impl(q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices,
@@ -89,21 +90,14 @@ def _(do, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _saveable(t: Optional[Tensor]) -> Optional[Tensor]:
-    """``t``, or a copy of it where it was made under torch.inference_mode, which autograd refuses to save
-    (offsets or a grouped plan made in an evaluation pass; layout_inputs already gives the layout's own
-    cached tensors back as normal ones, once)."""
-    return t.clone() if t is not None and t.is_inference() else t
-
-
 def _setup_context(ctx, inputs, output):
     (q, k, v, counts, n_full, full_start, indices, mask_ids, contiguous, t_counts, t_n_full, t_indices, t_mask_ids,
      t_contiguous, terms, n_terms, cu_q, cu_k, block_q, block_k, sm_scale, max_q, max_k, seq_step, cu_dk, dk_rows,
      pv_threshold, device_plan, window, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *map(_saveable, (counts, n_full, indices, mask_ids, t_counts, t_n_full,
-                                                               t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
-                                                               dk_rows)))
+    ctx.save_for_backward(q, k, v, out, lse, *map(trainable, (counts, n_full, indices, mask_ids, t_counts, t_n_full,
+                                                              t_indices, t_mask_ids, terms, cu_q, cu_k, cu_dk,
+                                                              dk_rows)))
     ctx.meta = (n_terms, block_q, block_k, sm_scale, max_q, max_k, seq_step, pv_threshold, contiguous, t_contiguous)
 
 

@@ -26,17 +26,22 @@ class Schedule:
     contiguous: bool          # every row's unmasked blocks are one run full_start .. full_start + n_full - 1
 
 
+def trainable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or where it was made under torch.inference_mode (autograd refuses to save such a tensor) a
+    normal copy of it, made outside inference mode even when called inside it (as prepare() may be)."""
+    if t is None or not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return t.clone()
+
+
 def made_trainable(sched: Schedule) -> Schedule:
     """``sched`` with each tensor made under torch.inference_mode replaced, in place and so once, by a normal
-    copy (made outside inference mode even when called inside it, as prepare() may be): a layout first run
-    in an evaluation pass under inference mode (Lightning's sanity check and validation loops use it), or
-    built there, caches such tensors, and autograd refuses to save them when the layout is later trained
-    with."""
+    copy (trainable): a layout first run in an evaluation pass under inference mode (Lightning's sanity check
+    and validation loops use it), or built there, caches such tensors, and autograd refuses to save them
+    when the layout is later trained with."""
     for name in ("counts", "n_full", "full_start", "indices", "mask_ids"):
-        t = getattr(sched, name)
-        if t.is_inference():
-            with torch.inference_mode(False):
-                setattr(sched, name, t.clone())
+        setattr(sched, name, trainable(getattr(sched, name)))
     return sched
 
 
