@@ -14,8 +14,8 @@ from .patterns import causal_cut
 from .patterns.basic import mark_causal
 from .plan_cache import PlanCache
 from .sliding_window import check_num_sink, check_window, window_layout, window_pattern
-from .validation import (capturing, check_causal, check_flags, check_is_layout, check_layout, check_packed_qkv,
-                         check_qkv, check_scale, needs_grad)
+from .validation import (autocast_inputs, capturing, check_causal, check_flags, check_is_layout, check_layout,
+                         check_packed_qkv, check_qkv, check_scale, needs_grad)
 
 DEFAULT_BLOCK = 128
 
@@ -178,9 +178,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLa
             ``patterns.streaming(Lq, window, num_sink, kv_len=Lk)``.
 
     Returns:
-        ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that may see no key
+        ``out [B, Hq, Lq, Dv]`` in q's dtype (autocast's, below), or ``(out, lse)``. A query row that may see no key
         gets output 0 and LSE ``-inf``.
+
+    Inside ``torch.autocast("cuda")`` CUDA inputs are cast to autocast's dtype first, as for
+    ``scaled_dot_product_attention`` (fp32 q/k from a rotary embedding next to a bf16 v run in bf16).
     """
+    q, k, v = autocast_inputs(q, k, v)
     entry_key = None
     if (layout is None and quant is None and adaptive is None and pv_threshold is None and return_layout is False
             and smooth_k is True and quant_granularity == "per_warp" and type(return_lse) is bool):
@@ -331,6 +335,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     on the host to build the per-sequence layouts. :func:`attention` compiles with ``fullgraph=True``.
     """
     from . import varlen
+    q, k, v = autocast_inputs(q, k, v)  # as attention() does inside torch.autocast("cuda")
     scale, causal = check_scale(scale), check_causal(causal)
     check_flags(return_lse=return_lse, smooth_k=smooth_k)
     _check_unused_granularity(quant, quant_granularity)

@@ -28,7 +28,7 @@ import torch
 from .layout import BlockLayout, layout_key
 from .plan_cache import PlanCache
 from .reference import graph_anchor
-from .validation import check_causal, check_flags, check_not_capturing, check_packed_qkv, check_scale
+from .validation import autocast_inputs, check_causal, check_flags, check_not_capturing, check_packed_qkv, check_scale
 
 PatternFn = Callable[[int, int], BlockLayout]
 
@@ -320,6 +320,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups:
     on the CPU, a loop of reference calls, it also compiles with ``fullgraph=True`` given ``layouts=``
     or neither (``pattern=`` builds layouts inside the graph, data-dependent: ``fullgraph=False``).
     """
+    q, k, v = autocast_inputs(q, k, v)  # as attention() does inside torch.autocast("cuda")
     if not (FORCE_KERNELS or (isinstance(q, torch.Tensor) and q.is_cuda)):
         return grouped_attention_loop(q, k, v, groups, causal=causal, scale=scale, return_lse=return_lse,
                                       layouts=layouts, pattern=pattern)

@@ -12,6 +12,37 @@ from .layout import BlockLayout, LayoutError
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+KERNEL_AUTOCAST = "cuda"  # the device type whose autocast casts the inputs (tests point it at the CPU's)
+
+
+def autocast_inputs(q, k, v) -> tuple:
+    """q, k, v as autocast hands them to attention.
+
+    Inside ``torch.autocast("cuda", dtype=...)`` every CUDA floating-point input but float64 is cast to
+    that dtype, as CUDA autocast casts ``scaled_dot_product_attention``'s. Why: an fp32 model trained
+    under autocast hands attention fp32 q and k (transformers' rotary embedding computes in fp32) next to
+    a bf16 v; SDPA runs that in bf16, and so do we, where the kernels would refuse fp32 and mixed dtypes.
+    Inside CPU autocast, CPU inputs of mixed dtypes are promoted to one (``torch.promote_types``): the CPU
+    reference computes in fp32 under autocast as outside it, so promoting loses nothing, and fp32 inputs
+    keep their fp32 result there. Anything else (no autocast, one dtype, not a tensor: the checks report
+    that) comes back as it is. Gradients flow back through the casts in the inputs' own dtypes."""
+    device = KERNEL_AUTOCAST
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+
+        def cast(t):
+            if (isinstance(t, torch.Tensor) and t.device.type == device and t.is_floating_point()
+                    and t.dtype not in (torch.float64, dtype)):
+                return t.to(dtype)
+            return t
+        q, k, v = cast(q), cast(k), cast(v)
+    if torch.is_autocast_enabled("cpu") and all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                                and t.is_floating_point() for t in (q, k, v)):
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        q, k, v = (t.to(dtype) for t in (q, k, v))  # (.to of a tensor already in dtype returns it)
+    return q, k, v
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]."""
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -337,6 +337,7 @@ def test_zero_length_inputs_on_the_kernels(case):
 
 
 def test_fp32_on_cuda_is_a_clear_error():
+    """Outside autocast (inside it the inputs are cast: test_fp32_inputs_under_autocast_run_in_its_dtype)."""
     q = torch.randn(1, 2, 64, 64, device="cuda")
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         sparse_attn.attention(q, q, q)
@@ -558,3 +559,46 @@ def test_a_layout_first_used_under_inference_mode_then_trained(first_use):
     for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert torch.isfinite(a.float()).all(), name
         assert torch.equal(a, b), f"{name} differs from a layout never used under inference mode"
+
+
+def _same_as_cast_call(call, q, k, v, what):
+    """``call`` inside CUDA bf16 autocast on fp32 / fp32 / bf16 leaves (an fp32 model's rotary q / k next to a bf16 v)
+    gives, bit for bit, the bf16 output and the gradients (in each leaf's dtype) of the same call on bf16 copies
+    outside autocast."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = call(q, k, v)
+    assert out.dtype == torch.bfloat16, what
+    cast = [t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad) for t in (q, k, v)]
+    want = call(*cast)
+    assert torch.equal(out, want), what
+    if not q.requires_grad:
+        return
+    do = _rand(out.shape, torch.bfloat16)
+    got_grads = torch.autograd.grad(out, (q, k, v), do)
+    want_grads = torch.autograd.grad(want, cast, do)
+    for leaf, got, w in zip((q, k, v), got_grads, want_grads, strict=True):
+        assert got.dtype == leaf.dtype and torch.equal(got, w.to(leaf.dtype)), what
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_fp32_inputs_under_autocast_run_in_its_dtype(grad):
+    """SDPA runs fp32 inputs inside torch.autocast("cuda") in autocast's dtype; the kernels refused them (and the
+    fp32 q / k + bf16 v mix that transformers' rotary embedding hands over). Layout, default (the no-grad
+    call: the device plan), varlen and grouped calls alike."""
+    from sparse_attn.grouped import Group
+    g = torch.Generator(device="cuda").manual_seed(11)
+
+    def leaves(*shapes):
+        q, k, v = (torch.randn(s, device="cuda", generator=g) for s in shapes)
+        return q.requires_grad_(grad), k.requires_grad_(grad), v.to(torch.bfloat16).requires_grad_(grad)
+
+    layout = sparse_attn.patterns.random(777, density=0.4, heads=8, seed=5, device="cuda")
+    q, k, v = leaves((1, 8, 777, 128), (1, 2, 777, 128), (1, 2, 777, 128))
+    _same_as_cast_call(lambda q, k, v: sparse_attn.attention(q, k, v, layout), q, k, v, "layout")
+    _same_as_cast_call(lambda q, k, v: sparse_attn.attention(q, k, v, causal=True), q, k, v, "causal")
+    cu = torch.tensor([0, 300, 777], dtype=torch.int32, device="cuda")
+    q, k, v = leaves((777, 8, 64), (777, 2, 64), (777, 2, 64))
+    _same_as_cast_call(lambda q, k, v: sparse_attn.varlen_attention(q, k, v, cu, cu, 477, 477, causal=True),
+                       q, k, v, "varlen")
+    groups = [Group(0, 300, 0, 300), Group(300, 777, 0, 777)]
+    _same_as_cast_call(lambda q, k, v: sparse_attn.grouped_attention(q, k, v, groups), q, k, v, "grouped")

@@ -89,6 +89,41 @@ def test_packed_training_step_matches_the_sequences_alone():
         assert cos > 0.999, (name, cos)
 
 
+def test_an_fp32_model_under_autocast_runs_like_sdpa():
+    """An fp32 model under torch.autocast (HF Trainer's bf16=True) hands attention fp32 q / k (the rotary
+    embedding's) next to a bf16 v. SDPA casts them to bf16; the kernels refused fp32. A left-padded batch (the
+    padded in-place path, which launches the kernels without attention()) and a training step's gradients,
+    against the same fp32 model on SDPA under the same autocast."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      initializer_range=0.05, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).cuda()
+    lengths, width = [600, 77, 1], 600
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(1, VOCAB, (len(lengths), width), generator=gen).cuda()
+    mask = torch.zeros_like(x)
+    for b, n in enumerate(lengths):
+        mask[b, width - n:] = 1
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.no_grad():
+                padded = model.eval()(x, attention_mask=mask).logits
+            model.train().zero_grad()
+            model(x[:1], use_cache=False).logits.float().square().mean().backward()
+        return padded, {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+    want, want_grads = run()
+    enable(model, SparseAttnConfig())
+    got, got_grads = run()
+    for b, n in enumerate(lengths):
+        _close(got[b, width - n:], want[b, width - n:], f"padded row {b}")
+    for name, g in got_grads.items():
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), want_grads[name].flatten(), dim=0).item()
+        assert cos > 0.999, (name, cos)
+
+
 @pytest.mark.parametrize("pattern,kwargs", [("dense", {}), ("streaming", {"window": 96, "num_sink": 16}),
                                             ("local", {"window": 128})])
 @torch.no_grad()

@@ -53,6 +53,7 @@ import torch
 
 from .. import api as _api
 from ..plan_cache import LastOne
+from ..validation import autocast_inputs
 from . import _traced, _unpad
 from ._patterns import LayoutCache, PatternSpec, adaptive_layout, causal_blocks
 
@@ -357,7 +358,10 @@ def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
                              dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: query ``[B, Hq, Lq, D]``, key/value ``[B, Hkv, Lk, D]``
     -> (``[B, Lq, Hq, D]``, None). While torch.compile traces the model, the calls that need no host-side state
-    are traced (:mod:`._traced`), the rest run eagerly (a graph break)."""
+    are traced (:mod:`._traced`), the rest run eagerly (a graph break). Inside ``torch.autocast("cuda")`` the inputs
+    are cast as SDPA's are (an fp32 model's rotary q / k next to a bf16 v), before either path: the padded
+    batches' path launches the kernels without going through :func:`sparse_attn.attention`."""
+    query, key, value = autocast_inputs(query, key, value)
     if torch.compiler.is_compiling():
         out = _traced.forward(getattr(module, _ATTR, None) or _DEFAULT_CONFIG, module, query, key, value,
                               attention_mask, scaling, dropout, kwargs)
