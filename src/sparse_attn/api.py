@@ -9,6 +9,7 @@ import operator
 import torch
 
 from . import patterns, reference
+from .device_guard import on_inputs_device
 from .layout import BlockLayout, layout_key
 from .patterns import causal_cut
 from .patterns.basic import mark_causal
@@ -129,6 +130,7 @@ def _one_sequence_layout(causal: bool, lq: int, lk: int, device: str) -> BlockLa
     return mark_causal(layout) if causal else layout
 
 
+@on_inputs_device()
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | str | None = None, *,
               causal: bool = False, scale: float | None = None, return_lse: bool = False,
               quant: str | None = None, quant_granularity: str = "per_warp", smooth_k: bool = True,
@@ -272,6 +274,7 @@ def _check_pv_threshold(value, q, k, v, quant) -> float:
     return float(value)
 
 
+@on_inputs_device("layout")
 def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) -> BlockLayout:
     """Precompute what the GPU kernels derive from ``layout`` (its visiting schedule; for ``backward``
     the transposed one; with ``causal`` the layout's intersection with causal, as
@@ -286,6 +289,7 @@ def prepare(layout: BlockLayout, backward: bool = True, causal: bool = False) ->
     return layout
 
 
+@on_inputs_device()
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                      layouts=None, pattern=None, causal: bool = False, scale: float | None = None,

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .device_guard import on_inputs_device
 from .layout import BlockLayout, layout_key
 from .plan_cache import PlanCache
 from .reference import graph_anchor
@@ -284,6 +285,7 @@ def _kernel_path(q, k, v, groups, causal, scale, return_lse, layouts, pattern):
                                 return_lse=return_lse)
 
 
+@on_inputs_device()
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Sequence[Group], *,
                       causal: bool = True, scale: float | None = None, return_lse: bool = False,
                       layouts: Sequence[BlockLayout | None] | None = None, pattern: PatternFn | None = None):

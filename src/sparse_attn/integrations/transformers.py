@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from .. import api as _api
+from ..device_guard import on_inputs_device
 from ..plan_cache import LastOne
 from ..validation import autocast_inputs
 from . import _traced, _unpad
@@ -353,6 +354,7 @@ def _eager_under_compile(fn):
     return functools.wraps(fn)(torch.compiler.disable(fn, recursive=True))
 
 
+@on_inputs_device("query", 1)
 def sparse_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:

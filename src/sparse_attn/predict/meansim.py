@@ -57,6 +57,7 @@ from typing import Sequence
 
 import torch
 
+from ..device_guard import on_inputs_device
 from ..layout import BlockLayout, as_int, check_block_size
 from ..ops import block_select
 from ..ops.block_pool import block_pool_sim
@@ -181,6 +182,7 @@ def select_ranked(scores: torch.Tensor, cand: torch.Tensor, *, cdfthreshd: torch
 
 
 # ----------------------------------------------------------------------------- public
+@on_inputs_device()
 def meansim(q: torch.Tensor, k: torch.Tensor, *, simthreshd1: float | Sequence[float] | torch.Tensor = 0.6,
             cdfthreshd: float | Sequence[float] | torch.Tensor = 0.98,
             topk: float | Sequence[float] | torch.Tensor | None = None, block_q: int = 128, block_k: int = 128,
