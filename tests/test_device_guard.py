@@ -36,13 +36,13 @@ def gpus(monkeypatch):
 
     @contextlib.contextmanager
     def device(d):
-        before, state["current"] = state["current"], torch.device(d).index
+        before, state["current"] = state["current"], d if isinstance(d, int) else torch.device(d).index
         try:
             yield
         finally:
             state["current"] = before
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.setattr(device_guard, "_current_device", lambda: state["current"])
     monkeypatch.setattr(torch.cuda, "device", device)
 
     def first_step(*args, **kwargs):
@@ -67,11 +67,12 @@ ENTRIES = {  # entry point -> (module attribute of its first step, call with x i
 def test_an_entry_point_runs_on_its_inputs_device(gpus, monkeypatch, entry):
     module, first, call = ENTRIES[entry]
     monkeypatch.setattr(module, first, gpus["first_step"])
-    for index in (1, 0, 3):
+    for current, index in ((0, 1), (0, 0), (0, 3), (2, 0)):
+        gpus["current"] = current
         with pytest.raises(_Stop):
             call(_OnGpu(index))
-        assert gpus["current"] == 0  # restored after the call
-    assert gpus["seen"] == [1, 0, 3]
+        assert gpus["current"] == current  # restored after the call
+    assert gpus["seen"] == [1, 0, 3, 0]
 
 
 def test_the_transformers_attention_function_runs_on_its_inputs_device(gpus, monkeypatch):
@@ -87,7 +88,7 @@ def test_cpu_inputs_and_a_trace_leave_the_current_device_alone(gpus, monkeypatch
     """No device context for CPU tensors (torch.cuda is not touched: a CPU-only machine has none to ask), and
     none while torch.compile traces (its generated code guards the device)."""
     asked = []
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 0)
+    monkeypatch.setattr(device_guard, "_current_device", lambda: asked.append(1) or 0)
     guarded = device_guard.on_inputs_device()(lambda q: gpus["current"])
     assert guarded(torch.zeros(1)) == 0 and guarded("not a tensor") == 0 and not asked
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
