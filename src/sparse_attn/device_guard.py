@@ -16,34 +16,36 @@ import functools
 
 import torch
 
+_is_compiling = torch.compiler.is_compiling  # bound once: each guarded call looks these up (decoding's host path)
+# the current CUDA device's index: torch.cuda.current_device without its lazy-init check, asked only for inputs
+# already on CUDA (absent from CPU-only builds, where nothing asks)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_Tensor = torch.Tensor
 
-def _current_device() -> int:
-    """The current CUDA device's index (torch.cuda.current_device without its lazy-init check: only asked for
-    inputs already on CUDA)."""
-    return torch._C._cuda_getDevice()
 
-
-def _cuda_index(x) -> int:
-    """The index of ``x``'s CUDA device (a tensor's or a BlockLayout's), -1 for anything else. A tensor's is
-    read with ``get_device`` (0.1 us; ``x.device.type`` builds a string, 0.4 us, on the decoding path)."""
-    if isinstance(x, torch.Tensor):
-        return x.get_device() if x.is_cuda else -1
+def _layout_index(x) -> int:
+    """The index of a BlockLayout's (anything with a ``device``) CUDA device, -1 for anything else."""
     device = getattr(x, "device", None)
     if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.cuda.current_device() if device.index is None else device.index
+        return _current_device() if device.index is None else device.index
     return -1
 
 
 def on_inputs_device(name: str = "q", position: int = 0):
     """Decorate an entry point so its body runs with the CUDA device of its argument ``name`` (passed at
     ``position`` or by keyword; a tensor or a layout) current, when another one is; otherwise (CPU inputs,
-    the device already current, while torch.compile traces) the body runs as it is, at the cost of a few
-    attribute reads and a compare (about 1 us a call on the H200's host, device_guard_probe.py)."""
+    the device already current, while torch.compile traces) the body runs as it is. The check is written for
+    the decoding path's host time (``x.device.type`` alone builds a string: 0.4 us): about 1 us a call on the
+    H200's host (device_guard_probe.py, NOTES "Inputs on another GPU")."""
     def decorate(fn):
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            if not torch.compiler.is_compiling():
-                index = _cuda_index(args[position] if len(args) > position else kwargs.get(name))
+            if not _is_compiling():
+                x = args[position] if len(args) > position else kwargs.get(name)
+                if isinstance(x, _Tensor):
+                    index = x.get_device() if x.is_cuda else -1
+                else:
+                    index = _layout_index(x)
                 if index >= 0 and index != _current_device():
                     with torch.cuda.device(index):
                         return fn(*args, **kwargs)
