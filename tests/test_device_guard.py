@@ -91,5 +91,5 @@ def test_cpu_inputs_and_a_trace_leave_the_current_device_alone(gpus, monkeypatch
     monkeypatch.setattr(device_guard, "_current_device", lambda: asked.append(1) or 0)
     guarded = device_guard.on_inputs_device()(lambda q: gpus["current"])
     assert guarded(torch.zeros(1)) == 0 and guarded("not a tensor") == 0 and not asked
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(device_guard, "_is_compiling", lambda: True)
     assert guarded(_OnGpu(1)) == 0 and not asked
