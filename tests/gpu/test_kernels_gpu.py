@@ -602,3 +602,35 @@ def test_fp32_inputs_under_autocast_run_in_its_dtype(grad):
                        q, k, v, "varlen")
     groups = [Group(0, 300, 0, 300), Group(300, 777, 0, 777)]
     _same_as_cast_call(lambda q, k, v: sparse_attn.grouped_attention(q, k, v, groups), q, k, v, "grouped")
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_plain_call_s_gradients(reentrant):
+    """torch.utils.checkpoint (transformers' gradient checkpointing) recomputes the forward in the backward; the
+    reentrant mode runs the first forward under no_grad, where a default or windowed call takes the device plan
+    and the recomputation the layout path. Gradients must be the plain call's, bit for bit (the plan's output
+    may differ from the layout path's in the last bits: the checkpointed output is only compared to 1e-2)."""
+    from torch.utils.checkpoint import checkpoint
+    layout = sparse_attn.patterns.random(1000, density=0.3, heads=8, seed=2, device="cuda")
+    cu = torch.tensor([0, 333, 1000], dtype=torch.int32, device="cuda")
+    calls = {
+        "default causal": lambda q, k, v: sparse_attn.attention(q, k, v, causal=True),
+        "window + sinks": lambda q, k, v: sparse_attn.attention(q, k, v, causal=True, window=300, num_sink=8),
+        "layout": lambda q, k, v: sparse_attn.attention(q, k, v, layout),
+        "varlen": lambda q, k, v: sparse_attn.varlen_attention(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 667, 667, causal=True),
+    }
+    for what, call in calls.items():
+        q = _rand((1, 8, 1000, 128), torch.bfloat16).requires_grad_()
+        k, v = (_rand((1, 2, 1000, 128), torch.bfloat16).requires_grad_() for _ in range(2))
+
+        def block(q, k, v, call=call):
+            return call(q * 2, k, v)
+        want_out = block(q, k, v)
+        do = _rand(want_out.shape, torch.bfloat16)
+        want = torch.autograd.grad(want_out, (q, k, v), do)
+        out = checkpoint(block, q, k, v, use_reentrant=reentrant)
+        torch.testing.assert_close(out, want_out, atol=1e-2, rtol=0)
+        out.backward(do)
+        for name, got, w in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want, strict=True):
+            assert torch.equal(got, w), f"{what}: {name}"

@@ -89,6 +89,26 @@ def test_packed_training_step_matches_the_sequences_alone():
         assert cos > 0.999, (name, cos)
 
 
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """transformers' gradient checkpointing recomputes each layer's forward (attention included) in the backward;
+    every parameter's gradient must be what the step gives without it."""
+    model = _model().train()
+    enable(model, SparseAttnConfig("local", {"window": 256}))
+    x = torch.randint(1, VOCAB, (2, 700), generator=torch.Generator().manual_seed(4)).cuda()
+
+    def grads():
+        model.zero_grad()
+        model(x, use_cache=False).logits.float().square().mean().backward()
+        return {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    model.gradient_checkpointing_enable()
+    checkpointed = grads()
+    for name, g in checkpointed.items():
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), plain[name].flatten(), dim=0).item()
+        assert cos > 0.99999, (name, cos)
+
+
 def test_an_fp32_model_under_autocast_runs_like_sdpa():
     """An fp32 model under torch.autocast (HF Trainer's bf16=True) hands attention fp32 q / k (the rotary
     embedding's) next to a bf16 v. SDPA casts them to bf16; the kernels refused fp32. A left-padded batch (the
