@@ -131,3 +131,27 @@ def test_varlen_plan_follows_a_layout_edited_in_place():
     lays[1].kv_counts.zero_()  # the second sequence now sees nothing
     out = sparse_attn.varlen_attention(q, k, v, cu, cu, 24, 24, layouts=lays, causal=True)
     assert torch.equal(out[16:], torch.zeros_like(out[16:])) and out[:16].abs().sum() > 0
+
+
+def test_a_layout_used_on_two_gpus_keeps_a_copy_for_each(monkeypatch):
+    """A CPU layout used by layers on cuda:0 and cuda:1 in turn (a model split over GPUs) kept one device copy,
+    rebuilt (copied, its schedules derived again) at every switch. No GPU here: q stands in by its shape and
+    device, and BlockLayout.to is counted (its copy stays on the CPU: only the cache's bookkeeping is checked)."""
+    from sparse_attn.validation import check_layout
+    made = []
+
+    def to(self, device):
+        made.append(torch.device(device))
+        return dataclasses.replace(self)
+    monkeypatch.setattr(BlockLayout, "to", to)
+
+    class OnGpu:
+        def __init__(self, index):
+            self.shape, self.device = (1, 2, 64, 16), torch.device("cuda", index)
+
+    lay = patterns.local(64, 32, block_q=16, block_k=16)
+    copies = [check_layout(lay, OnGpu(i), OnGpu(i)) for i in (0, 1, 0, 1, 1, 0)]
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert copies[0] is copies[2] is copies[5] and copies[1] is copies[3] is copies[4] and copies[0] is not copies[1]
+    lay.kv_counts.add_(0)  # an edit in place: every copy is stale
+    assert check_layout(lay, OnGpu(1), OnGpu(1)) is not copies[1] and len(made) == 3

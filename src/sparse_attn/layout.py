@@ -127,7 +127,8 @@ class BlockLayout:
     _transpose: "BlockLayout | None" = field(default=None, init=False, repr=False)
     _table: tuple | None = field(default=None, init=False, repr=False)
     _validated: bool = field(default=False, init=False, repr=False)  # set by the API after validate() passed
-    _device_copy: "BlockLayout | None" = field(default=None, init=False, repr=False)  # cached .to(q.device)
+    # cached .to(q.device), one per device (a model split over GPUs uses one layout on each)
+    _device_copies: dict = field(default_factory=dict, init=False, repr=False)
     _derived: dict = field(default_factory=dict, init=False, repr=False)  # schedules, causal cut, ...
     _state: tuple = field(default=(), init=False, repr=False)
 
@@ -166,7 +167,8 @@ class BlockLayout:
         state = self._fingerprint()
         if state != self._state:
             self._state = state
-            self._transpose = self._table = self._device_copy = None
+            self._transpose = self._table = None
+            self._device_copies = {}
             self._validated = False
             self._derived = {}
 

@@ -117,11 +117,11 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
                           + ("" if Hq == 1 else f" or {Hq} (one per query head)"))
     layout._ensure_valid()
     if layout.device != q.device:
-        cached = getattr(layout, "_device_copy", None)
-        if cached is None or cached.device != q.device:
+        cached = layout._device_copies.get(q.device)
+        if cached is None:  # (kept per device: one copy alternating between two GPUs was rebuilt each switch)
             cached = layout.to(q.device)
             cached._validated = True
-            layout._device_copy = cached
+            layout._device_copies[q.device] = cached
         layout = cached
     return layout
 
