@@ -7,7 +7,7 @@ Triton launches a kernel on the *current* CUDA device, on that device's current 
 our entry points tensors on cuda:1: their kernels ran on cuda:0, on a stream not ordered after the work
 that made the inputs, reading cuda:1's memory through peer access or failing with an illegal address.
 CUDA ops of torch take the device guard from their inputs; the public entry points here take it from
-their first tensor argument with :func:`on_inputs_device`. (Autograd runs a CUDA backward on a thread whose
+their q (``prepare``: the layout; the transformers attention function: its query) with :func:`on_inputs_device`. (Autograd runs a CUDA backward on a thread whose
 current device is the tensors', and ``torch.compile``'s generated code guards the device itself.)
 """
 from __future__ import annotations
