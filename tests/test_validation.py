@@ -148,6 +148,19 @@ def test_layout_length_mismatch(Lq, Lk):
         sparse_attn.attention(q, k, v, layout_for(Lq, Lk))
 
 
+def test_a_layout_length_mismatch_from_bshd_inputs_says_to_transpose():
+    """[batch, seq_len, heads, head_dim] tensors (FlashAttention's order) put the lengths where the heads go: the
+    error names the transpose; a plain mismatch does not suggest it."""
+    q, k, v = (t.transpose(1, 2) for t in qkv(Hq=4, Hkv=4, Lq=40, Lk=40))
+    with pytest.raises(LayoutError, match=r"seq_len 4 and k has 4.*\[batch, seq_len, heads, head_dim\].*"
+                                          r"q\.transpose\(1, 2\)"):
+        sparse_attn.attention(q, k, v, layout_for(40, 40))
+    q, k, v = qkv(Lq=40, Lk=48)
+    with pytest.raises(LayoutError) as plain:
+        sparse_attn.attention(q, k, v, layout_for(41, 48))
+    assert "transpose" not in str(plain.value)
+
+
 def test_layout_batch_not_broadcastable():
     q, k, v = qkv(B=2)
     with pytest.raises(LayoutError, match=r"layout has batch 3; q has batch 2: use 1 \(broadcast\) or 2"):

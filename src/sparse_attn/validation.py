@@ -107,8 +107,12 @@ def check_layout(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> Block
     B, Hq, Lq = q.shape[:3]
     Lk = k.shape[2]
     if layout.q_len != Lq or layout.kv_len != Lk:
+        hint = ""
+        if Hq == layout.q_len and k.shape[1] == layout.kv_len:  # the lengths sit where the heads should be
+            hint = ("; q and k look like [batch, seq_len, heads, head_dim]: attention takes [batch, heads, seq_len, "
+                    "head_dim], pass q.transpose(1, 2) (and k, v alike)")
         raise LayoutError(f"layout was built for q_len={layout.q_len}, kv_len={layout.kv_len} but q has "
-                          f"seq_len {Lq} and k has {Lk}: build the layout with these lengths")
+                          f"seq_len {Lq} and k has {Lk}: build the layout with these lengths{hint}")
     if layout.batch not in (1, B):
         raise LayoutError(f"layout has batch {layout.batch}; q has batch {B}: use 1 (broadcast)"
                           + ("" if B == 1 else f" or {B}"))
