@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_suites.sh a          # kernels + fuzz suites, and the gpu-marked tests beside CPU ones
 #   bash benchmarks/gpu_suites.sh b          # 8-bit, integration, grouped, CUDA graphs, tools, backward variants
 #   bash benchmarks/gpu_suites.sh c          # transformers on the GPU (padding, in place, compiled decoding)
+#   bash benchmarks/gpu_suites.sh multi      # two or more GPUs (the -x2 kind): inputs on a GPU that is not current
 #   bash benchmarks/gpu_suites.sh fuzz START # six fuzz_more.py workers from seed START (+1000 each), 100 s
 # Carry .whl (sageattention's wheel, for shard b). Summaries land in $OUT (default out/gpu).
 set -u
@@ -37,6 +38,8 @@ case "${1:-a}" in
   # files took 154 s on 4 workers of an H200, compiles included)
   c) suites c tests/gpu/test_transformers_padding_gpu.py tests/gpu/test_padded_in_place_gpu.py \
        tests/gpu/test_traced_integration_gpu.py ;;
+  # skipped on one GPU (test_multi_gpu.py's skipif): run it on nvidia-h200-x2 or larger
+  multi) suites multi tests/gpu/test_multi_gpu.py ;;
   fuzz)
     start=${2:?a first seed, e.g. 58000}
     for i in 0 1 2 3 4 5; do
@@ -44,5 +47,5 @@ case "${1:-a}" in
     done
     wait
     tail -n 2 "$OUT"/fuzz-*.txt ;;
-  *) echo "usage: bash benchmarks/gpu_suites.sh a|b|c|fuzz START" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_suites.sh a|b|c|multi|fuzz START" >&2; exit 2 ;;
 esac
